@@ -1,0 +1,3 @@
+from ds_adaptiveload.cli import main
+
+raise SystemExit(main())

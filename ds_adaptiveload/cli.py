@@ -1,0 +1,33 @@
+"""`python -m ds_adaptiveload <command>`: each command lives in its own module, imported lazily so that
+`plan` never imports torch."""
+import argparse
+import importlib
+import sys
+
+from ds_adaptiveload.errors import UserError
+
+# command -> (module, help). Each module defines add_arguments(parser) and run(args) -> int, and keeps
+# heavy imports (torch, deepspeed) inside run().
+COMMANDS = {
+    "plan": ("ds_adaptiveload.plan_cli", "plan an epoch of micro-batches from a manifest and a cost profile"),
+    "report": ("ds_adaptiveload.report_cli",
+               "without --manifest: the fused op's build state and versions; with it: a dataset report"),
+    "manifest": ("ds_adaptiveload.dataset.scan", "write a manifest from a folder of videos and images"),
+    "synthesize": ("ds_adaptiveload.train.data", "write a synthetic latent dataset of realistic shapes"),
+    "calibrate": ("ds_adaptiveload.calibrate", "measure the training step and write a cost profile"),
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ds_adaptiveload")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    try:
+        return importlib.import_module(args._module).run(args) or 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
