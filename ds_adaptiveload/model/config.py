@@ -1,0 +1,133 @@
+"""Wan 2.1 DiT configuration: shape, parameter count and FLOPs. Pure Python (no torch) so planners and
+reports can use it cheaply."""
+from dataclasses import dataclass, fields
+from math import prod
+
+from ds_adaptiveload.errors import UserError
+
+
+@dataclass
+class WanConfig:
+    dim: int = 1536
+    """Hidden size of the transformer (1536 for Wan 2.1 1.3B, 5120 for 14B)."""
+    ffn_dim: int = 8960
+    """Inner size of each block's GELU-tanh feed-forward network."""
+    num_heads: int = 12
+    """Attention heads; head_dim = dim / num_heads must be even and at least 6 (3D RoPE split)."""
+    num_layers: int = 30
+    """Number of transformer blocks."""
+    in_dim: int = 16
+    """Latent channels in (the Wan VAE has 16)."""
+    out_dim: int = 16
+    """Latent channels out (the prediction, e.g. the flow-matching velocity)."""
+    text_dim: int = 4096
+    """Width of the text-encoder embeddings (umT5-XXL: 4096)."""
+    freq_dim: int = 256
+    """Width of the sinusoidal timestep embedding fed to the time MLP."""
+    text_len: int = 512
+    """Text tokens after padding with zeros / truncating the context (Wan pads to 512)."""
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    """Patch of the 3D patch embedding over (frames, height, width) of the latent."""
+    eps: float = 1e-6
+    """Epsilon of every LayerNorm and RMSNorm."""
+    qk_norm: bool = True
+    """RMSNorm on q and k (across all heads) in self- and cross-attention."""
+    cross_attn_norm: bool = True
+    """Affine LayerNorm (norm3) before cross-attention; identity when False."""
+
+    def __post_init__(self):
+        self.patch_size = tuple(int(p) for p in self.patch_size)
+        if len(self.patch_size) != 3 or min(self.patch_size) < 1:
+            raise UserError(f"WanConfig.patch_size must be 3 positive ints, got {self.patch_size}")
+        for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "text_dim",
+                     "freq_dim", "text_len"):
+            if int(getattr(self, name)) < 1:
+                raise UserError(f"WanConfig.{name} must be a positive int, got {getattr(self, name)}")
+        if self.dim % self.num_heads:
+            raise UserError(f"WanConfig: dim {self.dim} is not divisible by num_heads {self.num_heads}")
+        hd = self.head_dim
+        # RoPE rotates pairs; the head's pairs are split frames/height/width as c-2(c//3), c//3, c//3.
+        if hd % 2 or hd // 2 // 3 < 1:
+            raise UserError(f"WanConfig: head_dim {hd} (dim/num_heads) must be even and >= 6 for 3D RoPE")
+        if self.freq_dim % 2:
+            raise UserError(f"WanConfig.freq_dim must be even, got {self.freq_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def rope_dims(self) -> tuple[int, int, int]:
+        """Real channels of each head rotated by frame, height and width position (Wan's split)."""
+        c = self.head_dim // 2
+        return (2 * (c - 2 * (c // 3)), 2 * (c // 3), 2 * (c // 3))
+
+    @classmethod
+    def from_yaml(cls, path) -> "WanConfig":
+        """Read a YAML mapping of WanConfig fields (top level, or under a `model:` key)."""
+        import yaml
+
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except OSError as e:
+            raise UserError(f"{path}: cannot read model config ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise UserError(f"{path}: invalid YAML ({e})") from None
+        if isinstance(data, dict) and isinstance(data.get("model"), dict):
+            data = data["model"]
+        if not isinstance(data, dict):
+            raise UserError(f"{path}: expected a mapping of WanConfig fields")
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "WanConfig") -> "WanConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UserError(f"{source}: unknown model config key(s) {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise UserError(f"{source}: {e}") from None
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["patch_size"] = list(self.patch_size)
+        return d
+
+    def num_params(self) -> int:
+        """Exact parameter count of WanModel(self) (matches sum(p.numel() for p in model.parameters()))."""
+        d, f = self.dim, self.ffn_dim
+        p = prod(self.patch_size)
+        linear = lambda i, o: i * o + o  # noqa: E731
+        attn = 4 * linear(d, d) + (2 * d if self.qk_norm else 0)
+        block = 2 * attn + (2 * d if self.cross_attn_norm else 0) + linear(d, f) + linear(f, d) + 6 * d
+        return (linear(self.in_dim * p, d)                                   # patch_embedding
+                + linear(self.text_dim, d) + linear(d, d)                    # text_embedding
+                + linear(self.freq_dim, d) + linear(d, d)                    # time_embedding
+                + linear(d, 6 * d)                                           # time_projection
+                + self.num_layers * block
+                + linear(d, self.out_dim * p) + 2 * d)                       # head
+
+    def flops_per_sample(self, tokens: int, text_len: int | None = None) -> float:
+        """Model FLOPs of forward + backward (3x forward) for one sample of `tokens` video tokens.
+
+        Counts matmuls (2 FLOPs per multiply-add) in every linear/conv and the attention score and
+        value products (self: tokens^2, cross: tokens x text_len). Norms, RoPE, activations and the
+        recompute of activation checkpointing are not counted (the usual MFU convention)."""
+        d, f, s = self.dim, self.ffn_dim, int(tokens)
+        l = self.text_len if text_len is None else int(text_len)
+        p = prod(self.patch_size)
+        macs_block = (s * 4 * d * d            # self-attn q, k, v, o
+                      + 2 * s * s * d          # self-attn QK^T and PV
+                      + s * 2 * d * d          # cross-attn q, o
+                      + l * 2 * d * d          # cross-attn k, v on the text
+                      + 2 * s * l * d          # cross-attn QK^T and PV
+                      + s * 2 * d * f)         # FFN
+        macs = (self.num_layers * macs_block
+                + s * self.in_dim * p * d                        # patch embedding
+                + l * (self.text_dim * d + d * d)                # text embedding
+                + self.freq_dim * d + d * d + d * 6 * d          # time MLP + projection
+                + s * d * self.out_dim * p)                      # head
+        return 3.0 * 2.0 * macs

@@ -1,0 +1,311 @@
+"""The Wan 2.1 text-to-video DiT, written from the published architecture.
+
+Parameter names equal the original Wan 2.1 checkpoints (see convert.py for diffusers' names), so real
+weights load with load_wan_checkpoint(). Shapes: latent x [B, in_dim, F, H, W], timestep t [B],
+text context [B, L, text_dim] -> prediction [B, out_dim, F, H, W].
+
+Sequence parallelism (Ulysses): the model shards the token sequence after the patch embedding when
+forward() gets `seq_shard`, and gathers it again before unpatchify; the self-attention core, replaceable
+through `self_attn_fn` / set_attention(), is where the caller's all-to-all goes (docs/model.md).
+"""
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.model.config import WanConfig
+from ds_adaptiveload.ops import ln_modulate
+
+ROPE_THETA = 10000.0
+
+# (q, k, v) -> out, all [B, S, heads, head_dim]; may take keyword valid_len (see sdpa_attention).
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_len: Optional[int] = None):
+    """Default attention core. q, k, v: [B, S, heads, head_dim] -> [B, S, heads, head_dim].
+
+    valid_len: keys/values at positions >= valid_len are padding (sequence padded to a multiple of the
+    SP world size) and are dropped. Padding is always at the end, so slicing is exact and keeps SDPA on
+    its flash/efficient kernels (a mask would not)."""
+    if valid_len is not None and valid_len < k.shape[1]:
+        k, v = k[:, :valid_len], v[:, :valid_len]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class SeqShard:
+    """This rank's slice of the token sequence under sequence parallelism."""
+    rank: int
+    """Rank within the sequence-parallel group."""
+    world: int
+    """Size of the sequence-parallel group."""
+    group: Any = None
+    """torch.distributed process group used for the final all-gather (None: the default group)."""
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back, then scaled (as Wan's WanRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * self.weight
+
+
+class LayerNorm(nn.LayerNorm):
+    """Affine LayerNorm computed in fp32 and cast back to the input dtype (Wan's norm3)."""
+
+    def forward(self, x):
+        w = None if self.weight is None else self.weight.float()
+        b = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+
+
+def rope_tables(grid: tuple[int, int, int], cfg: WanConfig, start: int, count: int, device):
+    """cos, sin [1, count, 1, head_dim/2] (fp32) for tokens start..start+count-1 of a frame-major
+    (f, h, w) grid. Angles in fp64 as Wan does; positions past the grid (SP padding) get position 0."""
+    _, gh, gw = grid
+    total = math.prod(grid)
+    idx = torch.arange(start, start + count, device=device)
+    idx = torch.where(idx < total, idx, torch.zeros_like(idx))
+    pos = (idx // (gh * gw), (idx // gw) % gh, idx % gw)
+    angles = []
+    for p, n in zip(pos, cfg.rope_dims):
+        inv = 1.0 / ROPE_THETA ** (torch.arange(0, n, 2, device=device, dtype=torch.float64) / n)
+        angles.append(p.to(torch.float64)[:, None] * inv[None, :])
+    ang = torch.cat(angles, dim=1)[None, :, None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs (2i, 2i+1) of x [B, S, H, D] in fp32; returns x's dtype."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        d = cfg.dim
+        self.num_heads = cfg.num_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.norm_q = RMSNorm(d, cfg.eps) if cfg.qk_norm else nn.Identity()
+        self.norm_k = RMSNorm(d, cfg.eps) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x, cos, sin, attn_fn: AttentionFn, attn_kwargs: dict):
+        heads = (self.num_heads, -1)
+        q = apply_rope(self.norm_q(self.q(x)).unflatten(-1, heads), cos, sin)
+        k = apply_rope(self.norm_k(self.k(x)).unflatten(-1, heads), cos, sin)
+        v = self.v(x).unflatten(-1, heads)
+        return self.o(attn_fn(q, k, v, **attn_kwargs).flatten(2))
+
+
+class CrossAttention(SelfAttention):
+    """Text cross-attention: same parameters as self-attention, k/v from the context, no RoPE."""
+
+    def forward(self, x, context):
+        heads = (self.num_heads, -1)
+        q = self.norm_q(self.q(x)).unflatten(-1, heads)
+        k = self.norm_k(self.k(context)).unflatten(-1, heads)
+        v = self.v(context).unflatten(-1, heads)
+        return self.o(sdpa_attention(q, k, v).flatten(2))
+
+
+class WanBlock(nn.Module):
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        d = cfg.dim
+        self.eps = cfg.eps
+        self.self_attn = SelfAttention(cfg)
+        # Wan's names: norm3 precedes cross-attention, norm1/norm2 (no parameters) self-attn and FFN.
+        self.norm3 = LayerNorm(d, eps=cfg.eps) if cfg.cross_attn_norm else nn.Identity()
+        self.cross_attn = CrossAttention(cfg)
+        self.ffn = nn.Sequential(nn.Linear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, d))
+        self.modulation = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
+
+    def forward(self, x, e0, context, cos, sin, attn_fn, attn_kwargs):
+        # e0: [B, 6, dim] fp32 time projection; modulation math stays fp32 as in Wan.
+        shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float() + e0).chunk(6, dim=1)
+        y = self.self_attn(ln_modulate(x, scale1, shift1, eps=self.eps), cos, sin, attn_fn, attn_kwargs)
+        x = (x.float() + y.float() * gate1).to(x.dtype)
+        x = x + self.cross_attn(self.norm3(x), context)
+        y = self.ffn(ln_modulate(x, scale2, shift2, eps=self.eps))
+        return (x.float() + y.float() * gate2).to(x.dtype)
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        self.eps = cfg.eps
+        self.head = nn.Linear(cfg.dim, cfg.out_dim * math.prod(cfg.patch_size))
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim ** 0.5)
+
+    def forward(self, x, e):
+        shift, scale = (self.modulation.float() + e.float()[:, None]).chunk(2, dim=1)
+        return self.head(ln_modulate(x, scale, shift, eps=self.eps))
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[B] -> [B, dim] sinusoid, cos half first (Wan's sinusoidal_embedding_1d), computed in fp64."""
+    half = dim // 2
+    freqs = torch.pow(10000.0, -torch.arange(half, device=t.device, dtype=torch.float64) / half)
+    ang = t.to(torch.float64)[:, None] * freqs[None]
+    return torch.cat([ang.cos(), ang.sin()], dim=1)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather the token shards along dim 1. Backward returns only this rank's slice of the
+    gradient (no sum over ranks): every SP rank computes the same loss on the gathered output, so each
+    rank's parameter gradients are its shard's contribution, and DeepSpeed sums them over the SP group."""
+
+    @staticmethod
+    def forward(ctx, x, shard: SeqShard):
+        import torch.distributed as dist
+
+        ctx.rank, ctx.n = shard.rank, x.shape[1]
+        parts = [torch.empty_like(x) for _ in range(shard.world)]
+        dist.all_gather(parts, x.contiguous(), group=shard.group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
+
+
+class WanModel(nn.Module):
+    """Wan 2.1 DiT. WanModel(cfg)(x, t, context) -> [B, out_dim, F, H, W].
+
+    checkpoint_blocks: recompute each block in backward (torch.utils.checkpoint, non-reentrant).
+    self_attn_fn: the self-attention core, (q, k, v) [B, S, heads, head_dim] -> same layout; None for
+        sdpa_attention. Under sequence parallelism it also receives valid_len=<full token count> when
+        the sequence was padded to a multiple of the SP world size (sdpa_attention handles it)."""
+
+    def __init__(self, cfg: WanConfig, checkpoint_blocks: bool = False,
+                 self_attn_fn: Optional[AttentionFn] = None):
+        super().__init__()
+        self.cfg = cfg
+        self.checkpoint_blocks = checkpoint_blocks
+        d = cfg.dim
+        self.patch_embedding = nn.Conv3d(cfg.in_dim, d, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"),
+                                            nn.Linear(d, d))
+        self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
+        self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
+        self.head = Head(cfg)
+        self.set_attention(self_attn_fn)
+        self.init_weights()
+
+    def set_attention(self, fn: Optional[AttentionFn]) -> None:
+        """Replace the self-attention core (None restores sdpa_attention). Kept out of the module tree,
+        so a wrapper such as DeepSpeed's DistributedAttention adds no state-dict keys."""
+        self.__dict__["_attn_fn"] = fn or sdpa_attention
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Wan's initialisation: xavier-uniform linears with zero bias, N(0, 0.02) for the text and
+        time embeddings, zero output projection (the model starts by predicting 0)."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+        nn.init.xavier_uniform_(self.patch_embedding.weight.flatten(1))
+        nn.init.zeros_(self.patch_embedding.bias)
+        for seq in (self.text_embedding, self.time_embedding):
+            for m in seq:
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, std=0.02)
+        nn.init.zeros_(self.head.head.weight)
+
+    def _context(self, context) -> torch.Tensor:
+        """Zero-pad / truncate the text context to text_len tokens; accepts [B, L, C] or a list of [L_i, C]."""
+        L, C = self.cfg.text_len, self.cfg.text_dim
+        items = list(context) if isinstance(context, (list, tuple)) else list(context.unbind(0))
+        out = []
+        for i, c in enumerate(items):
+            if c.ndim != 2 or c.shape[1] != C:
+                raise UserError(f"WanModel: context[{i}] has shape {tuple(c.shape)}, expected [L, {C}]")
+            c = c[:L]
+            out.append(F.pad(c, (0, 0, 0, L - c.shape[0])))
+        return torch.stack(out)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context, seq_shard=None) -> torch.Tensor:
+        """x: [B, in_dim, F, H, W] latents (F, H, W divisible by patch_size); t: [B] timesteps (0..1000,
+        float or int; a scalar is broadcast); context: [B, L, text_dim] or list of [L_i, text_dim].
+
+        seq_shard: None, or SeqShard / (rank, world[, group]) for sequence parallelism. The S tokens are
+        zero-padded to world * ceil(S / world) and this rank keeps tokens [rank*n, (rank+1)*n), with its
+        own RoPE positions; the head output is all-gathered (see _GatherSeq for the gradient rule), so
+        the returned tensor is the full [B, out_dim, F, H, W] on every rank."""
+        cfg = self.cfg
+        if x.ndim != 5 or x.shape[1] != cfg.in_dim:
+            raise UserError(f"WanModel: x has shape {tuple(x.shape)}, expected [B, {cfg.in_dim}, F, H, W]")
+        B, _, nf, nh, nw = x.shape
+        pt, ph, pw = cfg.patch_size
+        if nf % pt or nh % ph or nw % pw:
+            raise UserError(f"WanModel: latent (F, H, W)=({nf}, {nh}, {nw}) not divisible by patch {cfg.patch_size}")
+        grid = (nf // pt, nh // ph, nw // pw)
+        S = math.prod(grid)
+
+        t = torch.as_tensor(t, device=x.device)
+        if t.ndim == 0 or t.numel() == 1:
+            t = t.reshape(1).expand(B)
+        if t.shape != (B,):
+            raise UserError(f"WanModel: t has shape {tuple(t.shape)}, expected [{B}]")
+
+        w_dtype = self.patch_embedding.weight.dtype
+        h = self.patch_embedding(x.to(w_dtype)).flatten(2).transpose(1, 2)       # [B, S, dim]
+        context = self.text_embedding(self._context(context).to(w_dtype))
+
+        # Time MLP outside autocast, modulation vectors in fp32 (Wan runs this part in fp32).
+        with torch.autocast(x.device.type, enabled=False):
+            e = self.time_embedding(timestep_embedding(t, cfg.freq_dim).to(self.time_embedding[0].weight.dtype))
+            e0 = self.time_projection(e).float().unflatten(1, (6, cfg.dim))
+
+        attn_kwargs = {}
+        start, count = 0, S
+        if seq_shard is not None:
+            shard = seq_shard if isinstance(seq_shard, SeqShard) else SeqShard(*seq_shard)
+            count = -(-S // shard.world)
+            start = shard.rank * count
+            if count * shard.world != S:
+                h = F.pad(h, (0, 0, 0, count * shard.world - S))
+                attn_kwargs["valid_len"] = S
+            h = h[:, start:start + count]
+        h = h.contiguous()
+        cos, sin = rope_tables(grid, cfg, start, count, x.device)
+
+        attn_fn = self._attn_fn
+        for block in self.blocks:
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                h = checkpoint(block, h, e0, context, cos, sin, attn_fn, attn_kwargs, use_reentrant=False)
+            else:
+                h = block(h, e0, context, cos, sin, attn_fn, attn_kwargs)
+
+        h = self.head(h, e)                                                     # [B, S, out*pt*ph*pw]
+        if seq_shard is not None:
+            h = _GatherSeq.apply(h, shard)[:, :S]
+        return self.unpatchify(h, grid)
+
+    def unpatchify(self, h: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """[B, S, out_dim*pt*ph*pw] -> [B, out_dim, F, H, W]; each token's channels are ordered
+        (pt, ph, pw, out_dim) as Wan's head writes them."""
+        B = h.shape[0]
+        gf, gh, gw = grid
+        pt, ph, pw = self.cfg.patch_size
+        h = h.reshape(B, gf, gh, gw, pt, ph, pw, self.cfg.out_dim)
+        h = h.permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return h.reshape(B, self.cfg.out_dim, gf * pt, gh * ph, gw * pw)
