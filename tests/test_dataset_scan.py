@@ -1,0 +1,213 @@
+"""`manifest` command: metadata, mapping rules, error file and resume, on real files written with PyAV."""
+import argparse
+import json
+import os
+import shutil
+
+import pytest
+
+av = pytest.importorskip("av")
+np = pytest.importorskip("numpy")
+
+from ds_adaptiveload.dataset import scan  # noqa: E402
+from ds_adaptiveload.dataset.scan import (  # noqa: E402
+    MapConfig, longest_4n1, resampled_frames, target_frames, target_size)
+from ds_adaptiveload.errors import UserError  # noqa: E402
+from ds_adaptiveload.geometry import Geometry  # noqa: E402
+
+
+def write_video(path, codec, fps, n, width, height, pix_fmt="yuv420p", fmt=None):
+    """n synthetic frames (a moving bar, so inter-frame codecs have something to encode)."""
+    with av.open(str(path), "w", format=fmt) as c:
+        s = c.add_stream(codec, rate=fps)
+        s.width, s.height, s.pix_fmt = width, height, pix_fmt
+        for i in range(n):
+            a = np.zeros((height, width, 3), np.uint8)
+            a[..., 0] = i * 7 % 255
+            a[:, : i % width, 1] = 200
+            for p in s.encode(av.VideoFrame.from_ndarray(a, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def has_encoder(name):
+    try:
+        av.codec.Codec(name, "w")
+        return True
+    except Exception:
+        return False
+
+
+# id -> (frames, height, width, source frames, source fps, frames_from) expected with default settings
+EXPECTED = {
+    "a.mp4": (21, 272, 368, 45, 30.0, "container"),     # 45 @ 30 fps = 1.5 s -> 24 @ 16 -> 21; 3:2 -> 272x368
+    "sub/b.webm": (17, 320, 320, 30, 24.0, "duration"),  # 30 @ 24 -> 20 -> 17; square
+    "c.mkv": (17, 416, 240, 20, 16.0, "duration"),       # 20 @ 16 -> 17; portrait
+    "d.avi": (13, 240, 416, 25, 25.0, "container"),      # 25 @ 25 -> 16 -> 13; 5:3
+    "img.png": (1, 240, 416, 1, None, "image"),          # 2:1 image
+}
+ERRORS = {"short.mp4": "too short", "trunc.mp4": "cannot open", "trunc.mkv": "truncated",
+          "fake.mp4": "cannot open"}
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    (d / "sub").mkdir()
+    write_video(d / "a.mp4", "mpeg4", 30, 45, 96, 64)
+    write_video(d / "sub" / "b.webm", "libvpx", 24, 30, 64, 64)
+    write_video(d / "c.mkv", "ffv1", 16, 20, 64, 112)
+    write_video(d / "d.avi", "mjpeg", 25, 25, 80, 48, pix_fmt="yuvj420p")
+    write_video(d / "img.png", "png", 1, 1, 100, 50, pix_fmt="rgb24", fmt="image2")
+    write_video(d / "short.mp4", "libx264" if has_encoder("libx264") else "mpeg4", 60, 3, 64, 64)
+    data = (d / "a.mp4").read_bytes()
+    (d / "trunc.mp4").write_bytes(data[: len(data) // 2])  # mp4 index (moov) is at the end: lost
+    write_video(d / "long.mkv", "ffv1", 16, 60, 64, 64)
+    data = (d / "long.mkv").read_bytes()
+    (d / "trunc.mkv").write_bytes(data[: len(data) // 3])  # headers intact, frames missing
+    (d / "long.mkv").unlink()
+    (d / "fake.mp4").write_text("not a video")
+    (d / "notes.txt").write_text("ignored: no media extension")
+    shutil.copy(d / "a.mp4", d / ".hidden.mp4")
+    return d
+
+
+def scan_args(media, out, **kw):
+    p = argparse.ArgumentParser()
+    scan.add_arguments(p)
+    argv = [str(media), "--out", str(out)]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return p.parse_args(argv)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+# ---------------------------------------------------------------------------------------------------- rules
+
+
+def test_longest_4n1():
+    assert [longest_4n1(n) for n in (0, 1, 4, 5, 8, 9, 80, 81, 82)] == [0, 1, 1, 5, 5, 9, 77, 81, 81]
+
+
+def test_frame_rules():
+    cfg = MapConfig()
+    assert resampled_frames(81, 16, 16) == 81
+    assert resampled_frames(45, 30, 16) == 24
+    assert resampled_frames(8, 8, 16) == 16  # slower source: frames repeat
+    assert resampled_frames(45, 30, 0) == 45  # --fps 0 keeps the source rate
+    assert target_frames(120, 24, cfg) == 77  # 80 -> 77
+    assert target_frames(10 * 30, 30, cfg) == 81  # capped by --max-frames
+    assert target_frames(10 * 30, 30, MapConfig(max_frames=49)) == 49
+    assert target_frames(1, 30, cfg) == 0  # 1/30 s holds no frame at 16 fps
+    assert target_frames(2, 30, cfg) == 1
+
+
+@pytest.mark.parametrize("src, cfg, want", [
+    ((480, 854), MapConfig(), (480, 832)),
+    ((1080, 1920), MapConfig(), (480, 832)),               # capped at 480p by default
+    ((1080, 1920), MapConfig(max_area=1280 * 720), (720, 1280)),
+    ((1920, 1080), MapConfig(max_area=1280 * 720), (1280, 720)),
+    ((480, 640), MapConfig(), (544, 720)),                  # 4:3, nearer 480p than 240p in area
+    ((1000, 1000), MapConfig(), (624, 624)),
+    ((64, 96), MapConfig(), (272, 368)),                    # tiny: 240p tier
+])
+def test_size_rule(src, cfg, want):
+    assert target_size(*src, cfg) == want
+
+
+def test_every_size_fits_the_grid():
+    geo = Geometry()
+    for h in range(16, 2200, 37):
+        for w in range(16, 2200, 41):
+            for area in (240 * 416, 480 * 832, 720 * 1280):
+                geo.check(1, *target_size(h, w, MapConfig(max_area=area)))
+
+
+def test_bad_settings():
+    for cfg in (MapConfig(max_frames=80), MapConfig(fps=-1), MapConfig(max_area=1000)):
+        with pytest.raises(UserError):
+            scan.check_config(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------- scan
+
+
+def test_scan_manifest_and_errors(media, tmp_path):
+    out = tmp_path / "m.jsonl"
+    assert scan.run(scan_args(media, out, workers=2)) == 0
+    recs = {r["id"]: r for r in read_jsonl(out)}
+    assert set(recs) == set(EXPECTED)
+    geo = Geometry()
+    for sid, (f, h, w, sf, sfps, how) in EXPECTED.items():
+        r = recs[sid]
+        assert (r["frames"], r["height"], r["width"]) == (f, h, w), sid
+        geo.check(r["frames"], r["height"], r["width"])
+        src = r["source"]
+        assert (src["frames"], src["fps"], src["frames_from"]) == (sf, sfps, how), sid
+        assert os.path.samefile(r["path"], media / sid)
+    assert recs["a.mp4"]["source"]["codec"] == "mpeg4"
+    assert recs["sub/b.webm"]["source"]["codec"] == "vp8"
+    assert (recs["a.mp4"]["source"]["width"], recs["a.mp4"]["source"]["height"]) == (96, 64)
+    assert recs["a.mp4"]["source"]["duration"] == pytest.approx(1.5)
+    assert recs["a.mp4"]["fps"] == 16.0 and recs["img.png"]["fps"] is None
+
+    errs = {e["id"]: e["reason"] for e in read_jsonl(str(out) + ".errors.jsonl")}
+    assert set(errs) == set(ERRORS)
+    for sid, word in ERRORS.items():
+        assert word in errs[sid], (sid, errs[sid])
+
+    # The lead's loader accepts what we wrote.
+    from ds_adaptiveload.manifest import load_manifest
+    assert len(load_manifest(out)) == len(EXPECTED)
+
+
+def test_resume_is_exact(media, tmp_path):
+    out = tmp_path / "m.jsonl"
+    scan.run(scan_args(media, out, workers=1))
+    full, full_err = out.read_text(), (tmp_path / "m.jsonl.errors.jsonl").read_text()
+    # Second run: nothing new, nothing duplicated.
+    scan.run(scan_args(media, out, workers=2))
+    assert out.read_text() == full
+    assert (tmp_path / "m.jsonl.errors.jsonl").read_text() == full_err
+    # Killed mid-run: two lines lost and the next one torn; resuming gives the same manifest.
+    lines = full.splitlines(keepends=True)
+    out.write_text("".join(lines[:-2]) + lines[-2][:20])
+    scan.run(scan_args(media, out, workers=2))
+    assert out.read_text() == full
+
+
+def test_resume_refuses_other_settings(media, tmp_path):
+    out = tmp_path / "m.jsonl"
+    scan.run(scan_args(media, out, workers=1))
+    with pytest.raises(UserError, match="fps"):
+        scan.run(scan_args(media, out, workers=1, fps=24))
+
+
+def test_verify_full_counts_frames(media, tmp_path):
+    out = tmp_path / "m.jsonl"
+    scan.run(scan_args(media, out, workers=1, verify="full"))
+    recs = {r["id"]: r for r in read_jsonl(out)}
+    for sid, (f, h, w, sf, _, how) in EXPECTED.items():
+        assert recs[sid]["frames"] == f and recs[sid]["source"]["frames"] == sf
+        assert recs[sid]["source"]["frames_from"] == ("image" if how == "image" else "decode")
+    errs = {e["id"] for e in read_jsonl(str(out) + ".errors.jsonl")}
+    assert errs == set(ERRORS)
+
+
+def test_fps_zero_keeps_source_rate(media, tmp_path):
+    out = tmp_path / "m.jsonl"
+    scan.run(scan_args(media, out, workers=1, fps=0))
+    recs = {r["id"]: r for r in read_jsonl(out)}
+    assert recs["a.mp4"]["frames"] == 45 and recs["a.mp4"]["fps"] == 30.0
+    assert recs["d.avi"]["frames"] == 25
+    assert "short.mp4" in recs and recs["short.mp4"]["frames"] == 1  # 3 frames -> 1 at its own rate
+
+
+def test_not_a_folder(tmp_path):
+    with pytest.raises(UserError, match="not a folder"):
+        scan.run(scan_args(tmp_path / "missing", tmp_path / "m.jsonl"))
