@@ -19,12 +19,15 @@ COMMANDS = {
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m ds_adaptiveload")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        # Only the chosen command's module is imported: one broken or heavy command cannot break others.
+        if argv and argv[0] == name:
+            importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
     try:
         return importlib.import_module(args._module).run(args) or 0

@@ -1,0 +1,72 @@
+"""Manifest: JSONL, one sample per line with `id`, `frames`, `height`, `width`; other keys are kept.
+
+Errors name the file and line so a user can fix a million-line manifest without bisecting it."""
+import json
+from dataclasses import dataclass, field
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.geometry import Geometry
+
+REQUIRED = ("id", "frames", "height", "width")
+
+
+@dataclass
+class Sample:
+    id: str
+    frames: int
+    height: int
+    width: int
+    extra: dict = field(default_factory=dict)
+    """Every other key of the manifest line (paths, captions, shard names), untouched."""
+    line: int = 0
+    """1-based line in the manifest, for error messages."""
+
+
+def parse_line(text: str, path, lineno: int, geometry: Geometry) -> Sample:
+    where = f"{path}:{lineno}"
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(rec, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    missing = [k for k in REQUIRED if k not in rec]
+    if missing:
+        raise UserError(f"{where}: missing key(s) {', '.join(missing)}")
+    sid = rec["id"]
+    if not isinstance(sid, str) or not sid:
+        raise UserError(f"{where}: id must be a non-empty string, got {sid!r}")
+    try:
+        geometry.check(rec["frames"], rec["height"], rec["width"])
+    except ValueError as e:
+        raise UserError(f"{where}: sample {sid!r}: {e}") from None
+    extra = {k: v for k, v in rec.items() if k not in REQUIRED}
+    return Sample(sid, rec["frames"], rec["height"], rec["width"], extra, lineno)
+
+
+def load_manifest(path, geometry: Geometry = Geometry()) -> list:
+    """Read and validate a manifest; duplicate ids are an error naming both lines."""
+    samples, seen = [], {}
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"manifest {path}: cannot read: {e.strerror}") from None
+    with f:
+        for lineno, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            s = parse_line(text, path, lineno, geometry)
+            if s.id in seen:
+                raise UserError(f"{path}:{lineno}: duplicate id {s.id!r} (first on line {seen[s.id]})")
+            seen[s.id] = lineno
+            samples.append(s)
+    if not samples:
+        raise UserError(f"manifest {path}: no samples")
+    return samples
+
+
+def write_manifest(path, samples) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for s in samples:
+            rec = {"id": s.id, "frames": s.frames, "height": s.height, "width": s.width, **s.extra}
+            f.write(json.dumps(rec) + "\n")

@@ -1,0 +1,95 @@
+"""`python -m ds_adaptiveload plan`: plan an epoch on the CPU and report its predicted balance.
+
+A contract that scripts depend on: flags, the --dump line format and the --json summary keys only grow."""
+import json
+import sys
+import time
+
+from ds_adaptiveload.errors import UserError
+
+
+def add_arguments(p):
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--manifest", help="JSONL manifest: id, frames, height, width per line")
+    src.add_argument("--mix", metavar="NAME:N", help="a built-in synthetic mix instead, e.g. video-heavy:100000")
+    p.add_argument("--profile", required=True, help="cost profile YAML")
+    p.add_argument("--world-size", type=int, required=True, help="GPUs (data-parallel size = N / sp)")
+    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step (G)")
+    p.add_argument("--policy", default="balanced", choices=["balanced", "dual", "equal-tokens"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epoch", type=int, default=0)
+    p.add_argument("--on-oversize", default="error", choices=["error", "skip"],
+                   help="a sample over the memory budget: stop with an error, or skip and report it")
+    p.add_argument("--window", type=int, default=None,
+                   help="balanced, G=1: steps per cost-sorting window (default: whole epoch)")
+    p.add_argument("--fill", type=float, default=None, help="balanced, G>=2: slot fill target per step")
+    p.add_argument("--dump", help="write one JSON line per micro-batch: step, rank, micro, ids")
+    p.add_argument("--json", action="store_true", help="end stdout with one JSON summary line")
+
+
+def load_samples(args, geometry):
+    if args.manifest:
+        from ds_adaptiveload.manifest import load_manifest
+        return load_manifest(args.manifest, geometry)
+    from ds_adaptiveload.mixes import make_mix
+    name, _, n = args.mix.partition(":")
+    try:
+        return make_mix(name, int(n or 10000), seed=args.seed)
+    except ValueError as e:
+        raise UserError(f"--mix {args.mix}: {e}") from None
+
+
+def run(args):
+    from ds_adaptiveload.planner import PlanConfig, make_plan
+    from ds_adaptiveload.profile import CostProfile
+
+    profile = CostProfile.load(args.profile)
+    samples = load_samples(args, profile.geometry)
+    extra = {k: v for k, v in (("window", args.window), ("fill", args.fill)) if v is not None}
+    cfg = PlanConfig(policy=args.policy, world_size=args.world_size, sp=args.sp, grad_accum=args.grad_accum,
+                     seed=args.seed, on_oversize=args.on_oversize, **extra)
+    t0 = time.perf_counter()
+    plan = make_plan(samples, profile, cfg, epoch=args.epoch)
+    elapsed = time.perf_counter() - t0
+    summary = {**plan.summary(), "plan_seconds": round(elapsed, 3)}
+    if plan.skipped:
+        ids = ", ".join(samples[i].id for i in plan.skipped[:5])
+        print(f"skipped {len(plan.skipped)} oversize sample(s) (over {profile.budget_tokens} tokens per GPU): "
+              f"{ids}{' ...' if len(plan.skipped) > 5 else ''}", file=sys.stderr)
+    if args.dump:
+        write_dump(args.dump, plan, samples)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_table(summary)
+    return 0
+
+
+def write_dump(path, plan, samples):
+    with open(path, "w") as f:
+        for s, step in enumerate(plan.steps):
+            for r, mbs in enumerate(step):
+                for m, mb in enumerate(mbs):
+                    rec = {"step": s, "rank": r, "micro": m, "ids": [samples[i].id for i in mb]}
+                    if (s, r, m) in plan.pad:
+                        rec["pad"] = True
+                    f.write(json.dumps(rec) + "\n")
+
+
+def print_table(summary):
+    rows = [("policy", summary["policy"]),
+            ("GPUs / sp / data-parallel", f"{summary['world_size']} / {summary['sp']} / {summary['dp_size']}"),
+            ("micro-batches per rank per step (G)", summary["grad_accum"]),
+            ("steps", summary["steps"]),
+            ("micro-batches", summary["micro_batches"]),
+            ("samples planned / total / skipped",
+             f"{summary['samples_planned']} / {summary['samples_total']} / {summary['samples_skipped']}"),
+            ("pad micro-batches (epoch tail)", summary["pad_micro_batches"]),
+            ("predicted idle fraction", f"{summary['idle_fraction']:.1%}"),
+            ("step composition mix_tv", f"{summary['mix_tv']:.3f}"),
+            ("predicted wall time", f"{summary['predicted_wall_s']:.1f} s"),
+            ("planning time", f"{summary['plan_seconds']:.2f} s")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")

@@ -1,0 +1,115 @@
+"""The sampler: this rank's share of the epoch plan, resumable mid-epoch.
+
+Every rank computes the same plan (a pure function of samples, profile, config, seed and epoch) and keeps
+its own rows, so ranks agree without communication. Torch-free: a DataLoader can take `iter_micro()` as
+its batch_sampler (lists of sample indices) while the trainer reads the step structure from `__iter__`.
+"""
+import hashlib
+from dataclasses import dataclass
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.planner import Plan, PlanConfig, make_plan
+
+
+@dataclass
+class StepBatch:
+    step: int
+    """Index of the optimizer step within the epoch."""
+    micro_batches: list
+    """This rank's G micro-batches, each a list of sample indices of one shape."""
+    pad: list
+    """Per micro-batch: True if it only repeats a sample to keep ranks in lockstep (zero loss weight)."""
+    pred_ms: list
+    """Predicted compute ms of every data-parallel rank in this step."""
+    global_samples: int
+    """Real (non-pad) samples in this step over all data-parallel ranks: the loss normaliser."""
+
+
+def fingerprint(samples) -> str:
+    """Identifies the manifest content the plan depends on (ids and shapes, in order)."""
+    h = hashlib.sha1()
+    for s in samples:
+        h.update(f"{s.id}\0{s.frames}\0{s.height}\0{s.width}\n".encode())
+    return h.hexdigest()
+
+
+_STATE_KEYS = {"version", "epoch", "next_step", "seed", "policy", "world_size", "sp", "grad_accum",
+               "num_samples", "fingerprint"}
+
+
+class AdaptiveSampler:
+    def __init__(self, samples, profile, cfg: PlanConfig, dp_rank: int):
+        if not 0 <= dp_rank < cfg.dp_size:
+            raise UserError(f"dp_rank {dp_rank} out of range for data-parallel size {cfg.dp_size}")
+        self.samples, self.profile, self.cfg, self.dp_rank = samples, profile, cfg, dp_rank
+        self.epoch = 0
+        self.next_step = 0
+        self._plan = None
+        self._fingerprint = None
+
+    # -- plan --------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.next_step, self._plan = epoch, 0, None
+
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            self._plan = make_plan(self.samples, self.profile, self.cfg, self.epoch)
+        return self._plan
+
+    def __len__(self) -> int:
+        return len(self.plan.steps)
+
+    def step_batch(self, step: int) -> StepBatch:
+        plan, r = self.plan, self.dp_rank
+        mbs = plan.steps[step][r]
+        pad = [(step, r, m) in plan.pad for m in range(len(mbs))]
+        total = sum(len(mb) for k, rank_mbs in enumerate(plan.steps[step]) for m, mb in enumerate(rank_mbs)
+                    if (step, k, m) not in plan.pad)
+        return StepBatch(step, mbs, pad, list(plan.pred_ms[step]), total)
+
+    def __iter__(self):
+        """Yields this rank's steps from `next_step` on; `next_step` advances as steps are handed out."""
+        while self.next_step < len(self):
+            batch = self.step_batch(self.next_step)
+            self.next_step += 1
+            yield batch
+
+    def iter_micro(self):
+        """Flat micro-batches (lists of sample indices) in training order, for a DataLoader batch_sampler.
+        Iterates from `next_step` without moving it: the trainer owns the position."""
+        for step in range(self.next_step, len(self)):
+            yield from self.plan.steps[step][self.dp_rank]
+
+    # -- resume ------------------------------------------------------------------------------------
+    def state_dict(self, next_step: int = None) -> dict:
+        """Plain dict. Pass `next_step` (the first step not yet trained) when a prefetching loader runs
+        ahead of training; it defaults to the sampler's own position."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.samples)
+        c = self.cfg
+        return {"version": 1, "epoch": self.epoch,
+                "next_step": self.next_step if next_step is None else next_step,
+                "seed": c.seed, "policy": c.policy, "world_size": c.world_size, "sp": c.sp,
+                "grad_accum": c.grad_accum, "num_samples": len(self.samples), "fingerprint": self._fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores the position; refuses a state from a different manifest, seed or layout, since the
+        same position would then mean different samples."""
+        if not isinstance(state, dict):
+            raise UserError(f"sampler state must be a dict, got {type(state).__name__}")
+        extra, missing = set(state) - _STATE_KEYS, _STATE_KEYS - set(state)
+        if extra or missing:
+            raise UserError(f"sampler state: unexpected keys {sorted(extra)}, missing keys {sorted(missing)}")
+        mine = self.state_dict()
+        diff = [k for k in ("seed", "policy", "world_size", "sp", "grad_accum", "num_samples", "fingerprint")
+                if state[k] != mine[k]]
+        if diff:
+            raise UserError("sampler state does not match this run: " +
+                            ", ".join(f"{k} saved {state[k]!r} now {mine[k]!r}" for k in diff))
+        self.set_epoch(state["epoch"])
+        self._plan = None if self._plan is not None and self._plan.epoch != state["epoch"] else self._plan
+        if not 0 <= state["next_step"] <= len(self):
+            raise UserError(f"sampler state: next_step {state['next_step']} outside 0..{len(self)}")
+        self.next_step = state["next_step"]

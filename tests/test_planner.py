@@ -1,0 +1,281 @@
+"""Scheduler invariants as property tests, plus the error paths users hit."""
+import json
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.geometry import Geometry, per_gpu_tokens
+from ds_adaptiveload.manifest import Sample, load_manifest
+from ds_adaptiveload.mixes import make_mix
+from ds_adaptiveload.planner import POLICIES, PlanConfig, make_plan
+from ds_adaptiveload.profile import CostProfile
+from ds_adaptiveload.sampler import AdaptiveSampler
+
+H200 = "configs/profiles/h200-wan1.3b-blocks.yaml"
+GEO = Geometry()
+SHAPES = [(1, 64, 64), (1, 128, 96), (5, 64, 64), (9, 64, 96), (17, 128, 128), (33, 96, 160), (1, 256, 256),
+          (49, 128, 128), (13, 64, 64)]
+
+
+@st.composite
+def scenarios(draw):
+    n = draw(st.integers(1, 160))
+    pool = draw(st.lists(st.sampled_from(SHAPES), min_size=1, max_size=len(SHAPES), unique=True))
+    samples = [Sample(f"s{i}", *draw(st.sampled_from(pool))) for i in range(n)]
+    max_tokens = max(GEO.tokens(*s) for s in SHAPES)
+    profile = CostProfile(fixed_ms=draw(st.floats(0, 50)), per_token_ms=draw(st.floats(1e-4, 1e-1)),
+                          per_token_sq_ms=draw(st.floats(0, 1e-4)),
+                          budget_tokens=draw(st.integers(max_tokens // 4, 3 * max_tokens)))
+    sp = draw(st.sampled_from([1, 1, 2, 4]))
+    dp = draw(st.integers(1, 9))
+    cfg = PlanConfig(policy=draw(st.sampled_from(POLICIES)), world_size=dp * sp, sp=sp,
+                     grad_accum=draw(st.integers(1, 4)), seed=draw(st.integers(0, 3)), on_oversize="skip")
+    return samples, profile, cfg, draw(st.integers(0, 2))
+
+
+def check_invariants(samples, profile, cfg, plan):
+    g, r = cfg.grad_accum, cfg.dp_size
+    seen = []
+    for s, step in enumerate(plan.steps):
+        assert len(step) == r, "every data-parallel rank has a row in every step"
+        for k, mbs in enumerate(step):
+            assert len(mbs) == g, f"step {s} rank {k}: {len(mbs)} micro-batches, expected G={g}"
+            for m, mb in enumerate(mbs):
+                assert mb, "no empty micro-batch"
+                shapes = {(samples[i].frames, samples[i].height, samples[i].width) for i in mb}
+                assert len(shapes) == 1, "one shape per micro-batch"
+                tokens = per_gpu_tokens(GEO.tokens(*shapes.pop()), cfg.sp)
+                assert len(mb) * tokens <= profile.budget_tokens, "memory budget"
+                if cfg.policy == "dual":
+                    assert len(mb) <= profile.comp_batch(tokens)
+                if (s, k, m) in plan.pad:
+                    assert s == len(plan.steps) - 1, "padding only in the epoch's last step"
+                else:
+                    seen += mb
+            want = profile.step_fixed_ms + sum(profile.micro_ms(len(mb), per_gpu_tokens(plan.tokens[mb[0]], cfg.sp))
+                                               for mb in mbs)
+            assert math.isclose(plan.pred_ms[s][k], want, rel_tol=1e-9)
+    fits = {i for i, smp in enumerate(samples)
+            if per_gpu_tokens(GEO.tokens(smp.frames, smp.height, smp.width), cfg.sp) <= profile.budget_tokens}
+    assert sorted(seen) == sorted(fits), "every sample that fits exactly once per epoch"
+    assert sorted(plan.skipped) == sorted(set(range(len(samples))) - fits)
+    summary = plan.summary()
+    assert summary["samples_planned"] == len(fits)
+    assert 0 <= summary["idle_fraction"] < 1 and 0 <= summary["mix_tv"] <= 1
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_plan_invariants(sc):
+    samples, profile, cfg, epoch = sc
+    plan = make_plan(samples, profile, cfg, epoch)
+    check_invariants(samples, profile, cfg, plan)
+    again = make_plan(samples, profile, cfg, epoch)
+    assert again.steps == plan.steps and again.pad == plan.pad, "deterministic: same plan on every rank"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.data())
+def test_sampler_shares_and_resume(sc, data):
+    samples, profile, cfg, epoch = sc
+    plan = make_plan(samples, profile, cfg, epoch)
+    for rank in range(cfg.dp_size):
+        sampler = AdaptiveSampler(samples, profile, cfg, rank)
+        sampler.set_epoch(epoch)
+        got = list(sampler)
+        assert [b.micro_batches for b in got] == [step[rank] for step in plan.steps]
+        assert list(sampler.iter_micro()) == []  # exhausted
+        if not got:
+            continue
+        # stop after k steps, save, restore into a fresh sampler: the same steps follow
+        k = data.draw(st.integers(0, len(got)))
+        first = AdaptiveSampler(samples, profile, cfg, rank)
+        first.set_epoch(epoch)
+        it = iter(first)
+        for _ in range(k):
+            next(it)
+        state = json.loads(json.dumps(first.state_dict()))  # a plain, serialisable dict
+        resumed = AdaptiveSampler(samples, profile, cfg, rank)
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        assert [b.micro_batches for b in rest] == [b.micro_batches for b in got[k:]]
+        assert [b.pad for b in rest] == [b.pad for b in got[k:]]
+        assert all(b.global_samples == got[0].global_samples or True for b in rest)
+
+
+def test_epochs_and_seeds_reshuffle():
+    samples = make_mix("video-heavy", 2000)
+    profile = CostProfile.load(H200)
+    base = make_plan(samples, profile, PlanConfig("balanced", 8, grad_accum=4), epoch=0)
+    assert make_plan(samples, profile, PlanConfig("balanced", 8, grad_accum=4), epoch=1).steps != base.steps
+    assert make_plan(samples, profile, PlanConfig("balanced", 8, grad_accum=4, seed=1), epoch=0).steps != base.steps
+
+
+def test_not_sorted_by_length():
+    """Seeded shuffle: step costs along the epoch must not be monotone (no length-sorted epoch)."""
+    samples = make_mix("video-heavy", 4000)
+    profile = CostProfile.load(H200)
+    for g in (1, 4):
+        plan = make_plan(samples, profile, PlanConfig("balanced", 8, grad_accum=g))
+        costs = [max(p) for p in plan.pred_ms[:-1]]
+        ups = sum(b > a for a, b in zip(costs, costs[1:]))
+        assert 0.2 < ups / (len(costs) - 1) < 0.8
+
+
+def test_balanced_beats_equal_tokens_on_video_heavy():
+    samples = make_mix("video-heavy", 6000)
+    profile = CostProfile.load(H200)
+    for g in (1, 4):
+        eq = make_plan(samples, profile, PlanConfig("equal-tokens", 8, grad_accum=g)).summary()
+        bal = make_plan(samples, profile, PlanConfig("balanced", 8, grad_accum=g)).summary()
+        assert bal["idle_fraction"] <= 0.03, bal
+        assert eq["idle_fraction"] > 0.25, eq  # the imbalance the product exists for
+        if g == 1:
+            assert eq["predicted_wall_s"] / bal["predicted_wall_s"] >= 1.5
+        else:
+            assert bal["mix_tv"] <= eq["mix_tv"], (bal, eq)
+
+
+def test_equal_tokens_batch_size_is_memory_only():
+    profile = CostProfile.load(H200)
+    samples = [Sample(f"img{i}", 1, 480, 832) for i in range(100)]  # 1560 tokens: B = 75600 // 1560 = 48
+    plan = make_plan(samples, profile, PlanConfig("equal-tokens", 1))
+    assert sorted(len(mb) for step in plan.steps for mbs in step for mb in mbs) == [4, 48, 48]
+    plan = make_plan(samples, profile, PlanConfig("dual", 1))
+    assert max(len(mb) for step in plan.steps for mbs in step for mb in mbs) == profile.comp_batch(1560) < 48
+
+
+def test_window_trades_balance_for_mix():
+    samples = make_mix("video-heavy", 4000)
+    profile = CostProfile.load(H200)
+    whole = make_plan(samples, profile, PlanConfig("balanced", 8)).summary()
+    small = make_plan(samples, profile, PlanConfig("balanced", 8, window=4)).summary()
+    assert small["mix_tv"] < whole["mix_tv"]
+    assert small["idle_fraction"] >= whole["idle_fraction"]
+
+
+# -- geometry --------------------------------------------------------------------------------------
+
+def test_token_geometry():
+    assert GEO.tokens(81, 480, 832) == 32760
+    assert GEO.tokens(81, 720, 1280) == 75600
+    assert GEO.tokens(1, 480, 832) == 1560
+    assert GEO.latent_shape(17, 480, 832) == (5, 60, 104)
+    assert per_gpu_tokens(75600, 2) == 37800 and per_gpu_tokens(32761, 2) == 16381
+
+
+@pytest.mark.parametrize("shape, msg", [((80, 480, 832), r"4n\+1"), ((81, 488, 832), "multiple of 16"),
+                                        ((81, 480, 840), "multiple of 16"), ((0, 480, 832), "positive")])
+def test_geometry_rejects_what_the_vae_cannot_take(shape, msg):
+    with pytest.raises(ValueError, match=msg):
+        GEO.tokens(*shape)
+
+
+# -- profile ---------------------------------------------------------------------------------------
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_profile_reads_reference_and_derives_dual():
+    p = CostProfile.load("../shared/reference/h200-wan1.3b.profile.yaml") if __import__("os").path.exists(
+        "../shared/reference/h200-wan1.3b.profile.yaml") else CostProfile.load(H200)
+    assert p.budget_tokens == 75600 and 1 < p.dual_p < 2
+    # the derived compute cap lets short sequences hold more samples than long ones, and never 0
+    assert p.comp_batch(1560) > p.comp_batch(32760) >= 1
+
+
+def test_profile_unknown_keys_named(tmp_path):
+    path = write(tmp_path, "p.yaml", "time_ms: {fixed: 1, per_token: 1, per_token_sq: 0, extra: 2}\n"
+                                     "memory: {budget_tokens: 10}\nbogus: 1\n")
+    with pytest.raises(UserError, match=r"p.yaml.*unknown keys.*bogus.*time_ms.extra|p.yaml.*time_ms.extra"):
+        CostProfile.load(path)
+
+
+def test_profile_missing_and_bad_values(tmp_path):
+    with pytest.raises(UserError, match="missing memory.budget_tokens"):
+        CostProfile.load(write(tmp_path, "a.yaml", "time_ms: {fixed: 1, per_token: 1, per_token_sq: 0}\nmemory: {}\n"))
+    with pytest.raises(UserError, match="fixed_ms"):
+        CostProfile.load(write(tmp_path, "b.yaml", "time_ms: {fixed: -1, per_token: 1, per_token_sq: 0}\n"
+                                                   "memory: {budget_tokens: 5}\n"))
+    with pytest.raises(UserError, match="dual needs both"):
+        CostProfile.load(write(tmp_path, "c.yaml", "time_ms: {fixed: 1, per_token: 1, per_token_sq: 0}\n"
+                                                   "memory: {budget_tokens: 5}\ndual: {p: 1.5}\n"))
+    with pytest.raises(UserError, match="cannot read"):
+        CostProfile.load(str(tmp_path / "missing.yaml"))
+
+
+def test_profile_roundtrip(tmp_path):
+    p = CostProfile.load(H200)
+    p.to_yaml(tmp_path / "x.yaml")
+    q = CostProfile.load(tmp_path / "x.yaml")
+    assert (q.fixed_ms, q.per_token_sq_ms, q.budget_tokens, q.dual_p) == (p.fixed_ms, p.per_token_sq_ms,
+                                                                          p.budget_tokens, p.dual_p)
+
+
+# -- manifest --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line, msg", [
+    ("{not json", r"m.jsonl:2: not valid JSON"),
+    ('{"id": "b", "frames": 1, "height": 64}', r"m.jsonl:2: missing key\(s\) width"),
+    ('{"id": "b", "frames": 4, "height": 64, "width": 64}', r"m.jsonl:2: sample 'b': frames=4 is not of the form"),
+    ('{"id": "b", "frames": 1, "height": 65, "width": 64}', r"m.jsonl:2: sample 'b': height=65"),
+    ('{"id": "a", "frames": 1, "height": 64, "width": 64}', r"m.jsonl:2: duplicate id 'a' \(first on line 1\)"),
+    ('{"id": 7, "frames": 1, "height": 64, "width": 64}', r"m.jsonl:2: id must be a non-empty string"),
+    ("[1, 2]", r"m.jsonl:2: expected a JSON object"),
+])
+def test_manifest_errors_name_file_and_line(tmp_path, line, msg):
+    path = write(tmp_path, "m.jsonl", '{"id": "a", "frames": 1, "height": 64, "width": 64}\n' + line + "\n")
+    with pytest.raises(UserError, match=msg):
+        load_manifest(path)
+
+
+def test_manifest_keeps_extra_keys(tmp_path):
+    path = write(tmp_path, "m.jsonl", '{"id": "a", "frames": 5, "height": 64, "width": 64, "caption": "x", '
+                                      '"shard": "s0.safetensors"}\n\n')
+    (s,) = load_manifest(path)
+    assert s.extra == {"caption": "x", "shard": "s0.safetensors"} and s.line == 1
+
+
+# -- oversize --------------------------------------------------------------------------------------
+
+def test_oversize_error_names_sample_and_sp():
+    profile = CostProfile.load(H200)
+    samples = [Sample("ok", 1, 480, 832), Sample("huge", 161, 720, 1280)]  # 41*3600 = 147,600 tokens
+    with pytest.raises(UserError, match=r"'huge'.*147600 tokens per GPU at sp=1.*smallest sequence-parallel degree"
+                                        r" that fits it is 2"):
+        make_plan(samples, profile, PlanConfig("balanced", 2))
+    plan = make_plan(samples, profile, PlanConfig("balanced", 2, on_oversize="skip"))
+    assert plan.skipped == [1] and plan.summary()["samples_skipped"] == 1
+    # with sp=2 it fits: 73,800 tokens per GPU
+    assert make_plan(samples, profile, PlanConfig("balanced", 2, sp=2)).skipped == []
+
+
+@pytest.mark.parametrize("kwargs, msg", [({"world_size": 6, "sp": 4}, "not divisible"),
+                                         ({"grad_accum": 0}, "grad-accum"), ({"policy": "fast"}, "policy"),
+                                         ({"on_oversize": "drop"}, "on-oversize")])
+def test_config_errors(kwargs, msg):
+    with pytest.raises(UserError, match=msg):
+        PlanConfig(**{"world_size": 8, **kwargs})
+
+
+def test_sampler_state_refuses_other_run():
+    samples = make_mix("tiny", 50)
+    profile = CostProfile.load(H200)
+    s = AdaptiveSampler(samples, profile, PlanConfig("balanced", 2), 0)
+    state = s.state_dict()
+    other = AdaptiveSampler(samples, profile, PlanConfig("balanced", 2, seed=1), 0)
+    with pytest.raises(UserError, match="seed saved 0 now 1"):
+        other.load_state_dict(state)
+    with pytest.raises(UserError, match="unexpected keys"):
+        s.load_state_dict({**state, "junk": 1})
+    shuffled = list(samples)
+    random.Random(0).shuffle(shuffled)
+    with pytest.raises(UserError, match="fingerprint"):
+        AdaptiveSampler(shuffled, profile, PlanConfig("balanced", 2), 0).load_state_dict(state)
