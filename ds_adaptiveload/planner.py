@@ -91,6 +91,8 @@ class Plan:
     """Full-sequence tokens of every sample (index -> S)."""
     config: PlanConfig
     epoch: int
+    dual: tuple = None
+    """(p, M_comp) of the compute constraint for this data (used by the dual policy)."""
 
     def summary(self) -> dict:
         cfg = self.config
@@ -105,7 +107,7 @@ class Plan:
             "micro_batches": len(self.steps) * cfg.dp_size * cfg.grad_accum,
             "samples_total": len(self.tokens), "samples_planned": planned,
             "samples_skipped": len(self.skipped), "pad_micro_batches": len(self.pad),
-            "idle_fraction": 1 - sum_mean / sum_max if sum_max else 0.0,
+            "idle_fraction": max(0.0, 1 - sum_mean / sum_max) if sum_max else 0.0,
             "mix_tv": mix_tv(self),
             "predicted_wall_s": sum_max / 1000,
         }
@@ -153,7 +155,8 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
     full, gpu, shape = _tokens(samples, profile, cfg.sp)
     keep, skipped = _oversize(samples, full, gpu, profile.budget_tokens, cfg)
     rng = random.Random(f"{cfg.seed}/{epoch}")
-    cap = _batch_caps(gpu, shape, keep, profile, use_comp=cfg.policy == "dual")
+    dual = profile.dual_for(min((gpu[i] for i in keep), default=1), max((gpu[i] for i in keep), default=1))
+    cap = _batch_caps(gpu, shape, keep, profile, dual if cfg.policy == "dual" else None)
     ctx = _Ctx(profile, cfg, full, gpu, shape, cap)
     if not keep:
         steps = []
@@ -165,7 +168,7 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
         steps = _balanced_mixed(keep, ctx, rng)
     pad = _finish_tail(steps, ctx, keep)
     pred = [[ctx.rank_ms(mbs) for mbs in step] for step in steps]
-    return Plan(steps, pred, pad, skipped, full, cfg, epoch)
+    return Plan(steps, pred, pad, skipped, full, cfg, epoch, dual)
 
 
 @dataclass
@@ -229,13 +232,14 @@ def _oversize(samples, full, gpu, budget, cfg):
     return keep, skipped
 
 
-def _batch_caps(gpu, shape, keep, profile, use_comp):
+def _batch_caps(gpu, shape, keep, profile, dual):
+    """Largest micro-batch per shape: memory cap, and with `dual` (p, M_comp) also the compute cap."""
     cap = {}
     for i in keep:
         key = shape[i]
         if key not in cap:
             b = profile.mem_batch(gpu[i])
-            cap[key] = min(b, profile.comp_batch(gpu[i])) if use_comp else b
+            cap[key] = min(b, profile.comp_batch(gpu[i], dual)) if dual else b
     return cap
 
 

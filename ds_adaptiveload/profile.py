@@ -4,8 +4,8 @@
 
 The quadratic term is attention; it is why equal-token batches are not equal-time batches. Memory is a
 token budget (M_mem) per micro-batch on one GPU. The paper's compute constraint B * S^p <= M_comp is kept
-for the `dual` policy; when a profile has no `dual` section it is derived from the time model (see
-`derive_dual`). Pure Python: no torch.
+for the `dual` policy; when a profile has no `dual` section the planner derives it from the time model and
+the data's token range (see `derive_dual`). Pure Python: no torch.
 """
 import math
 from dataclasses import dataclass, field
@@ -39,9 +39,9 @@ class CostProfile:
     step_fixed_ms: float = 0.0
     """Once per optimizer step (optimizer, gradient reduction); equal on every rank."""
     dual_p: float = None
-    """Exponent p of the paper's compute constraint B * S^p <= M_comp (derived when absent)."""
+    """Exponent p of the paper's compute constraint B * S^p <= M_comp (None: derived per dataset)."""
     dual_m_comp: float = None
-    """M_comp of the compute constraint (derived when absent)."""
+    """M_comp of the compute constraint (None: derived per dataset)."""
     geometry: Geometry = field(default_factory=Geometry)
     memory: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
@@ -57,11 +57,9 @@ class CostProfile:
         if not isinstance(self.budget_tokens, int) or self.budget_tokens < 1:
             raise UserError(f"profile: memory.budget_tokens must be a positive integer, "
                             f"got {self.budget_tokens!r}")
-        if self.dual_p is None or self.dual_m_comp is None:
-            if (self.dual_p is None) != (self.dual_m_comp is None):
-                raise UserError("profile: dual needs both p and m_comp")
-            self.dual_p, self.dual_m_comp = derive_dual(self)
-        if not (self.dual_p > 0 and self.dual_m_comp > 0):
+        if (self.dual_p is None) != (self.dual_m_comp is None):
+            raise UserError("profile: dual needs both p and m_comp")
+        if self.dual_p is not None and not (self.dual_p > 0 and self.dual_m_comp > 0):
             raise UserError(f"profile: dual p and m_comp must be > 0, got {self.dual_p}, {self.dual_m_comp}")
 
     def sample_ms(self, tokens: int) -> float:
@@ -76,9 +74,17 @@ class CostProfile:
         """Largest B with B * S <= M_mem (0 when one sample does not fit)."""
         return self.budget_tokens // tokens
 
-    def comp_batch(self, tokens: int) -> int:
+    def dual_for(self, s_lo: int, s_hi: int) -> tuple:
+        """(p, M_comp): the profile's own, else derived for per-GPU sequences from s_lo to s_hi tokens."""
+        if self.dual_p is not None:
+            return self.dual_p, self.dual_m_comp
+        return derive_dual(self, s_lo, s_hi)
+
+    @staticmethod
+    def comp_batch(tokens: int, dual: tuple) -> int:
         """Largest B with B * S^p <= M_comp, at least 1 (a lone sample always runs)."""
-        return max(1, int(self.dual_m_comp / tokens ** self.dual_p))
+        p, m_comp = dual
+        return max(1, int(m_comp / tokens ** p * (1 + 1e-9)))
 
     @classmethod
     def load(cls, path) -> "CostProfile":
@@ -133,8 +139,9 @@ class CostProfile:
             "time_ms": {"fixed": self.fixed_ms, "per_token": self.per_token_ms,
                         "per_token_sq": self.per_token_sq_ms, "step_fixed": self.step_fixed_ms},
             "memory": {**self.memory, "budget_tokens": self.budget_tokens},
-            "dual": {"p": self.dual_p, "m_comp": self.dual_m_comp},
         }
+        if self.dual_p is not None:
+            doc["dual"] = {"p": self.dual_p, "m_comp": self.dual_m_comp}
         if self.meta:
             doc["meta"] = self.meta
         if self.fit:
@@ -146,28 +153,29 @@ class CostProfile:
             yaml.safe_dump(self.to_dict(), f, sort_keys=False)
 
 
-def derive_dual(profile: CostProfile, points: int = 64) -> tuple:
-    """Fit the paper's B * S^p <= M_comp to the time model.
+def derive_dual(profile: CostProfile, s_lo: int, s_hi: int, points: int = 64) -> tuple:
+    """Fit the paper's B * S^p <= M_comp to the time model, for sequences of s_lo..s_hi tokens per GPU.
 
-    Target: every micro-batch gets the compute that a full memory budget of tokens costs in linear work
-    alone, per_token * M_mem. For S tokens that allows B(S) = per_token*M / (per_token*S + per_token_sq*S^2)
-    samples; short sequences are then memory-bound, long ones compute-bound. log B = log M_comp - p log S is
-    fitted by least squares on S log-spaced from 256 tokens to M_mem. A purely quadratic model (per_token=0)
-    has no linear budget, so it uses the quadratic cost of one sample at M_mem instead.
+    Target compute per micro-batch: T = max(cost of one sample of s_hi tokens, per_token * M_mem). No
+    micro-batch can be cheaper than the longest lone sample, so aiming lower only starves the rest; and
+    per_token * M_mem (the linear work of a full memory budget) keeps short sequences compute-capped only
+    where they would be far cheaper than that. B(S) = T / cost(S), and log B = log M_comp - p log S is
+    fitted by least squares on S log-spaced over [s_lo, s_hi]. When the longest sample fills M_mem, the cap
+    never binds harder than memory and `dual` equals `equal-tokens`; it binds when memory holds several
+    long samples (the paper's setting).
     """
-    m = profile.budget_tokens
-    lo = min(256, m)
-    if profile.per_token_ms > 0:
-        budget = profile.per_token_ms * m
-    else:
-        budget = profile.per_token_sq_ms * m * m
+    s_lo, s_hi = max(1, min(s_lo, s_hi)), max(1, s_hi)
+    target = max(profile.sample_ms(s_hi), profile.per_token_ms * profile.budget_tokens)
+    if s_lo == s_hi:
+        return 1.0, target / profile.sample_ms(s_hi) * s_hi
     xs, ys = [], []
     for i in range(points):
-        s = lo * (m / lo) ** (i / max(1, points - 1))
+        s = s_lo * (s_hi / s_lo) ** (i / (points - 1))
         xs.append(math.log(s))
-        ys.append(math.log(budget / profile.sample_ms(s)))
+        ys.append(math.log(target / profile.sample_ms(s)))
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else -1.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     p = max(1e-6, -slope)
-    return p, math.exp(my + p * mx)
+    # Shift the line up to the envelope so the fitted cap never falls below T / cost(S) at the ends.
+    shift = max(y + p * x for x, y in zip(xs, ys)) - (my + p * mx)
+    return p, math.exp(my + p * mx + shift)

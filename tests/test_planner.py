@@ -51,7 +51,7 @@ def check_invariants(samples, profile, cfg, plan):
                 tokens = per_gpu_tokens(GEO.tokens(*shapes.pop()), cfg.sp)
                 assert len(mb) * tokens <= profile.budget_tokens, "memory budget"
                 if cfg.policy == "dual":
-                    assert len(mb) <= profile.comp_batch(tokens)
+                    assert len(mb) <= profile.comp_batch(tokens, plan.dual)
                 if (s, k, m) in plan.pad:
                     assert s == len(plan.steps) - 1, "padding only in the epoch's last step"
                 else:
@@ -146,7 +146,8 @@ def test_equal_tokens_batch_size_is_memory_only():
     plan = make_plan(samples, profile, PlanConfig("equal-tokens", 1))
     assert sorted(len(mb) for step in plan.steps for mbs in step for mb in mbs) == [4, 48, 48]
     plan = make_plan(samples, profile, PlanConfig("dual", 1))
-    assert max(len(mb) for step in plan.steps for mbs in step for mb in mbs) == profile.comp_batch(1560) < 48
+    # images alone: the compute target is the linear work of a full budget, which caps B below 48
+    assert max(len(mb) for step in plan.steps for mbs in step for mb in mbs) == profile.comp_batch(1560, plan.dual) < 48
 
 
 def test_window_trades_balance_for_mix():
@@ -184,11 +185,17 @@ def write(tmp_path, name, text):
 
 
 def test_profile_reads_reference_and_derives_dual():
-    p = CostProfile.load("../shared/reference/h200-wan1.3b.profile.yaml") if __import__("os").path.exists(
-        "../shared/reference/h200-wan1.3b.profile.yaml") else CostProfile.load(H200)
-    assert p.budget_tokens == 75600 and 1 < p.dual_p < 2
-    # the derived compute cap lets short sequences hold more samples than long ones, and never 0
-    assert p.comp_batch(1560) > p.comp_batch(32760) >= 1
+    p = CostProfile.load(H200)
+    assert p.budget_tokens == 75600 and p.dual_p is None
+    dual = p.dual_for(1560, 75600)
+    assert 1 < dual[0] < 2.5
+    # the longest sample fills the budget: the compute cap never binds harder than memory
+    assert all(p.comp_batch(s, dual) >= p.mem_batch(s) for s in (1560, 4680, 32760, 75600))
+    # memory for three long clips (the paper's regime): long sequences become compute-bound
+    roomy = CostProfile.from_dict({**p.to_dict(), "memory": {"budget_tokens": 3 * 75600}})
+    dual = roomy.dual_for(1560, 75600)
+    assert roomy.comp_batch(75600, dual) == 1 < roomy.mem_batch(75600)
+    assert roomy.comp_batch(1560, dual) > roomy.comp_batch(32760, dual) >= 1
 
 
 def test_profile_unknown_keys_named(tmp_path):
