@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: JIT-build the op, CUDA tests, compute-sanitizer (memcheck, racecheck) on
+# small shapes, benchmark. Everything lands in $OUT (pytest.log, sanitizer.log, bench.log, bench JSON).
+#   run: bash bench/device_kernel.sh   (carry [".whl"]; the machine sets TORCH_CUDA_ARCH_LIST=9.0a)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+BENCH_BUDGET=${BENCH_BUDGET:-150}
+t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/env.log"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.log"
+
+el "JIT build"
+python3 - <<'PY' 2>&1 | tail -5 | tee -a "$OUT/env.log"
+import time; t = time.time()
+from ds_adaptiveload.ops.builder import LNModulateBuilder
+m = LNModulateBuilder().load(verbose=False)
+print(f"built/loaded {m.__file__} in {time.time() - t:.0f} s")
+PY
+so=$(ls ~/.cache/torch_extensions/*/ln_modulate/*.so 2>/dev/null | head -1)
+[ -n "$so" ] && cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -E "Function|REG" | paste - - | \
+  sed -E 's/.*Function ([^ ]*).*REG:([0-9]+).*STACK:([0-9]+).*/\1 REG \2 STACK \3/' | grep -i bfloat16 | head -40 > "$OUT/resource.log"
+
+el "pytest"
+timeout 170 python3 -m pytest -q -x -p no:cacheprovider tests/test_ln_modulate.py tests/test_op_builder.py 2>&1 | tail -40 > "$OUT/pytest.log"
+tail -5 "$OUT/pytest.log"
+
+el "compute-sanitizer"
+cat > /tmp/small.py <<'PY'
+import torch
+from ds_adaptiveload.ops import ln_modulate
+torch.manual_seed(0)
+for B, S, D, dt, aff, lay in [(2, 67, 1536, torch.bfloat16, False, "sample"), (2, 33, 100, torch.float16, True, "token"),
+                              (1, 40, 5120, torch.bfloat16, True, "chunk"), (3, 9, 64, torch.float32, False, "global")]:
+    x = torch.randn(B, S, D, device="cuda", dtype=dt, requires_grad=True)
+    if lay == "chunk":
+        base = torch.randn(B, S, 6, D, device="cuda", requires_grad=True); sc, sh = base[:, :, 1], base[:, :, 0]
+    else:
+        shp = {"sample": (B, 1, D), "token": (B, S, D), "global": (D,)}[lay]
+        sc = torch.randn(shp, device="cuda", requires_grad=True); sh = torch.randn(shp, device="cuda", requires_grad=True)
+    w = torch.randn(D, device="cuda", requires_grad=True) if aff else None
+    b = torch.randn(D, device="cuda", requires_grad=True) if aff else None
+    y = ln_modulate(x, sc, sh, weight=w, bias=b)
+    y.backward(torch.randn_like(y))
+torch.cuda.synchronize(); print("small ok")
+PY
+for tool in memcheck racecheck; do
+  timeout 90 compute-sanitizer --tool $tool --print-limit 20 python3 /tmp/small.py > "$OUT/sanitizer-$tool.log" 2>&1
+  echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|small ok' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"
+done
+
+el "benchmark"
+python3 bench/ln_modulate.py --out "$OUT/ln_modulate-$(date +%F)-h200.json" --budget-s "$BENCH_BUDGET" ${BENCH_ARGS:-} 2>&1 \
+  | grep -v Warning > "$OUT/bench.log"
+tail -22 "$OUT/bench.log"
+el "done"

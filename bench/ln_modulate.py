@@ -1,0 +1,216 @@
+"""Benchmark the fused LayerNorm-Modulate op against the baselines users would reach for.
+
+    python bench/ln_modulate.py --out bench/results/ln_modulate-$(date +%F)-h200.json
+
+One run measures: device copy bandwidth (the ceiling), then for each shape and x dtype, forward and
+forward+backward of: ours; the Wan eager chain (LN_fp32(x).to(x.dtype).float() * (1 + scale) + shift ->
+x.dtype, scale/shift fp32 [B,1,D]); torch.compile of that chain (a crash is reported as its error string);
+apex FusedLayerNorm + modulate (if apex imports); F.layer_norm with the affine trick (weight = 1 + scale,
+bias = shift; exact only for B = 1); Liger LayerNorm with the same trick (if liger_kernel imports).
+Byte floor: bytes that must move (forward: x read + y written; backward: x and dy read, dx written;
+scale/shift and their gradients at their own size) over the copy bandwidth. Medians of CUDA-event timings
+(triton.testing.do_bench); inputs rotate between two sets when one set fits in L2."""
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ds_adaptiveload.ops import ln_modulate  # noqa: E402
+from ds_adaptiveload.ops import layernorm_modulate as lnm  # noqa: E402
+
+SHAPES = [(1, 32760, 1536), (1, 75600, 5120), (8, 4680, 1536), (1, 176400, 5120)]
+EPS = 1e-6
+
+
+def bench_ms(fn, warmup=10, rep=40):
+    """Median ms over CUDA events around each call (L2 flushed by the rotating inputs, not here)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return times[len(times) // 2]
+
+
+def copy_bandwidth():
+    n = 1 << 30  # 2 GiB of bf16 read + 2 GiB written
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    ms = bench_ms(lambda: b.copy_(a), warmup=5, rep=20)
+    del a, b
+    return 2 * n * 2 / (ms * 1e-3)
+
+
+def wan_chain(x, scale, shift):
+    return (F.layer_norm(x.float(), (x.shape[-1],), eps=EPS).to(x.dtype).float() * (1 + scale) + shift).to(x.dtype)
+
+
+def affine_trick(x, scale, shift):
+    D = x.shape[-1]
+    return F.layer_norm(x, (D,), (1 + scale).reshape(D).to(x.dtype), shift.reshape(D).to(x.dtype), EPS)
+
+
+def providers(B):
+    out = {"ours": ln_modulate, "wan_eager": wan_chain, "wan_compile": torch.compile(wan_chain)}
+    try:
+        from apex.normalization import FusedLayerNorm  # noqa: F401
+        from apex.normalization.fused_layer_norm import fused_layer_norm
+
+        out["apex_fused"] = lambda x, sc, sh: (fused_layer_norm(x, (x.shape[-1],), EPS).float() * (1 + sc) + sh).to(x.dtype)
+    except Exception:  # noqa: BLE001
+        pass
+    if B == 1:
+        out["torch_ln_affine"] = affine_trick
+        try:
+            from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+            def liger(x, sc, sh):
+                D = x.shape[-1]
+                return LigerLayerNormFunction.apply(x, (1 + sc).reshape(D).to(x.dtype), sh.reshape(D).to(x.dtype), EPS)
+
+            out["liger_affine"] = liger
+        except Exception as err:  # noqa: BLE001
+            print("liger unavailable:", err)
+    return out
+
+
+def floor_bytes(B, S, D, esize):
+    mod = 2 * B * D * 4  # fp32 [B,1,D] scale + shift
+    fwd = 2 * B * S * D * esize + mod
+    bwd = 3 * B * S * D * esize + mod + mod  # read x, dy; write dx; read scale; write dscale, dshift
+    return fwd, fwd + bwd
+
+
+def measure(fn, xs, scs, shs, dys, mode):
+    """fn over rotating input sets; mode 'fwd' or 'fwdbwd'."""
+    n = len(xs)
+    i = [0]
+
+    def fwd():
+        k = i[0] = (i[0] + 1) % n
+        with torch.no_grad():
+            fn(xs[k], scs[k], shs[k])
+
+    def fwdbwd():
+        k = i[0] = (i[0] + 1) % n
+        y = fn(xs[k], scs[k], shs[k])
+        torch.autograd.grad(y, [xs[k], scs[k], shs[k]], dys[k])
+
+    return bench_ms(fwd if mode == "fwd" else fwdbwd)
+
+
+def tuning_sweep(op, B, S, D, dtype, bw):
+    """Launch-shape variants of our kernels (vpt, rpc) and saved vs recomputed statistics."""
+    x = torch.randn(B * S, D, device="cuda").to(dtype)
+    sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(B, 1, D, device="cuda")
+    dy = torch.randn(B * S, D, device="cuda").to(dtype)
+    fb, fbb = floor_bytes(B, S, D, x.element_size())
+    rows = []
+    for vpt in (-1, 1, 2, 4):
+        for rpc in (-1, 2) if D <= 2048 else (-1,):
+            y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS, lnm._DTYPE_CODE[dtype], True, vpt, rpc)
+            f = bench_ms(lambda: op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS, lnm._DTYPE_CODE[dtype], True, vpt, rpc))
+            b_saved = bench_ms(lambda: op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False, False,
+                                                   EPS, vpt, rpc))
+            b_rec = bench_ms(lambda: op.backward(dy, x, sc, None, None, None, None, B, S, D, 0, 1, 1, False, False,
+                                                 EPS, vpt, rpc))
+            rows.append({"shape": [B, S, D], "dtype": str(dtype), "vpt": vpt, "rpc": rpc, "fwd_ms": f,
+                         "bwd_saved_ms": b_saved, "bwd_recompute_ms": b_rec,
+                         "fwd_bw%": round(100 * fb / (f * 1e-3) / bw, 1),
+                         "fwdbwd_saved_bw%": round(100 * fbb / ((f + b_saved) * 1e-3) / bw, 1)})
+            print("sweep", rows[-1], flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=f"bench/results/ln_modulate-{datetime.date.today()}-h200.json")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip remaining baselines after this many seconds")
+    ap.add_argument("--shapes", default="all", help="'all' or e.g. 1x75600x5120,8x4680x1536")
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    os.environ.setdefault("DS_ADAPTIVELOAD_LN_MODULATE", "cuda")
+    op = lnm.load_op()
+    assert op is not None, lnm.op_error()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    res = {"what": __doc__.strip().splitlines()[0], "date": str(datetime.date.today()),
+           "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "copy_TBps": bw / 1e12, "rows": [], "sweep": []}
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if not args.no_sweep:
+        for shp in [(1, 75600, 5120), (1, 32760, 1536)]:
+            res["sweep"] += tuning_sweep(op, *shp, torch.bfloat16, bw)
+        save()
+    for dtype in (torch.bfloat16, torch.float32):
+        for B, S, D in shapes:
+            esize = torch.empty(0, dtype=dtype).element_size()
+            nsets = 2 if B * S * D * esize < 256 * 2**20 else 1
+            xs = [torch.randn(B, S, D, device="cuda").to(dtype).requires_grad_() for _ in range(nsets)]
+            scs = [(0.5 * torch.randn(B, 1, D, device="cuda")).requires_grad_() for _ in range(nsets)]
+            shs = [(0.5 * torch.randn(B, 1, D, device="cuda")).requires_grad_() for _ in range(nsets)]
+            dys = [torch.randn(B, S, D, device="cuda").to(dtype) for _ in range(nsets)]
+            fb, fbb = floor_bytes(B, S, D, esize)
+            row = {"B": B, "S": S, "D": D, "dtype": str(dtype).replace("torch.", ""),
+                   "floor_fwd_ms": fb / bw * 1e3, "floor_fwdbwd_ms": fbb / bw * 1e3}
+            for name, fn in providers(B).items():
+                for mode in ("fwd", "fwdbwd"):
+                    key = f"{name}_{mode}_ms"
+                    if time.time() - t0 > args.budget_s and name != "ours":
+                        row[key] = "skipped: time budget"
+                        continue
+                    try:
+                        row[key] = measure(fn, xs, scs, shs, dys, mode)
+                    except Exception as err:  # noqa: BLE001 - a crashing baseline is a result
+                        row[key] = f"error: {type(err).__name__}: {str(err)[:160]}"
+                    torch.cuda.empty_cache()
+            for mode, floor in (("fwd", fb), ("fwdbwd", fbb)):
+                t = row.get(f"ours_{mode}_ms")
+                if isinstance(t, float):
+                    row[f"ours_{mode}_bw%"] = round(100 * floor / (t * 1e-3) / bw, 1)
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            save()
+            del xs, scs, shs, dys
+            torch.cuda.empty_cache()
+    print(markdown(res))
+
+
+def markdown(res):
+    cols = ["ours", "wan_eager", "wan_compile", "apex_fused", "torch_ln_affine", "liger_affine"]
+    lines = [f"Copy bandwidth {res['copy_TBps']:.2f} TB/s, {res['device']}, torch {res['torch']}, {res['date']}. "
+             "Times in ms (median); bw% = byte floor / time / copy bandwidth.", "",
+             "| shape | dtype | pass | floor | " + " | ".join(cols) + " | ours bw% |",
+             "|---|---|---|---|" + "---|" * len(cols) + "---|"]
+    for r in res["rows"]:
+        for mode in ("fwd", "fwdbwd"):
+            cells = []
+            for c in cols:
+                v = r.get(f"{c}_{mode}_ms", "n/a")
+                cells.append(f"{v:.3f}" if isinstance(v, float) else ("crash" if str(v).startswith("error") else str(v)))
+            lines.append(f"| {r['B']}x{r['S']}x{r['D']} | {r['dtype']} | {mode} | {r[f'floor_{mode}_ms']:.3f} | "
+                         + " | ".join(cells) + f" | {r.get(f'ours_{mode}_bw%', 'n/a')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

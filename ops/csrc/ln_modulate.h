@@ -1,0 +1,68 @@
+// Fused LayerNorm-Modulate: y = (LN(x) [* w + b]) * (1 + scale) + shift, fp32 math.
+// Host interface between the pybind front end (ln_modulate.cpp, compiled by the C++ compiler with the
+// torch headers) and the kernels (ln_modulate_{fwd,bwd}.cu, compiled by nvcc WITHOUT the torch headers,
+// which keeps the nvcc part of the build short). Plain structs of pointers and element strides only.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace lnmod {
+
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// How scale / shift map onto rows r = b * S + s. Element offset of row r: b * stride_b + s * stride_s.
+enum Mode : int { kGlobal = 0, kPerSample = 1, kPerToken = 2 };
+
+struct FwdParams {
+  const void* x;        // [B*S, D] contiguous, x_dtype
+  const void* scale;    // m_dtype, row base at b*sc_sb + s*sc_ss, unit stride along D
+  const void* shift;    // m_dtype, row base at b*sh_sb + s*sh_ss
+  const float* weight;  // [D] or null
+  const float* bias;    // [D] or null
+  void* y;              // [B*S, D] contiguous, y_dtype
+  float* mean;          // [B*S] or null (not saved)
+  float* rstd;          // [B*S] or null
+  int64_t B, S;
+  int D;
+  int64_t sc_sb, sc_ss, sh_sb, sh_ss;
+  float eps;
+  int x_dtype, m_dtype, y_dtype;
+  bool vectorized;      // caller checked 16-byte alignment of every row base and D % 8 == 0
+  int vpt, rpc;         // launch overrides for tuning (-1 = heuristic)
+};
+
+struct BwdParams {
+  const void* x;        // [B*S, D], x_dtype
+  const void* dy;       // [B*S, D], y_dtype, contiguous
+  const void* scale;    // as in FwdParams
+  const float* weight;  // or null
+  const float* bias;    // or null (needed: dscale = dy * (xhat * w + b))
+  const float* mean;    // saved stats, or null with recompute
+  const float* rstd;
+  void* dx;             // [B*S, D], x_dtype
+  void* dscale_tok;     // per-token gradient [B*S, D] in m_dtype (mode kPerToken), else null
+  void* dshift_tok;
+  float* dscale_red;    // reduced gradient: [B, D] (kPerSample) or [D] (kGlobal), fp32; null if unused
+  float* dshift_red;
+  float* dweight;       // [D] fp32 or null
+  float* dbias;
+  float* workspace;     // fp32 partial sums, size from bwd_workspace_floats()
+  int64_t B, S;
+  int D;
+  int64_t sc_sb, sc_ss;
+  int sc_mode, sh_mode; // Mode; -1 = no gradient wanted
+  float eps;
+  bool recompute;       // recompute mean/rstd from x instead of reading saved stats
+  int x_dtype, m_dtype, y_dtype;
+  bool vectorized;
+  int vpt, rpc;
+  int ctas_per_sample;  // filled by bwd_plan()
+};
+
+// Returns an error string (nullptr on success).
+const char* fwd_launch(const FwdParams& p, cudaStream_t stream);
+// Chooses the persistent grid; returns the fp32 workspace size the caller must allocate.
+int64_t bwd_plan(BwdParams& p);
+const char* bwd_launch(const BwdParams& p, cudaStream_t stream);
+
+}  // namespace lnmod

@@ -1,0 +1,161 @@
+// Device helpers shared by the forward and backward kernels.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include "ln_modulate.h"
+
+namespace lnmod {
+
+// --- 8-element vectors: one 16-byte access for 2-byte types, two for fp32 ---------------------------
+__device__ __forceinline__ void load8(const float* p, float* f) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+// Unpacking by shifts and intrinsics on register values (no address taken: the vectors stay in registers).
+__device__ __forceinline__ void cvt2(unsigned w, const __nv_bfloat16*, float* f) {
+  f[0] = __uint_as_float(w << 16);
+  f[1] = __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ void cvt2(unsigned w, const __half*, float* f) {
+  f[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+  f[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+}
+template <typename T>
+__device__ __forceinline__ void cvt8(const uint4& u, const T* tag, float* f) {
+  cvt2(u.x, tag, f); cvt2(u.y, tag, f + 2); cvt2(u.z, tag, f + 4); cvt2(u.w, tag, f + 6);
+}
+__device__ __forceinline__ void load8(const __half* p, float* f) {
+  cvt8(__ldg(reinterpret_cast<const uint4*>(p)), p, f);
+}
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* f) {
+  cvt8(__ldg(reinterpret_cast<const uint4*>(p)), p, f);
+}
+__device__ __forceinline__ void store8(float* p, const float* f) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+__device__ __forceinline__ void store8(__half* p, const float* f) {
+  uint4 u;
+  __half2* h = reinterpret_cast<__half2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float* f) {
+  uint4 u;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+
+// Raw 8-element vector kept in registers in its storage type (4 registers for 2-byte types instead of
+// 8 floats): rows are held packed and converted on use, which halves register use for bf16/fp16 and so
+// doubles the rows in flight per SM.
+template <typename T> struct Pack8 {
+  uint4 u;
+  __device__ __forceinline__ void load(const T* p) { u = __ldg(reinterpret_cast<const uint4*>(p)); }
+  __device__ __forceinline__ void get(float* f) const { cvt8(u, static_cast<const T*>(nullptr), f); }
+  __device__ __forceinline__ void zero() { u = make_uint4(0, 0, 0, 0); }
+};
+template <> struct Pack8<float> {
+  float4 a, b;
+  __device__ __forceinline__ void load(const float* p) {
+    a = __ldg(reinterpret_cast<const float4*>(p));
+    b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  }
+  __device__ __forceinline__ void get(float* f) const {
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  }
+  __device__ __forceinline__ void zero() { a = b = make_float4(0.f, 0.f, 0.f, 0.f); }
+};
+
+// --- scalar conversions (generic path) -------------------------------------------------------------
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ void lds8(const float* p, float* f) {  // shared memory, 16-byte aligned
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float2 warp_sum2(float2 v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+  }
+  return v;
+}
+
+// Sum over the `wpr` warps that share one row. `slot` is this row group's wpr floats of shared memory.
+// Every thread of the CTA must call it (it may __syncthreads); the caller alternates two slot buffers
+// so that one barrier per reduction is enough (the next write to a buffer comes after the next barrier).
+__device__ __forceinline__ float group_sum(float v, float* slot, int wpr) {
+  v = warp_sum(v);
+  if (wpr == 1) return v;
+  const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x >> 5) % wpr;
+  if (lane == 0) slot[warp_in_group] = v;
+  __syncthreads();
+  float s = 0.f;
+  for (int i = 0; i < wpr; ++i) s += slot[i];  // same order in every thread: identical results
+  return s;
+}
+__device__ __forceinline__ float2 group_sum2(float2 v, float2* slot, int wpr) {
+  v = warp_sum2(v);
+  if (wpr == 1) return v;
+  const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x >> 5) % wpr;
+  if (lane == 0) slot[warp_in_group] = v;
+  __syncthreads();
+  float2 s = make_float2(0.f, 0.f);
+  for (int i = 0; i < wpr; ++i) { s.x += slot[i].x; s.y += slot[i].y; }
+  return s;
+}
+
+// Block-wide sum for the generic (one row per CTA) kernels; blockDim.x is a multiple of 32, <= 1024.
+__device__ __forceinline__ float block_sum(float v, float* red /* 32 floats */) {
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();  // red may still be read from the previous call
+  if (lane == 0) red[w] = v;
+  __syncthreads();
+  float s = 0.f;
+  for (int i = 0; i < nw; ++i) s += red[i];
+  return s;
+}
+
+// Launch shape for the vectorized kernels: each row is handled by `wpr` warps, each thread holding
+// `vpt` 8-element vectors of it in registers; `rpc` rows (row groups) per CTA. The CTA size is capped
+// per vpt (the kernels' __launch_bounds__) so the register cap it implies holds the row without spills.
+struct Shape { int vpt, wpr, rpc; };
+
+__host__ __device__ constexpr int fwd_max_threads(int vpt) { return vpt <= 1 ? 1024 : vpt == 2 ? 512 : 256; }
+__host__ __device__ constexpr int bwd_max_threads(int vpt) { return vpt <= 1 ? 1024 : 512; }
+
+inline Shape choose_shape(int D, int vpt_override, int rpc_override, bool backward) {
+  const int nvec = D / 8;
+  const int max_vpt = backward ? 4 : 8;
+  // Forward: 4 vectors per thread from D = 2048 (more bytes in flight per thread; measured faster at D = 5120).
+  int vpt = vpt_override > 0 ? vpt_override : (nvec <= 32 ? 1 : (!backward && nvec >= 256) ? 4 : 2);
+  if (vpt > max_vpt) vpt = max_vpt;
+  auto cap = [&](int v) { return backward ? bwd_max_threads(v) : fwd_max_threads(v); };
+  int wpr = (nvec + 32 * vpt - 1) / (32 * vpt);
+  while (wpr * 32 > cap(vpt) && vpt < max_vpt) { vpt *= 2; wpr = (nvec + 32 * vpt - 1) / (32 * vpt); }
+  int rpc = rpc_override > 0 ? rpc_override : (wpr >= 8 ? 1 : 8 / wpr);  // ~256 threads per CTA
+  while (rpc > 1 && rpc * wpr * 32 > cap(vpt)) --rpc;
+  return Shape{vpt, wpr, rpc};
+}
+
+}  // namespace lnmod

@@ -1,0 +1,254 @@
+"""Fused LayerNorm-Modulate: PyTorch path (CPU) and CUDA op against a float64 reference.
+
+Every check draws fresh random inputs; CUDA outputs are poisoned (the caching allocator hands back blocks
+we filled with NaN) so an unwritten element fails the test."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.ops import FusedLayerNormModulate, ln_modulate
+from ds_adaptiveload.ops import layernorm_modulate as lnm_mod
+
+# (max relative L2 error of the output, of the gradients) by the output / input dtype.
+TOL = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 5e-3), torch.bfloat16: (1e-2, 2e-2)}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make(layout, B, S, D, dtype, mdtype, device, affine=False, two_d=False):
+    """(leaves, view): leaf tensors that require grad, and view(leaves) -> (x, scale, shift, w, b) as the op
+    sees them (e.g. scale as a chunk of a [B, S, 6, D] leaf). The float64 reference applies the same view."""
+    g = torch.Generator(device="cpu").manual_seed(torch.seed() % 2**31)  # fresh inputs every run
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    leaves = [(rnd(B, S, D) * 2 + 0.5).to(device, dtype)]
+    views = []
+    sc_kind, sh_kind = {"mixed": ("sample", "token"), "mixed2": ("chunk6", "global")}.get(layout, (layout, layout))
+    for k, kind in enumerate((sc_kind, sh_kind)):
+        if kind == "chunk6":  # Wan 2.2: chunks of a [B, S, 6, D] tensor (row stride 6*D, no copy)
+            leaves.append((rnd(B, S, 6, D) * 0.5).to(device, mdtype))
+            views.append(lambda t, k=k: t[:, :, 2 + k])
+        else:
+            leaves.append((rnd(*{"global": (D,), "sample": (B, 1, D), "token": (B, S, D)}[kind]) * 0.5).to(device, mdtype))
+            views.append(lambda t: t)
+    if affine:
+        leaves += [(1 + 0.3 * rnd(D)).to(device), (0.3 * rnd(D)).to(device)]
+    leaves = [t.requires_grad_() for t in leaves]
+
+    def view(ls):
+        x, sc, sh = ls[0], views[0](ls[1]), views[1](ls[2])
+        if two_d:  # [S, D] input with [D] or [S, D] modulation
+            x = x[0]
+            sc, sh = (t[0] if t.dim() == 3 and t.shape[1] == S else t.reshape(-1, D)[0] for t in (sc, sh))
+        return (x, sc, sh) + ((ls[3], ls[4]) if affine else (None, None))
+
+    return leaves, view
+
+
+def ref64(x, sc, sh, w, b, eps=1e-6):
+    y = F.layer_norm(x.double(), (x.shape[-1],), None, None, eps)
+    if w is not None:
+        y = y * w.double()
+    if b is not None:
+        y = y + b.double()
+    return y * (1 + sc.double()) + sh.double()
+
+
+def poison(device, nbytes):
+    """Fill a freed block with NaN so the op's next allocations of that size start as NaN."""
+    if device == "cuda":
+        torch.empty(nbytes // 4 + 1, device=device).fill_(float("nan"))
+
+
+def check(layout, B, S, D, dtype, mdtype, device, affine=False, out_dtype=None, two_d=False):
+    leaves, view = make(layout, B, S, D, dtype, mdtype, device, affine, two_d)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    y_ref = ref64(*view(ref_leaves))
+    x, sc, sh, w, b = view(leaves)
+    poison(device, y_ref.numel() * 4)
+    y = ln_modulate(x, sc, sh, weight=w, bias=b, out_dtype=out_dtype)
+    out_dtype = out_dtype or dtype
+    assert y.dtype == out_dtype and y.shape == x.shape
+    assert torch.isfinite(y).all(), "unwritten or non-finite output"
+    assert rel(y, y_ref) < TOL[out_dtype][0], f"forward rel err {rel(y, y_ref):.2e}"
+
+    dy = torch.randn(y.shape, device=device).to(out_dtype)
+    poison(device, y_ref.numel() * 4)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy.double())
+    for name, gk, gr, leaf in zip(["dx", "dscale", "dshift", "dweight", "dbias"], grads, ref_grads, leaves):
+        assert gk.shape == leaf.shape and gk.dtype == leaf.dtype, name
+        assert torch.isfinite(gk).all(), f"{name}: non-finite"
+        # Gradients w.r.t. bf16/fp16 leaves are rounded to that dtype; fp32 leaves get the op's accuracy,
+        # which is bounded by the rounding of x and dy themselves.
+        tol = TOL[dtype][1] if leaf.dtype == torch.float32 or name == "dx" else TOL[leaf.dtype][1]
+        assert rel(gk, gr) < tol, f"{name}: rel err {rel(gk, gr):.2e} (layout {layout}, D {D}, {dtype})"
+
+
+LAYOUTS = ["global", "sample", "token", "chunk6", "mixed", "mixed2"]
+
+
+# ---------------------------------------------------------------- CPU: the PyTorch path
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_layouts(layout, dtype):
+    check(layout, 2, 7, 40, dtype, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.float16])
+def test_cpu_affine_and_out_dtype(out_dtype):
+    check("sample", 3, 5, 24, torch.bfloat16, torch.float32, "cpu", affine=True, out_dtype=out_dtype)
+
+
+def test_cpu_two_d_and_modulation_in_x_dtype():
+    check("global", 1, 9, 16, torch.float16, torch.float16, "cpu", two_d=True)
+    check("token", 1, 9, 16, torch.float32, torch.float32, "cpu", two_d=True)
+
+
+def test_cpu_module_and_errors():
+    m = FusedLayerNormModulate(8, elementwise_affine=True)
+    assert "elementwise_affine=True" in repr(m)
+    x = torch.randn(2, 3, 8)
+    y = m(x, torch.zeros(2, 1, 8), torch.zeros(2, 1, 8))
+    assert torch.allclose(y, F.layer_norm(x, (8,), eps=1e-6), atol=1e-5)
+    with pytest.raises(UserError, match="last dim"):
+        ln_modulate(x, torch.zeros(7), torch.zeros(8))
+
+
+def test_cpu_wan_rounding_differs_and_is_reproducible():
+    """Wan rounds LN's output to x's dtype before the fp32 modulation; we do not (docs/kernel.md)."""
+    x = torch.randn(1, 64, 256).bfloat16()
+    sc, sh = torch.randn(1, 1, 256) * 0.5, torch.randn(1, 1, 256) * 0.5
+    wan = (F.layer_norm(x.float(), (256,), eps=1e-6).to(x.dtype).float() * (1 + sc) + sh).to(x.dtype)
+    ours = ln_modulate(x, sc, sh)
+    assert not torch.equal(ours, wan)
+    ref = ref64(x, sc, sh, None, None)
+    assert rel(ours, ref) <= rel(wan, ref)
+    # Reproducing Wan's rounding: LN in fp32 -> x.dtype, then modulate in fp32 (two ops, as in docs).
+    ln = ln_modulate(x, torch.zeros(256), torch.zeros(256))
+    assert torch.equal((ln.float() * (1 + sc) + sh).to(x.dtype), wan)
+
+
+def test_backend_env(monkeypatch):
+    monkeypatch.setenv("DS_ADAPTIVELOAD_LN_MODULATE", "cuda")
+    with pytest.raises(RuntimeError, match="CPU tensors"):
+        ln_modulate(torch.randn(2, 8), torch.zeros(8), torch.zeros(8))
+    monkeypatch.setenv("DS_ADAPTIVELOAD_LN_MODULATE", "bogus")
+    with pytest.raises(UserError):
+        ln_modulate(torch.randn(2, 8), torch.zeros(8), torch.zeros(8))
+
+
+# ---------------------------------------------------------------- CUDA: the fused op
+
+def _require_op():
+    if lnm_mod.load_op() is None:
+        pytest.fail(f"CUDA op did not load: {lnm_mod.op_error()}")
+
+
+@pytest.fixture(autouse=False)
+def cuda_op(monkeypatch):
+    if not torch.cuda.is_available():  # tests/conftest.py skips `cuda` tests too; this keeps the file standalone
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("DS_ADAPTIVELOAD_LN_MODULATE", "cuda")  # never fall back silently in these tests
+    _require_op()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("D", [64, 100, 1536, 3072, 5120, 8192])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_matches_reference(cuda_op, dtype, layout, D):
+    check(layout, 2, 37, D, dtype, torch.float32, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("D", [64, 100, 1536, 16384, 16000])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.float16])
+def test_cuda_affine_out_dtype(cuda_op, D, out_dtype):
+    check("sample", 3, 19, D, torch.bfloat16, torch.float32, "cuda", affine=True, out_dtype=out_dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["chunk6", "sample", "global"])
+def test_cuda_modulation_in_x_dtype(cuda_op, dtype, layout):
+    check(layout, 2, 50, 1536, dtype, dtype, "cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_two_d(cuda_op):
+    check("global", 1, 300, 1536, torch.bfloat16, torch.float32, "cuda", two_d=True)
+    check("token", 1, 300, 1000, torch.bfloat16, torch.float32, "cuda", two_d=True)
+
+
+@pytest.mark.cuda
+def test_cuda_long_sequence(cuda_op):
+    """Wan 2.1 14B at 720p x 129 frames: S = 176,400, one case."""
+    check("sample", 1, 176400, 5120, torch.bfloat16, torch.float32, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["sample", "global", "mixed2"])
+def test_cuda_deterministic_reductions(cuda_op, layout):
+    leaves, view = make(layout, 2, 4000, 1536, torch.bfloat16, torch.float32, "cuda", affine=True)
+    dy = torch.randn(leaves[0].shape, device="cuda").bfloat16()
+    runs = [torch.autograd.grad(ln_modulate(*view(leaves)[:3], weight=leaves[3], bias=leaves[4]), leaves[1:], dy)
+            for _ in range(2)]
+    for a, c in zip(*runs):
+        assert torch.equal(a, c), "reduced gradients differ between runs"
+
+
+@pytest.mark.cuda
+def test_cuda_saved_vs_recomputed_stats(cuda_op):
+    op = lnm_mod.load_op()
+    B, S, D = 2, 333, 5120
+    x = torch.randn(B * S, D, device="cuda").bfloat16()
+    sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(B, 1, D, device="cuda")
+    y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, D, 0, 1e-6, 2, True, -1, -1)
+    dy = torch.randn_like(y)
+    saved = op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False, False, 1e-6, -1, -1)
+    recomp = op.backward(dy, x, sc, None, None, None, None, B, S, D, 0, 1, 1, False, False, 1e-6, -1, -1)
+    for a, c in zip(saved[:3], recomp[:3]):
+        assert rel(a, c) < 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vpt,rpc", [(1, 1), (2, 3), (4, 1)])
+def test_cuda_launch_overrides(cuda_op, vpt, rpc):
+    """The tuning overrides the benchmark sweeps compute the same function."""
+    op = lnm_mod.load_op()
+    B, S, D = 3, 71, 3072
+    x = torch.randn(B * S, D, device="cuda").bfloat16()
+    sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(D, device="cuda")
+    y = op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, 1e-6, 2, True, vpt, rpc)
+    ref = ref64(x.view(B, S, D), sc, sh, None, None)
+    assert rel(y[0].view(B, S, D), ref) < 1e-2
+    dy = torch.randn_like(y[0])
+    got = op.backward(dy, x, sc, None, None, y[1], y[2], B, S, D, 0, 1, 0, False, False, 1e-6, vpt, rpc)
+    base = op.backward(dy, x, sc, None, None, y[1], y[2], B, S, D, 0, 1, 0, False, False, 1e-6, -1, -1)
+    for a, c in zip(got[:3], base[:3]):
+        assert rel(a, c) < 1e-5
+
+
+@pytest.mark.cuda
+def test_cuda_over_2_31_elements(cuda_op):
+    """(1, 270000, 8192) bf16 = 2.2e9 elements: 64-bit offsets. Forward only; rows checked near both ends."""
+    S, D = 270000, 8192
+    if torch.cuda.get_device_properties(0).total_memory < 24 * 2**30:
+        pytest.skip("needs ~12 GB of GPU memory")
+    x = torch.randn(1, S, D, device="cuda", dtype=torch.bfloat16)
+    sc, sh = torch.randn(1, 1, D, device="cuda"), torch.randn(1, 1, D, device="cuda")
+    poison("cuda", S * D * 2)
+    y = ln_modulate(x, sc, sh)
+    assert S * D > 2**31
+    rows = torch.tensor([0, 1, 131071, S // 2, 262143, 262144, S - 2, S - 1], device="cuda")
+    ref = ref64(x[0, rows], sc[0], sh[0], None, None)
+    assert rel(y[0, rows], ref) < 1e-2
+    assert not torch.isnan(y[0, -1000:]).any() and not torch.isnan(y[0, :1000]).any()
+    assert not math.isnan(y.float().sum().item())
