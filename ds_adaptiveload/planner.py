@@ -368,42 +368,39 @@ def _pack_step(cand, ctx):
     return step
 
 
-def _rebalance(step, ctx, g, passes=10, scan=4, tol=1e-3):
-    """Pairwise rebalancing: in each pass the heaviest rank trades with the lightest (then the second
-    heaviest with the second lightest, ...), taking the move or swap that best halves their gap. A pass is
-    O(R * G^2), so 1024 ranks stay cheap; passes stop when none improves."""
+def _rebalance(step, ctx, g, passes=10, scan=4, tol=2e-3):
+    """Pairwise rebalancing: in each pass every rank above the mean (heaviest first) trades with the
+    lightest ranks below it, taking the move or swap that best halves their gap. Idle depends only on the
+    heaviest rank, so ranks within `tol` of the mean are left alone. A pass is O(R * G^2)."""
     cost = ctx.cost
     load = [sum(cost[mb[0]] * len(mb) for mb in mbs) for mbs in step]
     r = len(step)
+    mean = sum(load) / r
     for _ in range(passes):
-        order = sorted(range(r), key=load.__getitem__)
-        if load[order[-1]] - load[order[0]] <= tol * load[order[-1]]:
+        heavy = sorted((k for k in range(r) if load[k] > mean * (1 + tol)), key=load.__getitem__, reverse=True)
+        if not heavy:
             return
-        lo, hi = 0, r - 1
+        light = sorted((k for k in range(r) if load[k] < mean), key=load.__getitem__)
         used = [False] * r
         improved = False
-        while lo < hi:
-            a = order[hi]
-            hi -= 1
-            if used[a]:
-                continue
-            # the lightest unused ranks, first one that can take work from a
+        j0 = 0
+        for a in heavy:
             tried = 0
-            for j in range(lo, hi + 1):
-                b = order[j]
+            for j in range(j0, len(light)):
+                b = light[j]
                 if used[b]:
+                    if j == j0:
+                        j0 += 1
                     continue
-                if load[a] - load[b] <= 1e-9 or tried >= scan:
+                if tried >= scan:
                     break
                 tried += 1
                 act = _best_action(step, a, b, load, ctx, g)
                 if act is not None:
                     _apply(step, a, b, act, load, cost)
-                    used[a] = used[b] = True
+                    used[b] = True
                     improved = True
                     break
-            while lo <= hi and used[order[lo]]:
-                lo += 1
         if not improved:
             return
 
@@ -413,21 +410,27 @@ def _best_action(step, a, b, load, ctx, g):
     cost, cap, shape = ctx.cost, ctx.cap, ctx.shape
     gap = load[a] - load[b]
     best, best_new = None, load[a] - 1e-9
+    on_b = {}
+    for y, my in enumerate(step[b]):
+        on_b.setdefault(shape[my[0]], []).append(y)
+    free_b = len(step[b]) < g
     for x, mx in enumerate(step[a]):
         cx = cost[mx[0]]
         kx = shape[mx[0]]
-        # move t samples of mx into a same-shape micro-batch on b, or into a free slot on b
-        targets = [(y, cap[kx] - len(my)) for y, my in enumerate(step[b]) if shape[my[0]] == kx]
-        if len(step[b]) < g:
-            targets.append((None, cap[kx]))
-        for y, room in targets:
-            # leave mx non-empty unless it moves whole into a free slot (then a loses a micro-batch)
-            limit = min(room, len(mx) if y is None else len(mx) - 1)
-            t = min(limit, max(1, round(gap / (2 * cx))))
+        want = max(1, round(gap / (2 * cx)))
+        # move samples of mx into a same-shape micro-batch on b (leave mx non-empty) ...
+        for y in on_b.get(kx, ()):
+            t = min(cap[kx] - len(step[b][y]), len(mx) - 1, want)
             if t >= 1:
                 new = max(load[a] - t * cx, load[b] + t * cx)
                 if new < best_new:
                     best, best_new = ("move", x, y, t), new
+        # ... or into a free slot on b (mx may move whole; a then has a free slot)
+        if free_b:
+            t = min(cap[kx], len(mx), want)
+            new = max(load[a] - t * cx, load[b] + t * cx)
+            if new < best_new:
+                best, best_new = ("move", x, None, t), new
         wx = cx * len(mx)
         for y, my in enumerate(step[b]):
             d = wx - cost[my[0]] * len(my)
