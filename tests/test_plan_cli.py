@@ -1,0 +1,73 @@
+"""The `plan` command is a contract: flags, --dump lines and --json keys."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ds_adaptiveload.cli import main
+from ds_adaptiveload.manifest import write_manifest
+from ds_adaptiveload.mixes import make_mix
+
+H200 = "configs/profiles/h200-wan1.3b-blocks.yaml"
+KEYS = {"policy", "world_size", "sp", "grad_accum", "steps", "micro_batches", "samples_total", "samples_planned",
+        "samples_skipped", "idle_fraction", "mix_tv", "predicted_wall_s", "plan_seconds"}
+
+
+@pytest.fixture
+def manifest(tmp_path):
+    path = tmp_path / "m.jsonl"
+    write_manifest(path, make_mix("video-heavy", 300, seed=3))
+    return str(path)
+
+
+def test_json_summary_and_dump(tmp_path, manifest, capsys):
+    dump = tmp_path / "plan.jsonl"
+    rc = main(["plan", "--manifest", manifest, "--profile", H200, "--world-size", "4", "--sp", "2",
+               "--grad-accum", "2", "--policy", "balanced", "--seed", "1", "--epoch", "1", "--dump", str(dump),
+               "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert KEYS <= set(summary)
+    assert (summary["world_size"], summary["sp"], summary["grad_accum"], summary["dp_size"]) == (4, 2, 2, 2)
+    lines = [json.loads(x) for x in dump.read_text().splitlines()]
+    assert all(set(x) - {"pad"} == {"step", "rank", "micro", "ids"} for x in lines)
+    assert len(lines) == summary["micro_batches"] == summary["steps"] * 2 * 2
+    ids = [i for x in lines if not x.get("pad") for i in x["ids"]]
+    assert len(ids) == len(set(ids)) == summary["samples_planned"] == 300
+    assert {x["rank"] for x in lines} == {0, 1}
+
+
+def test_table_output(manifest, capsys):
+    assert main(["plan", "--manifest", manifest, "--profile", H200, "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted idle fraction" in out and "balanced" in out
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "frames": 1, "height": 64, "width": 64}\n{"id": "b", "frames": 2, "height": 64, "width": 64}\n')
+    assert main(["plan", "--manifest", str(bad), "--profile", H200, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bad.jsonl:2" in err and "'b'" in err
+    assert main(["plan", "--manifest", str(bad), "--profile", str(tmp_path / "nope.yaml"), "--world-size", "2"]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_oversize_skip_reports(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"id": "img", "frames": 1, "height": 480, "width": 832}\n'
+                    '{"id": "long", "frames": 161, "height": 720, "width": 1280}\n')
+    assert main(["plan", "--manifest", str(path), "--profile", H200, "--world-size", "1", "--json"]) == 2
+    assert "smallest sequence-parallel degree that fits it is 2" in capsys.readouterr().err
+    assert main(["plan", "--manifest", str(path), "--profile", H200, "--world-size", "1", "--json",
+                 "--on-oversize", "skip"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out.strip().splitlines()[-1])["samples_skipped"] == 1 and "long" in cap.err
+
+
+def test_plan_does_not_import_torch():
+    code = ("import sys; from ds_adaptiveload.cli import main; "
+            f"main(['plan', '--mix', 'video-heavy:200', '--profile', '{H200}', '--world-size', '2', '--json']); "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
