@@ -1,0 +1,90 @@
+"""Training configuration: the DeepSpeed JSON plus its `adaptive_load` section (ours), read once.
+
+DeepSpeed's batch keys describe a fixed micro-batch. Ours vary (the scheduler picks B per micro-batch),
+so `ds_batch_keys` sets them to count *micro-batches*: train_micro_batch_size_per_gpu = 1 and
+train_batch_size = G * dp. DeepSpeed uses them only for its own bookkeeping (`global_samples`, the
+samples axis of its monitor events, throughput log lines); its LR schedules step per optimizer step and
+are unaffected. True sample and token counts are in our step log and monitor events.
+"""
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+
+from ds_adaptiveload.errors import UserError
+
+
+@dataclass
+class AdaptiveLoadConfig:
+    """The `adaptive_load` section of the DeepSpeed JSON."""
+
+    profile: str
+    """Cost profile YAML (profile.py); a relative path is looked up from the working directory, then
+    from the JSON file's folder."""
+    policy: str = "balanced"
+    """balanced | dual | equal-tokens (planner.py)."""
+    seed: int = 0
+    """Plan shuffling seed, and the seed of model init, noise and timesteps."""
+    on_oversize: str = "error"
+    """error | skip: a sample whose per-GPU tokens exceed the profile's memory budget."""
+    window: int = None
+    """balanced with G = 1: steps per cost-sorting window (None = whole epoch)."""
+    fill: float = 0.9
+    """balanced with G >= 2: fraction of a step's R*G micro-batch slots to fill."""
+
+    @classmethod
+    def from_dict(cls, d, source) -> "AdaptiveLoadConfig":
+        if not isinstance(d, dict):
+            raise UserError(f"{source}: adaptive_load must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UserError(f"{source}: unknown adaptive_load key(s) {unknown}; known: {sorted(known)}")
+        if "profile" not in d:
+            raise UserError(f"{source}: adaptive_load.profile is required (a cost profile YAML)")
+        return cls(**d)
+
+    def resolve_profile(self, json_path) -> str:
+        if os.path.isabs(self.profile) or os.path.exists(self.profile):
+            return self.profile
+        alt = os.path.join(os.path.dirname(os.path.abspath(json_path)), self.profile)
+        if os.path.exists(alt):
+            return alt
+        raise UserError(f"{json_path}: adaptive_load.profile {self.profile!r} not found (looked in the working "
+                        f"directory and next to the JSON)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_ds_config(path):
+    """-> (DeepSpeed dict without `adaptive_load`, AdaptiveLoadConfig). DeepSpeed's config parser tolerates
+    unknown top-level keys, but it stores the dict in every checkpoint and prints it, so ours is removed."""
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read DeepSpeed config ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(ds, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    if "adaptive_load" not in ds:
+        raise UserError(f"{path}: no adaptive_load section (profile, policy, seed, on_oversize)")
+    al = AdaptiveLoadConfig.from_dict(ds.pop("adaptive_load"), path)
+    gas = ds.get("gradient_accumulation_steps", 1)
+    if not isinstance(gas, int) or gas < 1:
+        raise UserError(f"{path}: gradient_accumulation_steps must be a positive integer, got {gas!r}")
+    sp = ds.get("sequence_parallel_size", 1)
+    if not isinstance(sp, int) or sp < 1:
+        raise UserError(f"{path}: sequence_parallel_size must be a positive integer, got {sp!r}")
+    return ds, al
+
+
+def ds_batch_keys(ds: dict, dp_world: int) -> dict:
+    """Set DeepSpeed's batch keys to count micro-batches (module docstring); returns what changed."""
+    gas = ds.get("gradient_accumulation_steps", 1)
+    want = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+            "train_batch_size": gas * dp_world}
+    changed = {k: (ds.get(k), v) for k, v in want.items() if k in ds and ds[k] != v}
+    ds.update(want)
+    return changed

@@ -1,0 +1,62 @@
+"""Flow matching as Wan 2.1 trains, and the loss normalization that makes a step's gradient independent
+of how its samples are split over ranks and micro-batches.
+
+  x_t = (1 - t) x0 + t eps,   target v = eps - x0,   loss = MSE(model(x_t, 1000 t, ctx), v)
+  t = s u / (1 + (s - 1) u),  u ~ U(0, 1),  shift s = 5 by default
+
+The shift moves t towards 1 (more noise): the median t is s/(s+1) = 0.83 for s = 5 instead of 0.5.
+High-resolution video has redundant pixels, so at a given t more signal survives than in a small image;
+shifting keeps training on the noisy end where the structure is decided (Wan, SD3).
+
+Noise and t of a sample come from a generator seeded by (seed, epoch, sample index), so they do not
+depend on the rank, the micro-batch or whether the run was resumed, and SP peers draw the same values.
+"""
+import torch
+
+
+def shift_t(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """Wan's timestep shift of uniform u in [0, 1)."""
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 63-bit seed per (seed, epoch, sample); splitmix64 mixing so nearby indices are unrelated."""
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) & (2**63 - 1)
+
+
+def draw_noise(x0: torch.Tensor, indices, seed: int, epoch: int, shift: float):
+    """eps like x0 and t [B] (fp32), one generator per sample."""
+    eps = torch.empty(x0.shape, dtype=torch.float32, device=x0.device)
+    u = torch.empty(x0.shape[0], dtype=torch.float32, device=x0.device)
+    for b, i in enumerate(indices):
+        g = torch.Generator(device=x0.device).manual_seed(sample_seed(seed, epoch, i))
+        u[b] = torch.rand((), generator=g, device=x0.device)
+        eps[b] = torch.randn(x0.shape[1:], generator=g, device=x0.device)
+    return eps, shift_t(u, shift)
+
+
+def flow_matching_loss(model, x0, context, eps, t, **model_kwargs) -> torch.Tensor:
+    """Per-sample MSE [B] (fp32) of the velocity prediction. x0, eps: [B, C, F, H, W]; t in [0, 1]."""
+    x0f = x0.float()
+    tb = t.view(-1, *([1] * (x0.ndim - 1)))
+    xt = (1 - tb) * x0f + tb * eps
+    pred = model(xt.to(x0.dtype), t * 1000, context, **model_kwargs)
+    return (pred.float() - (eps - x0f)).pow(2).flatten(1).mean(1)
+
+
+def loss_scale(grad_divisor: int, grad_accum: int, global_samples: int) -> float:
+    """Factor for a micro-batch's *sum* of per-sample losses so that the step's gradient is the gradient
+    of the mean loss over the global step's N samples.
+
+    DeepSpeed divides each micro-batch loss by G (gradient_accumulation_steps), sums gradients over the
+    ranks and divides by `grad_divisor` (the dp size; see sp.grad_divisor for sequence parallelism), so
+    the applied gradient is sum over ranks and micro-batches of grad(loss) / (divisor * G). With
+    loss = scale * sum_i l_i and scale = divisor * G / N this is sum over the N samples of grad(l_i) / N.
+    N comes from the plan (every rank knows every rank's micro-batches): no communication is needed.
+    """
+    return grad_divisor * grad_accum / global_samples

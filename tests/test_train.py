@@ -1,0 +1,233 @@
+"""launch/train_wan.py on CPU with 2 ranks and the tiny model, through the real `deepspeed` launcher:
+the documented command, loss normalization against one big batch (dp=2 and Ulysses sp=2), exact resume,
+and a non-finite loss stopping the run. Each launch takes ~20 s on 2 cores."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ds_adaptiveload.geometry import Geometry
+from ds_adaptiveload.manifest import load_manifest
+from ds_adaptiveload.model import WanConfig, WanModel
+from ds_adaptiveload.train import data, flow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+TINY = os.path.join(ROOT, "configs", "wan_tiny.yaml")
+pytestmark = pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
+
+
+def launch(out, *extra, config=None, port=29511, timeout=240):
+    """`deepspeed --num_gpus 2 launch/train_wan.py ...` from the repo root; config None: the documented
+    command exactly (plus --output), else 1 DataLoader worker to spare the 2 cores."""
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), "launch/train_wan.py",
+           "--deepspeed_config", str(config or "configs/ds_tiny_cpu.json"), "--model-config", "configs/wan_tiny.yaml",
+           "--output", str(out), *(() if config is None else ("--num-workers", "1")), *extra]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def steps(out, rank=0):
+    with open(os.path.join(out, f"steps.rank{rank}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_config(tmp_path, **changes):
+    """ds_tiny_cpu.json with an absolute profile path, the monitor in tmp_path, and `changes`."""
+    with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
+        cfg = json.load(f)
+    cfg["adaptive_load"]["profile"] = os.path.join(ROOT, cfg["adaptive_load"]["profile"])
+    cfg["csv_monitor"]["output_path"] = str(tmp_path / "monitor")
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    path = tmp_path / f"ds_{len(os.listdir(tmp_path))}.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+test_config.__test__ = False  # a helper, not a test
+
+
+def check(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loss normalization, pure arithmetic: what DeepSpeed does to our scaled losses equals one big batch.
+
+
+def test_loss_scale_equals_one_big_batch_in_one_process():
+    torch.manual_seed(0)
+    cfg = WanConfig.from_yaml(TINY)
+    model = WanModel(cfg)
+    with torch.no_grad():
+        model.head.head.weight.normal_(std=0.02)  # zero-init head would zero every other gradient
+    shapes = [(1, 8, 8)] * 5 + [(2, 8, 8)] * 3 + [(1, 8, 12)] * 2
+    xs = [torch.randn(16, *s) for s in shapes]
+    ctx = torch.randn(len(xs), 5, cfg.text_dim)
+
+    def losses(idx):
+        x0 = torch.stack([xs[i] for i in idx])
+        eps, t = flow.draw_noise(x0, idx, seed=3, epoch=0, shift=5.0)
+        return flow.flow_matching_loss(model, x0, ctx[idx], eps, t)
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    # one big batch: mean loss over all 10 samples (per shape, summed)
+    groups = [[0, 1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    ref = grads(sum(losses(g).sum() for g in groups) / len(xs))
+    # dp=2 ranks x G=2 micro-batches, uneven, and one pad micro-batch with zero weight
+    plan = [[[0, 1, 2], [8, 9]], [[5, 6, 7], [3, 4]]]
+    dp, G, n = 2, 2, len(xs)
+    acc = [torch.zeros_like(g) for g in ref]
+    for rank_mbs in plan:
+        for mb in rank_mbs:
+            scaled = losses(mb).sum() * flow.loss_scale(dp, G, n)
+            for a, g in zip(acc, grads(scaled / G)):  # DeepSpeed: loss / gas, then mean over dp
+                a += g / dp
+    pad = grads(losses([0]).sum() * 0.0)
+    for a, r, p in zip(acc, ref, pad):
+        torch.testing.assert_close(a + p, r, rtol=1e-5, atol=1e-7)
+    assert sum(r.abs().sum() for r in ref) > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# The documented command and exact resume
+
+
+def test_documented_command_runs(tmp_path):
+    # The README command; its csv monitor writes to runs/monitor under the repo, as the config says.
+    straight = tmp_path / "run"
+    check(launch(straight, "--synthetic", "--max-steps", "4"))
+    recs = steps(straight, 0)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for r in recs:
+        assert r["loss"] > 0 and r["samples"] > 0 and r["tokens"] > 0
+        assert len(r["compute_ms"]) == 2 and 0 <= r["idle_fraction"] < 1 and len(r["pred_ms"]) == 2
+        assert len(r["ids"]) == 2  # G micro-batches
+    # the two ranks trained disjoint samples and agree on the global metrics
+    r1 = steps(straight, 1)
+    for a, b in zip(recs, r1):
+        assert a["loss"] == b["loss"] and a["samples"] == b["samples"]
+        ids_a = [i for g, mb in enumerate(a["ids"]) if g not in a["pad"] for i in mb]
+        ids_b = [i for g, mb in enumerate(b["ids"]) if g not in b["pad"] for i in mb]
+        assert not set(ids_a) & set(ids_b) and len(set(ids_a + ids_b)) == a["samples"]
+    assert os.path.isfile(os.path.join(straight, "checkpoints", "latest"))
+
+
+def test_resume_continues_with_the_same_micro_batches(tmp_path):
+    # 37 synthetic samples: with tiny-cpu.yaml, G=2 and 2 ranks the plan's epoch 0 has 3 steps, the last
+    # with pad micro-batches, so 4 steps cover a resume mid-epoch, pads and an epoch boundary.
+    cfg = test_config(tmp_path)
+    common = ("--synthetic", "--synthetic-num", "37")
+    ref, out = tmp_path / "straight", tmp_path / "resumed"
+    check(launch(ref, *common, "--max-steps", "4", config=cfg, port=29512))
+    check(launch(out, *common, "--max-steps", "2", config=cfg, port=29513))
+    check(launch(out, *common, "--max-steps", "4", "--resume", str(out / "checkpoints"), config=cfg, port=29514))
+    for rank in (0, 1):
+        a, b = steps(ref, rank), steps(out, rank)
+        assert [r["step"] for r in b] == [1, 2, 3, 4]
+        assert [(r["epoch"], r["plan_step"], r["ids"], r["pad"]) for r in b] == \
+            [(r["epoch"], r["plan_step"], r["ids"], r["pad"]) for r in a]
+        for ra, rb in zip(a, b):
+            assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5, abs=1e-7), (ra["step"], ra["loss"], rb["loss"])
+            assert rb["lr"] == pytest.approx(ra["lr"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The gradient DeepSpeed applies equals the gradient of the mean loss over the global step
+
+
+def reference_check(out, dump, sp):
+    """Recompute the dumped step's gradient in one process from the dumped parameters."""
+    d = torch.load(dump)
+    step = d["step"]
+    manifest = os.path.join(out, "synthetic", "manifest.jsonl")
+    samples = load_manifest(manifest)
+    index = {s.id: i for i, s in enumerate(samples)}
+    cfg = WanConfig.from_yaml(TINY)
+    ds = data.LatentDataset(samples, manifest, Geometry(), cfg.text_len, cfg.text_dim)
+    ids = []
+    for rank in range(0, 2, sp):  # one rank per SP group: peers train the same samples
+        rec = steps(out, rank)[step - 1]
+        assert rec["step"] == step
+        ids += [i for g, mb in enumerate(rec["ids"]) if g not in rec["pad"] for i in mb]
+    if sp > 1:
+        assert steps(out, 1)[step - 1]["ids"] == steps(out, 0)[step - 1]["ids"]
+    assert len(ids) == steps(out, 0)[step - 1]["samples"]
+    model = WanModel(cfg)
+    model.load_state_dict(d["params"])
+    model.zero_grad()
+    total = 0
+    for i in (index[s] for s in ids):
+        b = ds.__getitems__([i])
+        eps, t = flow.draw_noise(b["latent"], [i], seed=0, epoch=0, shift=5.0)
+        total = total + flow.flow_matching_loss(model, b["latent"], b["text"], eps, t).sum()
+    (total / len(ids)).backward()
+    nonzero = 0
+    for name, p in model.named_parameters():
+        got, want = d["grads"][name], p.grad
+        err = (got - want).norm() / want.norm().clamp_min(1e-12)
+        assert err < 1e-4 or (got - want).abs().max() < 1e-8, (name, float(err))
+        nonzero += bool(want.norm() > 0)
+    assert nonzero > len(d["grads"]) // 2  # most parameters get a gradient after the first update
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_gradient_equals_one_big_batch(tmp_path, sp):
+    # lr 1e-3 without warmup so step 1 moves the zero-initialised head and step 2 has full gradients.
+    cfg = test_config(tmp_path, sequence_parallel_size=sp, scheduler=None,
+                      optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
+    out = tmp_path / "run"
+    dump = tmp_path / "grads.pt"
+    check(launch(out, "--synthetic", "--max-steps", "2", "--dump-grads", str(dump), config=cfg, port=29515 + sp))
+    reference_check(out, dump, sp)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad input stops the run with an error naming it
+
+
+def test_nonfinite_loss_names_step_and_samples(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ds_adaptiveload.mixes import make_mix
+
+    cfg_model = WanConfig.from_yaml(TINY)
+    d = tmp_path / "data"
+    manifest = data.write_synthetic(str(d), make_mix("tiny", 32, 0), text_dim=cfg_model.text_dim,
+                                    max_text_len=cfg_model.text_len, dtype="fp32")
+    victim = load_manifest(manifest)[5]
+    shard = d / victim.extra["shard"]
+    tensors = load_file(str(shard))
+    tensors[victim.extra["latent_key"]][0, 0, 0, 0] = float("nan")
+    save_file(tensors, str(shard))
+    proc = launch(tmp_path / "run", "--data", manifest, "--max-steps", "40", config=test_config(tmp_path),
+                  port=29518)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "non-finite loss on rank" in proc.stderr and victim.id in proc.stderr, proc.stderr[-3000:]
+    assert "stopped before the optimizer update" in proc.stderr
+
+
+def test_missing_shard_exits_2_naming_it(tmp_path):
+    cfg_model = WanConfig.from_yaml(TINY)
+    from ds_adaptiveload.mixes import make_mix
+
+    d = tmp_path / "data"
+    manifest = data.write_synthetic(str(d), make_mix("tiny", 8, 0), text_dim=cfg_model.text_dim,
+                                    max_text_len=cfg_model.text_len, dtype="fp32", shard_size=4)
+    os.remove(d / "shard-00001.safetensors")
+    proc = launch(tmp_path / "run", "--data", manifest, "--max-steps", "1", config=test_config(tmp_path),
+                  port=29519)
+    assert proc.returncode == 2
+    assert "shard-00001.safetensors: shard missing (needed by sample 'tiny-0000004'" in proc.stderr
