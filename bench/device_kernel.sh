@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: JIT-build the op, CUDA tests, compute-sanitizer (memcheck, racecheck) on
-# small shapes, benchmark. Everything lands in $OUT (pytest.log, sanitizer.log, bench.log, bench JSON).
+# One call on the GPU machine: JIT-build the op, CUDA tests, compute-sanitizer memcheck on small shapes,
+# benchmark (with the row-stream / launch-shape sweep), then racecheck with the time left. Everything lands
+# in $OUT (env.log, resource.log, pytest.log, sanitizer-*.log, bench.log, bench JSON). Each step has its own
+# timeout so that a slow step cannot eat the others' results (one device call is budgeted at ~420 s).
 #   run: bash bench/device_kernel.sh   (carry [".whl"]; the machine sets TORCH_CUDA_ARCH_LIST=9.0a)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-BENCH_BUDGET=${BENCH_BUDGET:-150}
+BENCH_BUDGET=${BENCH_BUDGET:-110}
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/env.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.log"
@@ -20,10 +22,10 @@ print(f"built/loaded {m.__file__} in {time.time() - t:.0f} s")
 PY
 so=$(ls ~/.cache/torch_extensions/*/ln_modulate/*.so 2>/dev/null | head -1)
 [ -n "$so" ] && cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -E "Function|REG" | paste - - | \
-  sed -E 's/.*Function ([^ ]*).*REG:([0-9]+).*STACK:([0-9]+).*/\1 REG \2 STACK \3/' | grep -i bfloat16 | head -40 > "$OUT/resource.log"
+  sed -E 's/.*Function ([^ ]*).*REG:([0-9]+).*STACK:([0-9]+).*SHARED:([0-9]+).*/\1 REG \2 STACK \3/' | grep -i "bfloat16fS1_" > "$OUT/resource.log"
 
 el "pytest"
-timeout 170 python3 -m pytest -q -x -p no:cacheprovider tests/test_ln_modulate.py tests/test_op_builder.py 2>&1 | tail -40 > "$OUT/pytest.log"
+timeout 110 python3 -m pytest -q -x -p no:cacheprovider tests/test_ln_modulate.py tests/test_op_builder.py 2>&1 | tail -40 > "$OUT/pytest.log"
 tail -5 "$OUT/pytest.log"
 
 el "compute-sanitizer"
@@ -31,8 +33,10 @@ cat > /tmp/small.py <<'PY'
 import torch
 from ds_adaptiveload.ops import ln_modulate
 torch.manual_seed(0)
+# The last two wrap each row group's shared-memory ring several times (staged row stream).
 for B, S, D, dt, aff, lay in [(2, 67, 1536, torch.bfloat16, False, "sample"), (2, 33, 100, torch.float16, True, "token"),
-                              (1, 40, 5120, torch.bfloat16, True, "chunk"), (3, 9, 64, torch.float32, False, "global")]:
+                              (1, 40, 5120, torch.bfloat16, True, "chunk"), (3, 9, 64, torch.float32, False, "global"),
+                              (1, 2500, 5120, torch.bfloat16, False, "sample"), (2, 1500, 1536, torch.float32, True, "token")]:
     x = torch.randn(B, S, D, device="cuda", dtype=dt, requires_grad=True)
     if lay == "chunk":
         base = torch.randn(B, S, 6, D, device="cuda", requires_grad=True); sc, sh = base[:, :, 1], base[:, :, 0]
@@ -45,13 +49,18 @@ for B, S, D, dt, aff, lay in [(2, 67, 1536, torch.bfloat16, False, "sample"), (2
     y.backward(torch.randn_like(y))
 torch.cuda.synchronize(); print("small ok")
 PY
-for tool in memcheck racecheck; do
-  timeout 90 compute-sanitizer --tool $tool --print-limit 20 python3 /tmp/small.py > "$OUT/sanitizer-$tool.log" 2>&1
-  echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|small ok' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"
-done
+san() {
+  timeout "$2" compute-sanitizer --tool "$1" --print-limit 20 python3 /tmp/small.py > "$OUT/sanitizer-$1.log" 2>&1
+  echo "$1 rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|small ok' "$OUT/sanitizer-$1.log" | tr '\n' ' ')"
+}
+san memcheck 70
 
 el "benchmark"
-python3 bench/ln_modulate.py --out "$OUT/ln_modulate-$(date +%F)-h200.json" --budget-s "$BENCH_BUDGET" ${BENCH_ARGS:-} 2>&1 \
-  | grep -v Warning > "$OUT/bench.log"
-tail -22 "$OUT/bench.log"
+timeout 190 python3 bench/ln_modulate.py --out "$OUT/ln_modulate-$(date +%F)-h200.json" --budget-s "$BENCH_BUDGET" \
+  --baseline-dtypes bfloat16 ${BENCH_ARGS:-} 2>&1 | grep -v Warning > "$OUT/bench.log"
+grep -E "^sweep" "$OUT/bench.log" | sed -E "s/'dtype': 'torch.bfloat16', //; s/'rpc': -1, //" | cut -c1-230
+tail -18 "$OUT/bench.log"
+
+el "racecheck"
+san racecheck 60
 el "done"

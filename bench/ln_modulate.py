@@ -112,25 +112,30 @@ def measure(fn, xs, scs, shs, dys, mode):
 
 
 def tuning_sweep(op, B, S, D, dtype, bw):
-    """Launch-shape variants of our kernels (vpt, rpc) and saved vs recomputed statistics."""
+    """Row-stream variants (stages: rows staged ahead in shared memory; 0 = register prefetch only, the
+    default), launch shapes (vpt) and saved vs recomputed statistics."""
     x = torch.randn(B * S, D, device="cuda").to(dtype)
     sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(B, 1, D, device="cuda")
     dy = torch.randn(B * S, D, device="cuda").to(dtype)
     fb, fbb = floor_bytes(B, S, D, x.element_size())
     rows = []
-    for vpt in (-1, 1, 2, 4):
-        for rpc in (-1, 2) if D <= 2048 else (-1,):
-            y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS, lnm._DTYPE_CODE[dtype], True, vpt, rpc)
-            f = bench_ms(lambda: op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS, lnm._DTYPE_CODE[dtype], True, vpt, rpc))
-            b_saved = bench_ms(lambda: op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False, False,
-                                                   EPS, vpt, rpc))
-            b_rec = bench_ms(lambda: op.backward(dy, x, sc, None, None, None, None, B, S, D, 0, 1, 1, False, False,
-                                                 EPS, vpt, rpc))
-            rows.append({"shape": [B, S, D], "dtype": str(dtype), "vpt": vpt, "rpc": rpc, "fwd_ms": f,
-                         "bwd_saved_ms": b_saved, "bwd_recompute_ms": b_rec,
-                         "fwd_bw%": round(100 * fb / (f * 1e-3) / bw, 1),
-                         "fwdbwd_saved_bw%": round(100 * fbb / ((f + b_saved) * 1e-3) / bw, 1)})
-            print("sweep", rows[-1], flush=True)
+    variants = [(st, -1) for st in (0, 2, 3, 4, 6)] + [(st, v) for st in (0, 3) for v in ((2,) if D > 2048 else (4,))]
+    for stages, vpt in variants:
+        rpc = -1
+        op.set_stages(stages, stages)
+        y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS, lnm._DTYPE_CODE[dtype], True, vpt, rpc)
+        f = bench_ms(lambda: op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS, lnm._DTYPE_CODE[dtype], True, vpt, rpc))
+        b_saved = bench_ms(lambda: op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False, False,
+                                               EPS, vpt, rpc))
+        b_rec = bench_ms(lambda: op.backward(dy, x, sc, None, None, None, None, B, S, D, 0, 1, 1, False, False,
+                                             EPS, vpt, rpc))
+        rows.append({"shape": [B, S, D], "dtype": str(dtype), "stages": stages, "vpt": vpt, "rpc": rpc, "fwd_ms": f,
+                     "bwd_saved_ms": b_saved, "bwd_recompute_ms": b_rec,
+                     "fwd_bw%": round(100 * fb / (f * 1e-3) / bw, 1),
+                     "bwd_saved_bw%": round(100 * (fbb - fb) / (b_saved * 1e-3) / bw, 1),
+                     "fwdbwd_saved_bw%": round(100 * fbb / ((f + b_saved) * 1e-3) / bw, 1)})
+        print("sweep", rows[-1], flush=True)
+    op.set_stages(-1, -1)
     return rows
 
 
@@ -140,6 +145,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip remaining baselines after this many seconds")
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 1x75600x5120,8x4680x1536")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--baseline-dtypes", default="bfloat16", help="dtypes timed against the baselines too "
+                    "(others: ours only, to save device time)")
     args = ap.parse_args()
     t0 = time.time()
     os.environ.setdefault("DS_ADAPTIVELOAD_LN_MODULATE", "cuda")
@@ -161,7 +169,7 @@ def main():
         for shp in [(1, 75600, 5120), (1, 32760, 1536)]:
             res["sweep"] += tuning_sweep(op, *shp, torch.bfloat16, bw)
         save()
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for B, S, D in shapes:
             esize = torch.empty(0, dtype=dtype).element_size()
             nsets = 2 if B * S * D * esize < 256 * 2**20 else 1
@@ -175,6 +183,9 @@ def main():
             for name, fn in providers(B).items():
                 for mode in ("fwd", "fwdbwd"):
                     key = f"{name}_{mode}_ms"
+                    if name != "ours" and str(dtype).replace("torch.", "") not in args.baseline_dtypes.split(","):
+                        row[key] = "skipped: ours only for this dtype"
+                        continue
                     if time.time() - t0 > args.budget_s and name != "ours":
                         row[key] = "skipped: time budget"
                         continue

@@ -19,6 +19,10 @@ int dtype_code(const at::ScalarType t) {
   return -1;
 }
 
+// Row-stream depth for the next launches (tuning / A-B comparison; -1 or 0 = register prefetch, the
+// default; n >= 2 = n rows staged ahead in shared memory by cp.async). Process-wide, set by set_stages().
+int g_fwd_stages = -1, g_bwd_stages = -1;
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 const float* opt_ptr(const c10::optional<at::Tensor>& t, int64_t D, const char* name) {
@@ -76,6 +80,7 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& scale, co
   p.y_dtype = dtype_code(out_dtype);
   p.vectorized = vec_ok(D, x, scale, sc_sb, sc_ss, shift, sh_sb, sh_ss) && aligned16(y.data_ptr());
   p.vpt = int(vpt); p.rpc = int(rpc);
+  p.stages = g_fwd_stages;
   const char* err = lnmod::fwd_launch(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, err ? err : "");
   return {y, mean, rstd};
@@ -133,6 +138,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
                  aligned16(scale.data_ptr()) && (sc_sb * scale.element_size()) % 16 == 0 &&
                  (sc_ss * scale.element_size()) % 16 == 0;
   p.vpt = int(vpt); p.rpc = int(rpc);
+  p.stages = g_bwd_stages;
   const int64_t ws_floats = lnmod::bwd_plan(p);
   auto ws = at::empty({ws_floats}, f32);
   p.workspace = ws.data_ptr<float>();
@@ -147,6 +153,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused LayerNorm-Modulate (ds_adaptiveload)";
   m.def("forward", &forward, "y = LN(x)[*w+b]*(1+scale)+shift");
   m.def("backward", &backward, "gradients of forward");
+  m.def("set_stages", [](int64_t fwd, int64_t bwd) {
+    TORCH_CHECK(fwd >= -1 && bwd >= -1 && fwd != 1 && bwd != 1, "ln_modulate.set_stages: -1 / 0 (off) or a depth >= 2");
+    g_fwd_stages = int(fwd);
+    g_bwd_stages = int(bwd);
+  }, "rows staged ahead in shared memory by the forward / backward (-1 / 0: off, the default); for tuning");
+  m.def("get_stages", []() { return pybind11::make_tuple(g_fwd_stages, g_bwd_stages); });
   // The torch this module was compiled against: a prebuilt module is only used with the same torch.
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
 }

@@ -29,6 +29,7 @@ struct FwdParams {
   int x_dtype, m_dtype, y_dtype;
   bool vectorized;      // caller checked 16-byte alignment of every row base and D % 8 == 0
   int vpt, rpc;         // launch overrides for tuning (-1 = heuristic)
+  int stages;           // rows of x staged ahead in shared memory by cp.async (<= 0: off, the default)
 };
 
 struct BwdParams {
@@ -56,6 +57,7 @@ struct BwdParams {
   int x_dtype, m_dtype, y_dtype;
   bool vectorized;
   int vpt, rpc;
+  int stages;           // rows of x and dy staged ahead in shared memory (<= 0: off, the default)
   int ctas_per_sample;  // filled by bwd_plan()
 };
 

@@ -50,9 +50,13 @@ __device__ __forceinline__ void flush_partial(const float (&acc)[VPT][8], float*
 }
 }  // namespace
 
-template <typename TX, typename TM, typename TY, int VPT, bool AFF>
+// Row stream as in the forward: PIPE (opt-in, stages >= 2; measured no faster on H200) stages the next
+// `nst` rows of x and dy of each row group in a shared-memory ring by cp.async (nst rows in flight per row group, no registers held); !PIPE loads each
+// row into registers when it is needed (one row in flight). With PIPE the saved mean/rstd of the next row
+// are loaded one row ahead, so their latency is hidden too.
+template <typename TX, typename TM, typename TY, int VPT, bool AFF, bool PIPE>
 // 96 registers at vpt 2: two 320-thread CTAs (D = 5120) fit one SM's register file (104 would not).
-__global__ void __launch_bounds__(bwd_max_threads(VPT)) __maxnreg__(VPT == 1 ? 64 : VPT == 2 ? 96 : 128) bwd_vec_kernel(BwdParams p, int wpr) {
+__global__ void __launch_bounds__(bwd_max_threads(VPT)) __maxnreg__(VPT == 1 ? 64 : VPT == 2 ? 96 : 128) bwd_vec_kernel(BwdParams p, int wpr, int nst) {
   extern __shared__ float smem[];
   const int tpr = wpr * 32;
   const int rpc = blockDim.x / tpr;
@@ -77,6 +81,9 @@ __global__ void __launch_bounds__(bwd_max_threads(VPT)) __maxnreg__(VPT == 1 ? 6
   // of re-reading it from L1/L2 twice per row.
   const bool stage = p.sc_ss == 0;
   float* mod_a = smem + smem_buf_offset(rpc, wpr) + (rpc > 1 ? rpc * p.D : 0);
+  TX* ring_x = reinterpret_cast<TX*>(mod_a + p.D);                  // [nst][rpc][D] (PIPE)
+  TY* ring_g = reinterpret_cast<TY*>(ring_x + int64_t(nst) * rpc * p.D);  // [nst][rpc][D] (PIPE)
+  const int64_t step = int64_t(C) * rpc;
   if (stage) {
     for (int col = threadIdx.x; col < p.D; col += blockDim.x) mod_a[col] = 1.f + to_f(sc[b * p.sc_sb + col]);
     __syncthreads();
@@ -97,8 +104,32 @@ __global__ void __launch_bounds__(bwd_max_threads(VPT)) __maxnreg__(VPT == 1 ? 6
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc_sc[i][k] = acc_sh[i][k] = acc_w[i][k] = acc_b[i][k] = 0.f;
 
-  int parity = 0;
-  for (int64_t s0 = int64_t(blockIdx.x) * rpc; s0 < p.S; s0 += int64_t(C) * rpc, parity ^= 1) {
+  // PIPE: copy this thread's vectors of row si of x and dy into ring stage st; always one commit.
+  auto issue = [&](int64_t si, int st) {
+    if (si < p.S) {
+      const int64_t off = (b * p.S + si) * p.D;
+      const int64_t so = (int64_t(st) * rpc + group) * p.D;
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int c = tid + i * tpr;
+        if (c < nvec) {
+          cp_async8(ring_x + so + c * 8, x + off + int64_t(c) * 8);
+          cp_async8(ring_g + so + c * 8, dy + off + int64_t(c) * 8);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  float mean_n = 0.f, rstd_n = 0.f;  // PIPE with saved stats: the next row's, loaded one row ahead
+  if (PIPE) {
+    const int64_t first = int64_t(blockIdx.x) * rpc + group;
+    for (int k = 0; k < nst; ++k) issue(first + k * step, k);
+    if (!p.recompute && first < p.S) { mean_n = p.mean[b * p.S + first]; rstd_n = p.rstd[b * p.S + first]; }
+  }
+
+  int parity = 0, st = 0;
+  for (int64_t s0 = int64_t(blockIdx.x) * rpc; s0 < p.S;
+       s0 += step, parity ^= 1, st = (st + 1 == nst ? 0 : st + 1)) {
     const int64_t si = s0 + group;
     const bool valid = si < p.S;
     const int64_t row = b * p.S + si;
@@ -106,19 +137,30 @@ __global__ void __launch_bounds__(bwd_max_threads(VPT)) __maxnreg__(VPT == 1 ? 6
     // registers for 2-byte types).
     Pack8<TX> xv[VPT];
     Pack8<TY> gv[VPT];
+    if (PIPE) cp_async_wait(nst - 1);  // this thread's copies of row si have landed
+    const int64_t so = (int64_t(st) * rpc + group) * p.D;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int c = tid + i * tpr;
       if (valid && c < nvec) {
-        xv[i].load(x + row * p.D + int64_t(c) * 8);
-        gv[i].load(dy + row * p.D + int64_t(c) * 8);
+        if (PIPE) {
+          xv[i].lds(ring_x + so + c * 8);
+          gv[i].lds(ring_g + so + c * 8);
+        } else {
+          xv[i].load(x + row * p.D + int64_t(c) * 8);
+          gv[i].load(dy + row * p.D + int64_t(c) * 8);
+        }
       } else {
         xv[i].zero();
         gv[i].zero();
       }
     }
     float mean, rstd;
-    if (p.recompute) {
+    if (PIPE && !p.recompute) {
+      mean = mean_n;
+      rstd = rstd_n;
+      if (si + step < p.S) { mean_n = p.mean[row + step]; rstd_n = p.rstd[row + step]; }
+    } else if (p.recompute) {
       float s = 0.f;
 #pragma unroll
       for (int i = 0; i < VPT; ++i) {
@@ -178,6 +220,8 @@ __global__ void __launch_bounds__(bwd_max_threads(VPT)) __maxnreg__(VPT == 1 ? 6
       }
     }
     sums = group_sum2(sums, slot_c + parity * rpc * wpr, wpr);
+    // The stage's values were consumed by the sums above: refill it with the row nst steps ahead.
+    if (PIPE) issue(si + nst * step, st);
     if (!valid) continue;
     const float m1 = sums.x * inv_d, m2 = sums.y * inv_d;
 #pragma unroll
@@ -201,6 +245,7 @@ __global__ void __launch_bounds__(bwd_max_threads(VPT)) __maxnreg__(VPT == 1 ? 6
     }
   }
 
+  if (PIPE) cp_async_wait(0);  // no copy may still target this CTA's shared memory when it exits
   // Partial sums of this CTA: its rpc row groups are combined in shared memory (fixed order), then one
   // row per quantity goes to the workspace. Explicit calls keep the accumulators in registers.
   float* buf = smem + smem_buf_offset(rpc, wpr);
@@ -296,13 +341,6 @@ __global__ void __launch_bounds__(256) reduce_kernel(const float* part, float* o
   }
 }
 
-static int num_sms() {
-  int dev = 0, n = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  return n;
-}
-
 static size_t vec_smem(const Shape& sh, int D) {  // see smem_buf_offset
   return sizeof(float) * (smem_buf_offset(sh.rpc, sh.wpr) + (sh.rpc > 1 ? size_t(sh.rpc) * D : 0) + D);
 }
@@ -313,82 +351,104 @@ static Shape bwd_shape(const BwdParams& p) {
   return sh;
 }
 
+// Launch configuration of the backward; bwd_plan and bwd_launch must agree on it (rows per CTA).
+struct BwdCfg {
+  Shape sh;
+  int nst;       // ring depth (PIPE) or 0
+  size_t smem;
+  const void* k; // vectorized kernel, or null for the generic one
+  int threads;
+};
+
 template <typename TX, typename TM, typename TY, int VPT>
-static void* vec_kernel_ptr(bool aff) {
-  return aff ? reinterpret_cast<void*>(bwd_vec_kernel<TX, TM, TY, VPT, true>)
-             : reinterpret_cast<void*>(bwd_vec_kernel<TX, TM, TY, VPT, false>);
+static const void* vec_kernel_ptr(bool aff, bool pipe) {
+  if (pipe) return aff ? reinterpret_cast<const void*>(bwd_vec_kernel<TX, TM, TY, VPT, true, true>)
+                       : reinterpret_cast<const void*>(bwd_vec_kernel<TX, TM, TY, VPT, false, true>);
+  return aff ? reinterpret_cast<const void*>(bwd_vec_kernel<TX, TM, TY, VPT, true, false>)
+             : reinterpret_cast<const void*>(bwd_vec_kernel<TX, TM, TY, VPT, false, false>);
 }
 
-// Resident CTAs per SM for the chosen kernel (the persistent grid size).
+// Staged (PIPE) only when asked for (stages > 0) and unless even one row, two stages do not fit
+// kPipeSmemCap; rows per CTA shrink first, then the depth.
 template <typename TX, typename TM, typename TY>
-static int occupancy(const BwdParams& p, const Shape& sh) {
-  int per_sm = 0;
-  if (p.vectorized) {
-    const bool aff = p.weight != nullptr || p.bias != nullptr;
-    void* k = sh.vpt == 1 ? vec_kernel_ptr<TX, TM, TY, 1>(aff)
-                          : sh.vpt == 2 ? vec_kernel_ptr<TX, TM, TY, 2>(aff) : vec_kernel_ptr<TX, TM, TY, 4>(aff);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, sh.wpr * 32 * sh.rpc, vec_smem(sh, p.D));
-  } else {
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, bwd_generic_kernel<TX, TM, TY>, 256, 0);
+static BwdCfg bwd_config(const BwdParams& p) {
+  BwdCfg cfg{};
+  if (!p.vectorized) { cfg.threads = 256; return cfg; }
+  cfg.sh = bwd_shape(p);
+  bool pipe = p.stages > 0;
+  if (pipe) {
+    cfg.nst = p.stages > kMaxStages ? kMaxStages : p.stages;
+    if (cfg.nst < 2) cfg.nst = 2;
+    for (;;) {
+      cfg.smem = vec_smem(cfg.sh, p.D) + size_t(cfg.nst) * cfg.sh.rpc * p.D * (sizeof(TX) + sizeof(TY));
+      if (cfg.smem <= kPipeSmemCap) break;
+      if (cfg.sh.rpc > 1) --cfg.sh.rpc;
+      else if (cfg.nst > 2) --cfg.nst;
+      else { pipe = false; break; }
+    }
   }
-  return per_sm > 0 ? per_sm : 1;
+  if (!pipe) {
+    cfg.sh = bwd_shape(p);
+    cfg.nst = 0;
+    cfg.smem = vec_smem(cfg.sh, p.D);
+  }
+  const bool aff = p.weight != nullptr || p.bias != nullptr;
+  switch (cfg.sh.vpt) {
+    case 1: cfg.k = vec_kernel_ptr<TX, TM, TY, 1>(aff, pipe); break;
+    case 2: cfg.k = vec_kernel_ptr<TX, TM, TY, 2>(aff, pipe); break;
+    default: cfg.k = vec_kernel_ptr<TX, TM, TY, 4>(aff, pipe); break;
+  }
+  cfg.threads = cfg.sh.wpr * 32 * cfg.sh.rpc;
+  return cfg;
 }
 
+// plan_only: fills per_sm_out (resident CTAs per SM) and rpc_out (rows per CTA) for bwd_plan.
 template <typename TX, typename TM, typename TY>
-static cudaError_t launch_typed(const BwdParams& p, cudaStream_t stream, bool plan_only, int* per_sm_out) {
-  const Shape sh = bwd_shape(p);
-  if (plan_only) { *per_sm_out = occupancy<TX, TM, TY>(p, sh); return cudaSuccess; }
+static cudaError_t launch_typed(const BwdParams& p, cudaStream_t stream, bool plan_only, int* per_sm_out, int* rpc_out) {
+  const BwdCfg cfg = bwd_config<TX, TM, TY>(p);
+  if (plan_only) {
+    *per_sm_out = cfg.k ? cached_occupancy(cfg.k, cfg.threads, cfg.smem)
+                        : cached_occupancy(reinterpret_cast<const void*>(bwd_generic_kernel<TX, TM, TY>), 256, 0);
+    *rpc_out = cfg.k ? cfg.sh.rpc : 1;
+    return cudaSuccess;
+  }
   const dim3 grid(p.ctas_per_sample, unsigned(p.B));
-  if (p.vectorized) {
-    const int threads = sh.wpr * 32 * sh.rpc;
-    const size_t smem = vec_smem(sh, p.D);
-    void* k = vec_kernel_ptr<TX, TM, TY, 1>(false);
-    const bool aff = p.weight != nullptr || p.bias != nullptr;
-    switch (sh.vpt) {
-      case 1: k = vec_kernel_ptr<TX, TM, TY, 1>(aff); break;
-      case 2: k = vec_kernel_ptr<TX, TM, TY, 2>(aff); break;
-      case 4: k = vec_kernel_ptr<TX, TM, TY, 4>(aff); break;
-      default: return cudaErrorInvalidValue;
-    }
-    if (smem > 48 * 1024) {  // only then: the call costs host time on every launch
-      const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-      if (e != cudaSuccess) return e;
-    }
-    int wpr = sh.wpr;
-    void* args[] = {const_cast<BwdParams*>(&p), &wpr};
-    return cudaLaunchKernel(k, grid, dim3(threads), args, smem, stream);
-  } else {
-    bwd_generic_kernel<TX, TM, TY><<<grid, 256, 0, stream>>>(p);
+  if (cfg.k) {
+    const cudaError_t e = ensure_smem(cfg.k, cfg.smem);
+    if (e != cudaSuccess) return e;
+    int wpr = cfg.sh.wpr, nst = cfg.nst;
+    void* args[] = {const_cast<BwdParams*>(&p), &wpr, &nst};
+    return cudaLaunchKernel(cfg.k, grid, dim3(cfg.threads), args, cfg.smem, stream);
   }
+  bwd_generic_kernel<TX, TM, TY><<<grid, 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-static cudaError_t dispatch(const BwdParams& p, cudaStream_t stream, bool plan_only, int* per_sm) {
+static cudaError_t dispatch(const BwdParams& p, cudaStream_t stream, bool plan_only, int* per_sm, int* rpc) {
   const bool mf = p.m_dtype == kF32, yf = p.y_dtype == kF32;
   switch (p.x_dtype) {
-    case kF32: return launch_typed<float, float, float>(p, stream, plan_only, per_sm);
+    case kF32: return launch_typed<float, float, float>(p, stream, plan_only, per_sm, rpc);
     case kF16:
-      if (mf) return yf ? launch_typed<__half, float, float>(p, stream, plan_only, per_sm)
-                        : launch_typed<__half, float, __half>(p, stream, plan_only, per_sm);
-      return yf ? launch_typed<__half, __half, float>(p, stream, plan_only, per_sm)
-                : launch_typed<__half, __half, __half>(p, stream, plan_only, per_sm);
+      if (mf) return yf ? launch_typed<__half, float, float>(p, stream, plan_only, per_sm, rpc)
+                        : launch_typed<__half, float, __half>(p, stream, plan_only, per_sm, rpc);
+      return yf ? launch_typed<__half, __half, float>(p, stream, plan_only, per_sm, rpc)
+                : launch_typed<__half, __half, __half>(p, stream, plan_only, per_sm, rpc);
     case kBF16:
-      if (mf) return yf ? launch_typed<__nv_bfloat16, float, float>(p, stream, plan_only, per_sm)
-                        : launch_typed<__nv_bfloat16, float, __nv_bfloat16>(p, stream, plan_only, per_sm);
-      return yf ? launch_typed<__nv_bfloat16, __nv_bfloat16, float>(p, stream, plan_only, per_sm)
-                : launch_typed<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(p, stream, plan_only, per_sm);
+      if (mf) return yf ? launch_typed<__nv_bfloat16, float, float>(p, stream, plan_only, per_sm, rpc)
+                        : launch_typed<__nv_bfloat16, float, __nv_bfloat16>(p, stream, plan_only, per_sm, rpc);
+      return yf ? launch_typed<__nv_bfloat16, __nv_bfloat16, float>(p, stream, plan_only, per_sm, rpc)
+                : launch_typed<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(p, stream, plan_only, per_sm, rpc);
     default: return cudaErrorInvalidValue;
   }
 }
 
 int64_t bwd_plan(BwdParams& p) {
-  int per_sm = 1;
-  dispatch(p, nullptr, true, &per_sm);
+  int per_sm = 1, rpc = 1;
+  dispatch(p, nullptr, true, &per_sm, &rpc);
   // Persistent grid: one wave of resident CTAs shared among the samples (at least one CTA each).
-  const int64_t total = int64_t(num_sms()) * per_sm;
+  const int64_t total = int64_t(cached_num_sms()) * per_sm;
   int64_t c = total / (p.B > 0 ? p.B : 1);
-  const Shape sh = bwd_shape(p);
-  const int64_t rows_per_cta = p.vectorized ? sh.rpc : 1;
+  const int64_t rows_per_cta = rpc;
   const int64_t most = (p.S + rows_per_cta - 1) / rows_per_cta;
   if (c > most) c = most;
   if (c < 1) c = 1;
@@ -402,7 +462,7 @@ const char* bwd_launch(const BwdParams& p, cudaStream_t stream) {
   if (p.m_dtype != kF32 && p.m_dtype != p.x_dtype) return "ln_modulate: scale dtype must be fp32 or x's dtype";
   if (p.y_dtype != kF32 && p.y_dtype != p.x_dtype) return "ln_modulate: grad dtype must be fp32 or x's dtype";
   if (p.B > 65535) return "ln_modulate: batch over 65535";
-  cudaError_t e = dispatch(p, stream, false, nullptr);
+  cudaError_t e = dispatch(p, stream, false, nullptr, nullptr);
   if (e != cudaSuccess) return cudaGetErrorString(e);
   const int64_t C = p.ctas_per_sample;
   const unsigned gx = unsigned((p.D + 31) / 32);

@@ -3,6 +3,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include "ln_modulate.h"
 
 namespace lnmod {
@@ -59,6 +62,7 @@ template <typename T> struct Pack8 {
   __device__ __forceinline__ void load(const T* p) { u = __ldg(reinterpret_cast<const uint4*>(p)); }
   __device__ __forceinline__ void get(float* f) const { cvt8(u, static_cast<const T*>(nullptr), f); }
   __device__ __forceinline__ void zero() { u = make_uint4(0, 0, 0, 0); }
+  __device__ __forceinline__ void lds(const T* p) { u = *reinterpret_cast<const uint4*>(p); }
 };
 template <> struct Pack8<float> {
   float4 a, b;
@@ -70,7 +74,85 @@ template <> struct Pack8<float> {
     f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
   }
   __device__ __forceinline__ void zero() { a = b = make_float4(0.f, 0.f, 0.f, 0.f); }
+  __device__ __forceinline__ void lds(const float* p) {
+    a = reinterpret_cast<const float4*>(p)[0];
+    b = reinterpret_cast<const float4*>(p)[1];
+  }
 };
+
+// --- cp.async (sm_80+): global -> shared copies that do not occupy registers while in flight ----------
+// Staging `nst` rows ahead in shared memory keeps several times more bytes in flight per SM than a
+// register-held prefetch (4-8 registers per 16 bytes). Measured on H200 (2026-11-29) it did not make the
+// kernels faster (docs/kernel.md), so it is opt-in (set_stages) and kept for further tuning.
+// Each thread copies and later reads only its own 16-byte vectors, so no barrier is needed between the
+// copy and the read: the thread's own cp.async.wait_group suffices.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+}
+template <typename T>
+__device__ __forceinline__ void cp_async8(T* dst, const T* src) {  // 8 elements
+#pragma unroll
+  for (int k = 0; k < int(sizeof(T)) / 2; ++k) cp_async16(reinterpret_cast<uint4*>(dst) + k, reinterpret_cast<const uint4*>(src) + k);
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Wait until at most n of this thread's committed groups are pending (n is an immediate in PTX).
+__device__ __forceinline__ void cp_async_wait(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 5;\n" ::: "memory"); break;
+  }
+}
+constexpr int kMaxStages = 6;
+// Shared memory per CTA of the staged kernels: at most this, so two CTAs share one SM (228 KB).
+constexpr size_t kPipeSmemCap = 112 * 1024;
+
+// --- host-side caches: these queries cost microseconds per launch, which small shapes feel -----------
+inline int cached_num_sms() {
+  static int n[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64) { int v = 0; cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev); return v; }
+  if (n[dev] == 0) cudaDeviceGetAttribute(&n[dev], cudaDevAttrMultiProcessorCount, dev);
+  return n[dev];
+}
+// Raises the kernel's dynamic shared-memory limit when needed (once per device, kernel and size).
+inline cudaError_t ensure_smem(const void* k, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, size_t> done;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& have = done[{dev, k}];
+  if (have >= smem) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e == cudaSuccess) have = smem;
+  return e;
+}
+// Resident CTAs per SM (>= 1), cached per (device, kernel, threads, smem).
+inline int cached_occupancy(const void* k, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, size_t>, int> cache;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const auto key = std::make_tuple(dev, k, threads, smem);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  int per_sm = 0;
+  if (ensure_smem(k, smem) == cudaSuccess) cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, threads, smem);
+  if (per_sm < 1) per_sm = 1;
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = per_sm;
+  return per_sm;
+}
 
 // --- scalar conversions (generic path) -------------------------------------------------------------
 __device__ __forceinline__ float to_f(float v) { return v; }

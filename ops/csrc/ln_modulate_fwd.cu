@@ -6,10 +6,17 @@ namespace lnmod {
 // Vectorized path (D % 8 == 0, 16-byte aligned rows): the row lives in registers, so x is read once
 // and y written once (the byte floor); mean and variance are two passes over registers (stable).
 // Persistent grid (C, B): a CTA stays in one sample, so per-sample / global modulation is staged once in
-// shared memory as (1 + scale, shift) instead of being re-read from L1/L2 for every row, and the next
-// row's x is loaded before the current row is reduced (two rows in flight per thread).
-template <typename TX, typename TM, typename TY, int VPT>
-__global__ void __launch_bounds__(fwd_max_threads(VPT)) fwd_vec_kernel(FwdParams p, int wpr, bool stage) {
+// shared memory as (1 + scale, shift) instead of being re-read from L1/L2 for every row.
+// Row stream, two variants:
+//  - PIPE (opt-in, stages >= 2; measured slower on H200, see docs/kernel.md): each thread cp.async-copies
+//    its vectors of the next `nst` rows of its row group into a shared-memory ring (nst * rpc rows), so nst rows per row group are in flight without using registers;
+//    a stage is refilled right after its data has been read into registers and reduced.
+//  - !PIPE (default): the next row is prefetched into registers (two rows per thread in flight).
+// PIPE register caps: 72 at vpt 2 (three 288-320-thread CTAs per SM), 96 at vpt 4 (two 320-thread CTAs).
+// !PIPE: the caps its launch bounds imply (the __maxnreg__ only makes PIPE and !PIPE share one declaration).
+template <typename TX, typename TM, typename TY, int VPT, bool PIPE>
+__global__ void __launch_bounds__(PIPE ? 512 : fwd_max_threads(VPT))
+__maxnreg__(PIPE ? (VPT == 1 ? 64 : VPT == 2 ? 72 : VPT == 4 ? 96 : 168) : (VPT <= 1 ? 64 : VPT == 2 ? 128 : 255)) fwd_vec_kernel(FwdParams p, int wpr, bool stage, int nst) {
   extern __shared__ float smem[];
   const int tpr = wpr * 32;
   const int rpc = blockDim.x / tpr;
@@ -18,6 +25,7 @@ __global__ void __launch_bounds__(fwd_max_threads(VPT)) fwd_vec_kernel(FwdParams
   float* slot_b = smem + (rpc + group) * wpr;
   float* mod_a = smem + ((2 * rpc * wpr + 3) & ~3);  // [D] 1 + scale (when staged)
   float* mod_t = mod_a + p.D;                         // [D] shift
+  TX* ring = reinterpret_cast<TX*>(mod_a + (stage ? 2 * p.D : 0));  // [nst][rpc][D] (PIPE), 16-byte aligned
   const int nvec = p.D / 8;
   const float inv_d = 1.f / p.D;
   const int64_t b = blockIdx.y;
@@ -33,25 +41,54 @@ __global__ void __launch_bounds__(fwd_max_threads(VPT)) fwd_vec_kernel(FwdParams
     }
     __syncthreads();
   }
+  // PIPE: copy this thread's vectors of row si into ring stage st; always one commit (uniform group count).
+  auto issue = [&](int64_t si, int st) {
+    if (si < p.S) {
+      const TX* src = x + (b * p.S + si) * p.D;
+      TX* dst = ring + (int64_t(st) * rpc + group) * p.D;
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int c = tid + i * tpr;
+        if (c < nvec) cp_async8(dst + c * 8, src + int64_t(c) * 8);
+      }
+    }
+    cp_async_commit();
+  };
 
   Pack8<TX> cur[VPT], nxt[VPT];
   int64_t si = int64_t(blockIdx.x) * rpc + group;
+  if (PIPE) {
+    for (int k = 0; k < nst; ++k) issue(si + k * step, k);
+  } else {
 #pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int c = tid + i * tpr;
-    if (si < p.S && c < nvec) cur[i].load(x + (b * p.S + si) * p.D + int64_t(c) * 8);
-    else cur[i].zero();
+    for (int i = 0; i < VPT; ++i) {
+      const int c = tid + i * tpr;
+      if (si < p.S && c < nvec) cur[i].load(x + (b * p.S + si) * p.D + int64_t(c) * 8);
+      else cur[i].zero();
+    }
   }
-  for (int64_t s0 = int64_t(blockIdx.x) * rpc; s0 < p.S; s0 += step) {
+  int st = 0;
+  for (int64_t s0 = int64_t(blockIdx.x) * rpc; s0 < p.S; s0 += step, st = (st + 1 == nst ? 0 : st + 1)) {
     si = s0 + group;
     const bool valid = si < p.S;
     const int64_t row = b * p.S + si;
     const int64_t sn = si + step;
+    if (PIPE) {
+      cp_async_wait(nst - 1);  // this thread's copies of row si have landed
+      const TX* src = ring + (int64_t(st) * rpc + group) * p.D;
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {  // prefetch the next row
-      const int c = tid + i * tpr;
-      if (sn < p.S && c < nvec) nxt[i].load(x + (row + step) * p.D + int64_t(c) * 8);
-      else nxt[i].zero();
+      for (int i = 0; i < VPT; ++i) {
+        const int c = tid + i * tpr;
+        if (valid && c < nvec) cur[i].lds(src + c * 8);
+        else cur[i].zero();
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {  // prefetch the next row
+        const int c = tid + i * tpr;
+        if (sn < p.S && c < nvec) nxt[i].load(x + (row + step) * p.D + int64_t(c) * 8);
+        else nxt[i].zero();
+      }
     }
     float s = 0.f;
 #pragma unroll
@@ -62,6 +99,8 @@ __global__ void __launch_bounds__(fwd_max_threads(VPT)) fwd_vec_kernel(FwdParams
       for (int k = 0; k < 8; ++k) s += f[k];
     }
     const float mean = group_sum(s, slot_a, wpr) * inv_d;
+    // The stage's values were consumed by the sum above: refill it with the row nst steps ahead.
+    if (PIPE) issue(si + nst * step, st);
     float q = 0.f;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
@@ -103,9 +142,12 @@ __global__ void __launch_bounds__(fwd_max_threads(VPT)) fwd_vec_kernel(FwdParams
         }
       }
     }
+    if (!PIPE) {
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) cur[i] = nxt[i];
+      for (int i = 0; i < VPT; ++i) cur[i] = nxt[i];
+    }
   }
+  if (PIPE) cp_async_wait(0);  // no copy may still target this CTA's shared memory when it exits
 }
 
 // Generic path (any D, any alignment): one row per CTA, x re-read from L1/L2 for each pass.
@@ -139,33 +181,52 @@ __global__ void __launch_bounds__(256) fwd_generic_kernel(FwdParams p) {
   }
 }
 
-static int num_sms() {
-  int dev = 0, n = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  return n;
+// Staged (cp.async) forward shape: ~320 threads per CTA, nst rows ahead; rows per CTA, then depth, shrink
+// until the CTA fits kPipeSmemCap (two CTAs per SM). Returns false when even one row, two stages do not fit.
+static bool fwd_pipe_shape(const FwdParams& p, Shape& sh, int& nst, size_t& smem, size_t esize, bool stage) {
+  nst = p.stages > kMaxStages ? kMaxStages : p.stages;
+  if (nst < 2) nst = 2;
+  if (p.rpc <= 0) {
+    sh.rpc = 320 / (sh.wpr * 32);
+    if (sh.rpc < 1) sh.rpc = 1;
+  }
+  while (sh.rpc > 1 && sh.rpc * sh.wpr * 32 > 512) --sh.rpc;
+  if (sh.wpr * 32 > 512) return false;
+  for (;;) {
+    smem = sizeof(float) * (((2 * sh.rpc * sh.wpr + 3) & ~3) + (stage ? 2 * size_t(p.D) : 0)) +
+           size_t(nst) * sh.rpc * p.D * esize;
+    if (smem <= kPipeSmemCap) return true;
+    if (sh.rpc > 1) --sh.rpc;
+    else if (nst > 2) --nst;
+    else return false;
+  }
 }
 
 template <typename TX, typename TM, typename TY, int VPT>
-static cudaError_t launch_vec(const FwdParams& p, const Shape& sh, cudaStream_t stream) {
-  auto kernel = fwd_vec_kernel<TX, TM, TY, VPT>;
-  const int threads = sh.wpr * 32 * sh.rpc;
+static cudaError_t launch_vec(const FwdParams& p, Shape sh, cudaStream_t stream) {
   const bool stage = p.sc_ss == 0 && p.sh_ss == 0;  // per-sample or global modulation
-  const size_t smem = sizeof(float) * (((2 * sh.rpc * sh.wpr + 3) & ~3) + (stage ? 2 * size_t(p.D) : 0));
-  if (smem > 48 * 1024) {  // only then: the call costs host time on every launch
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e != cudaSuccess) return e;
+  int nst = 0;
+  size_t smem = 0;
+  const bool pipe = p.stages > 0 && fwd_pipe_shape(p, sh, nst, smem, sizeof(TX), stage);
+  if (!pipe) {
+    nst = 1;
+    smem = sizeof(float) * (((2 * sh.rpc * sh.wpr + 3) & ~3) + (stage ? 2 * size_t(p.D) : 0));
   }
-  int per_sm = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  const void* kernel = pipe ? reinterpret_cast<const void*>(fwd_vec_kernel<TX, TM, TY, VPT, true>)
+                            : reinterpret_cast<const void*>(fwd_vec_kernel<TX, TM, TY, VPT, false>);
+  const int threads = sh.wpr * 32 * sh.rpc;
+  cudaError_t e = ensure_smem(kernel, smem);
+  if (e != cudaSuccess) return e;
+  const int per_sm = cached_occupancy(kernel, threads, smem);
   // One wave of resident CTAs shared among the samples (at least one each).
-  int64_t c = int64_t(num_sms()) * (per_sm > 0 ? per_sm : 1) / p.B;
+  int64_t c = int64_t(cached_num_sms()) * per_sm / p.B;
   const int64_t most = (p.S + sh.rpc - 1) / sh.rpc;
   if (c > most) c = most;
   if (c < 1) c = 1;
   if (c > 65535) c = 65535;
-  kernel<<<dim3(unsigned(c), unsigned(p.B)), threads, smem, stream>>>(p, sh.wpr, stage);
-  return cudaGetLastError();
+  int wpr = sh.wpr;
+  void* args[] = {const_cast<FwdParams*>(&p), &wpr, const_cast<bool*>(&stage), &nst};
+  return cudaLaunchKernel(kernel, dim3(unsigned(c), unsigned(p.B)), dim3(threads), args, smem, stream);
 }
 
 template <typename TX, typename TM, typename TY>
@@ -182,7 +243,7 @@ static cudaError_t launch_typed(const FwdParams& p, cudaStream_t stream) {
       default: return cudaErrorInvalidValue;
     }
   }
-  const int64_t cap = int64_t(num_sms()) * 64;
+  const int64_t cap = int64_t(cached_num_sms()) * 64;
   fwd_generic_kernel<TX, TM, TY><<<int(rows < cap ? rows : cap), 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
