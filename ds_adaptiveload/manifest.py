@@ -8,9 +8,10 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.geometry import Geometry
 
 REQUIRED = ("id", "frames", "height", "width")
+_INTS = {}
 
 
-@dataclass
+@dataclass(slots=True)
 class Sample:
     id: str
     frames: int
@@ -41,7 +42,9 @@ def parse_line(text: str, path, lineno: int, geometry: Geometry) -> Sample:
     except ValueError as e:
         raise UserError(f"{where}: sample {sid!r}: {e}") from None
     extra = {k: v for k, v in rec.items() if k not in REQUIRED}
-    return Sample(sid, rec["frames"], rec["height"], rec["width"], extra, lineno)
+    # Shared int objects per value: a 10M-line manifest has few distinct sizes (memory, see docs).
+    f, h, w = (_INTS.setdefault(rec[k], rec[k]) for k in ("frames", "height", "width"))
+    return Sample(sid, f, h, w, extra, lineno)
 
 
 def load_manifest(path, geometry: Geometry = Geometry()) -> list:

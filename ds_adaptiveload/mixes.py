@@ -7,8 +7,11 @@ video-heavy (by sample count; by tokens it is dominated by clips):
   20% long low-res  240x416 or 320x576, 121/161/241 frames           12,090 - 43,920 tokens
 """
 import random
+from types import MappingProxyType
 
 from ds_adaptiveload.manifest import Sample
+
+_NO_EXTRA = MappingProxyType({})  # shared and read-only: 10M synthetic samples need no dict each
 
 MIXES = {
     "video-heavy": [
@@ -34,5 +37,5 @@ def make_mix(name: str, n: int, seed: int = 0) -> list:
     out = []
     for i in range(n):
         f, h, w = rng.choice(rng.choices(shapes, weights)[0])
-        out.append(Sample(f"{name}-{i:07d}", f, h, w))
+        out.append(Sample(f"{name}-{i:07d}", f, h, w, _NO_EXTRA))
     return out

@@ -21,6 +21,7 @@ Policies:
 """
 import bisect
 import heapq
+from array import array
 import math
 import random
 from dataclasses import dataclass, field
@@ -199,19 +200,21 @@ class _Ctx:
 
 
 def _tokens(samples, profile, sp):
+    """Per-sample full tokens, per-GPU tokens and shape key; the objects are shared per shape (memory)."""
     geo = profile.geometry
     cache, full, gpu, shape = {}, [], [], []
     for s in samples:
         key = (s.frames, s.height, s.width)
-        if key not in cache:
+        hit = cache.get(key)
+        if hit is None:
             try:
-                cache[key] = geo.tokens(*key)
+                t = geo.tokens(*key)
             except ValueError as e:
                 raise UserError(f"sample {s.id!r}: {e}") from None
-        t = cache[key]
-        full.append(t)
-        gpu.append(per_gpu_tokens(t, sp))
-        shape.append(key)
+            hit = cache[key] = (t, per_gpu_tokens(t, sp), key)
+        full.append(hit[0])
+        gpu.append(hit[1])
+        shape.append(hit[2])
     return full, gpu, shape
 
 
@@ -297,15 +300,19 @@ def _stratified_stream(indices, ctx, rng, run_slots=0):
         size = max(1, run_slots * ctx.cap[key])
         runs = [b[j:j + size] for j in range(0, len(b), size)]
         classes.setdefault(token_class(ctx.full[b[0]]), []).extend(runs)
-    keyed = []
+    order, keys = [], array("d")
     for c in sorted(classes):
         runs = classes[c]
         rng.shuffle(runs)
-        seq = [i for run in runs for i in run]
-        n = len(seq)
-        keyed += [((j + rng.random()) / n, i) for j, i in enumerate(seq)]
-    keyed.sort()
-    return [i for _, i in keyed]
+        n = sum(len(run) for run in runs)
+        j = 0
+        for run in runs:
+            for i in run:
+                order.append(i)
+                keys.append((j + rng.random()) / n)
+                j += 1
+    # sort positions by key without building (key, index) tuples: 10M-sample epochs stay small
+    return [order[p] for p in sorted(range(len(order)), key=keys.__getitem__)]
 
 
 def _balanced_mixed(keep, ctx, rng):

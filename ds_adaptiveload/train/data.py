@@ -70,7 +70,7 @@ def write_synthetic(out_dir, samples, text_dim=4096, max_text_len=512, seed=0, s
             L = int(torch.randint(min(8, max_text_len), max_text_len + 1, (1,), generator=gen))
             tensors[f"{s.id}/latent"] = torch.randn(LATENT_CHANNELS, *shape, generator=gen).to(tdtype)
             tensors[f"{s.id}/text"] = torch.randn(L, text_dim, generator=gen).to(tdtype)
-            s.extra.update(shard=name, latent_key=f"{s.id}/latent", text_key=f"{s.id}/text")
+            s.extra = {**s.extra, "shard": name, "latent_key": f"{s.id}/latent", "text_key": f"{s.id}/text"}
         save_file(tensors, os.path.join(out_dir, name))
     path = os.path.join(out_dir, "manifest.jsonl")
     write_manifest(path, samples)
