@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.fileio import read_yaml
 from ds_adaptiveload.geometry import Geometry
 
 # Allowed keys per section; anything else is a typo we refuse rather than ignore.
@@ -88,13 +89,7 @@ class CostProfile:
 
     @classmethod
     def load(cls, path) -> "CostProfile":
-        try:
-            with open(path) as f:
-                doc = yaml.safe_load(f)
-        except OSError as e:
-            raise UserError(f"profile {path}: cannot read: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise UserError(f"profile {path}: invalid YAML: {e}") from None
+        doc = read_yaml(path, "cost profile")
         try:
             return cls.from_dict(doc)
         except UserError as e:

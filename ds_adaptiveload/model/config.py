@@ -65,15 +65,9 @@ class WanConfig:
     @classmethod
     def from_yaml(cls, path) -> "WanConfig":
         """Read a YAML mapping of WanConfig fields (top level, or under a `model:` key)."""
-        import yaml
+        from ds_adaptiveload.fileio import read_yaml
 
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except OSError as e:
-            raise UserError(f"{path}: cannot read model config ({e.strerror})") from None
-        except yaml.YAMLError as e:
-            raise UserError(f"{path}: invalid YAML ({e})") from None
+        data = read_yaml(path, "model config")
         if isinstance(data, dict) and isinstance(data.get("model"), dict):
             data = data["model"]
         if not isinstance(data, dict):

@@ -1,0 +1,811 @@
+"""`python -m ds_adaptiveload calibrate`: measure the real training step and write a cost profile.
+
+    python -m ds_adaptiveload calibrate --model-config configs/wan_1_3b.yaml \
+        --deepspeed_config configs/ds_zero3_bf16.json --out profile.yaml            # on a GPU
+    python -m ds_adaptiveload calibrate --model-config configs/wan_1_3b.yaml \
+        --deepspeed_config configs/ds_zero3_bf16.json --out profile.yaml --estimate  # no GPU: analytic
+
+Measured mode runs the step exactly as the trainer does (deepspeed.initialize with the JSON: ZeRO stage,
+bf16, optimizer; per-block activation checkpointing; the fused LN-modulate op through the model; Ulysses
+when launched on k ranks with sequence_parallel_size k; the flow-matching loss of train/flow.py) on a grid
+of (B, S) shapes, times forward+backward and the optimizer step separately (medians after a warm-up),
+records the peak memory of every point, and fits
+
+    time_ms(B, s) = fixed + per_token * B*s + per_token_sq * B*s^2     (s = per-GPU tokens, NNLS, relative)
+    peak_bytes(B, s) = fixed_bytes + bytes_per_token * B*s
+    budget_tokens = (capacity * safety - fixed_bytes) / bytes_per_token
+
+An out-of-memory point is caught, excluded from the fit and recorded as a bound. Held-out shapes (not
+fitted) are measured too and their prediction error is reported. The fitting and scheduling functions
+below are pure (no torch) so they are tested on synthetic timings (tests/test_calibrate.py).
+docs/calibration.md explains the choices.
+"""
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.fileio import read_json_object
+
+# Fitted grid: an image, then 480p clips of growing length, then 720p clips up to the longest (81 frames).
+GRID_SHAPES = [(1, 480, 832), (9, 480, 832), (21, 480, 832), (45, 480, 832), (81, 480, 832),
+               (49, 720, 1280), (81, 720, 1280)]
+# Held out (never fitted): other shapes of the video-heavy mix (mixes.py), between and beside the grid's.
+HELDOUT_SHAPES = [(1, 1024, 1024), (33, 480, 832), (17, 720, 1280), (241, 240, 416), (161, 320, 576)]
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+ZERO_BYTES_PER_PARAM = 16   # ZeRO-3, bf16 + Adam: bf16 param + fp32 master + Adam m, v (+ grad) per shard
+# --estimate defaults, from ../shared/reference/h200-wan1.3b-block-cost.json (one 1.3B block, fwd+bwd):
+FIXED_MS_PER_LAYER = 1.84   # intercept of the 30-block fit (55.1 ms) / 30: launch-bound overhead per block
+BLOCK_ACT_FP32_PER_DIM = 6  # fp32 values per token x dim saved by one block (modulation, residual math)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(p):
+    p.add_argument("--model-config", required=True, help="WanConfig YAML (configs/wan_*.yaml)")
+    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", required=True,
+                   help="the DeepSpeed JSON the training run uses (ZeRO stage, bf16, optimizer, "
+                        "sequence_parallel_size)")
+    p.add_argument("--out", required=True, help="profile YAML to write")
+    p.add_argument("--estimate", action="store_true",
+                   help="no GPU: write an analytic profile from the model's FLOPs and memory arithmetic")
+    p.add_argument("--time-budget", type=float, default=300.0,
+                   help="seconds for the whole measured calibration, start-up included (default 300)")
+    p.add_argument("--safety", type=float, default=0.9, help="fraction of device memory the budget may use")
+    p.add_argument("--checkpoint-blocks", action=argparse.BooleanOptionalAction, default=True,
+                   help="per-block activation checkpointing, as the trainer's --checkpoint-blocks (default on)")
+    p.add_argument("--train-world-size", type=int, default=None,
+                   help="GPUs of the training run the budget is for (ZeRO-3 shards scale with 1/N); "
+                        "default: this run's world size, at least sequence_parallel_size (--estimate: at least 2)")
+    p.add_argument("--shapes", default=None,
+                   help="fitted shapes FxHxW,... (default: 1x480x832 up to 81x720x1280)")
+    p.add_argument("--heldout", default=None, help="held-out shapes FxHxW,... ('' for none)")
+    p.add_argument("--batches", default=None, help="batch sizes to try per shape, e.g. 1,2,4,8 (default 1..64)")
+    p.add_argument("--probe-tokens", type=int, default=None,
+                   help="largest B*s (per-GPU tokens) probed per micro-batch (default: the largest shape's s)")
+    p.add_argument("--probe-budget", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the fit, run one micro-batch at the extrapolated budget when time allows (an OOM "
+                        "there lowers the budget)")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per point after one warm-up (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pin-dual", action="store_true",
+                   help="write the dual (p, m_comp) fitted over the calibrated range into the profile's dual: "
+                        "section (default: only report it under fit:, and the planner derives it per dataset)")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    p.add_argument("--json", help="also write the raw measurements here (JSON)")
+    # --estimate
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="--estimate: per-GPU peak (H200 bf16 dense)")
+    p.add_argument("--mfu", type=float, default=0.5,
+                   help="--estimate: achieved fraction of the peak (one 1.3B block reached 0.47-0.52 for S >= 7800)")
+    p.add_argument("--device-memory-gib", type=float, default=141.0, help="--estimate: device memory (H200: 141)")
+    p.add_argument("--link-gbs", type=float, default=200.0,
+                   help="effective per-GPU link bandwidth GB/s for ZeRO-3 gathers and the Ulysses all-to-all "
+                        "(--estimate, and measured runs on one GPU for a config with sequence_parallel_size > 1)")
+
+
+def run(args) -> int:
+    from ds_adaptiveload.model import WanConfig
+
+    cfg = WanConfig.from_yaml(args.model_config)
+    ds = read_json_object(args.deepspeed_config, "DeepSpeed config")
+    if not 0 < args.safety <= 1:
+        raise UserError(f"--safety must be in (0, 1], got {args.safety}")
+    shapes = parse_shapes(args.shapes, "--shapes") if args.shapes is not None else GRID_SHAPES
+    heldout = parse_shapes(args.heldout, "--heldout") if args.heldout is not None else HELDOUT_SHAPES
+    if not shapes:
+        raise UserError("--shapes: at least one shape is needed")
+    if args.estimate:
+        doc = estimate_profile(cfg, ds, args)
+    else:
+        doc = measure_profile(cfg, ds, args, shapes, heldout)
+        if doc is None:  # not rank 0 of a multi-rank calibration
+            return 0
+    write_profile(doc, args.out, header=_header(doc))
+    from ds_adaptiveload.profile import CostProfile
+
+    prof = CostProfile.load(args.out)  # what the planner will read: must load
+    print(f"wrote {args.out}: fixed {prof.fixed_ms:.2f} ms, per_token {prof.per_token_ms:.4g} ms, "
+          f"per_token_sq {prof.per_token_sq_ms:.4g} ms, step_fixed {prof.step_fixed_ms:.1f} ms, "
+          f"budget {prof.budget_tokens} tokens"
+          + (f", dual p={prof.dual_p:.3f} m_comp={prof.dual_m_comp:.4g} (pinned)" if prof.dual_p else ""))
+    return 0
+
+
+def parse_shapes(text, what):
+    out = []
+    for tok in filter(None, (t.strip() for t in text.split(","))):
+        try:
+            f, h, w = (int(v) for v in tok.lower().split("x"))
+        except ValueError:
+            raise UserError(f"{what}: {tok!r} is not FRAMESxHEIGHTxWIDTH") from None
+        out.append((f, h, w))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pure: the grid, the schedule, the fits
+
+
+@dataclass
+class Point:
+    B: int
+    """Samples in the micro-batch."""
+    shape: tuple
+    """(frames, height, width) of every sample."""
+    S: int
+    """Full-sequence tokens of one sample."""
+    s: int
+    """Per-GPU tokens of one sample (ceil(S / sp))."""
+    role: str = "fit"
+    """fit | heldout | probe (a check of the memory budget; not fitted)."""
+    status: str = "pending"
+    """ok | oom | skipped (time budget) | error."""
+    ms: list = field(default_factory=list)
+    """Forward+backward times of the timed steps (ms)."""
+    step_ms: list = field(default_factory=list)
+    """Optimizer-step times (ms)."""
+    peak_bytes: int = None
+    """torch.cuda.max_memory_allocated over the point's steps (None on CPU)."""
+    note: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return self.B * self.s
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.ms) if self.ms else None
+
+
+def grid_points(shapes, heldout, geometry, sp=1, batches=BATCHES, probe_tokens=None):
+    """All points in measuring priority, so that a run cut short by the time budget still has a
+    well-posed fit and a held-out check:
+
+    1. B = 1 of the shortest shape, then its largest B (separates the per-micro-batch fixed cost from
+       the per-token cost), then B = 1 of the longest shape (anchors the quadratic term);
+    2. B = 1 of the other shapes, shortest first;
+    3. B = 1 of the held-out shapes, cheapest first;
+    4. the largest B of the other shapes; 5. the remaining batch sizes and held-out B > 1, cheapest first."""
+    def tok(shape):
+        S = geometry.tokens(*shape)
+        return S, -(-S // sp)
+
+    fit = sorted((tok(sh) + (sh,) for sh in shapes), key=lambda z: z[1])
+    cap = probe_tokens or max(s for _, s, _ in fit)
+    ones, bigs, rest = [], [], []
+    for S, s, shape in fit:
+        bs = [b for b in batches if b * s <= cap] or [batches[0]]
+        ones.append(Point(bs[0], shape, S, s))
+        bigs.append(Point(bs[-1], shape, S, s) if len(bs) > 1 else None)
+        rest += [Point(b, shape, S, s) for b in bs[1:-1]]
+    head = [ones[0]] + ([bigs[0]] if bigs[0] else []) + ([ones[-1]] if len(ones) > 1 else [])
+    middle = ones[1:-1]
+    held_ones = []
+    for S, s, shape in sorted((tok(sh) + (sh,) for sh in heldout), key=lambda z: z[1]):
+        held_ones.append(Point(1, shape, S, s, role="heldout"))
+        b = max(1, min(4, cap // s))
+        if b > 1:
+            rest.append(Point(b, shape, S, s, role="heldout"))
+    rest.sort(key=_work)
+    return head + middle + held_ones + [p for p in bigs[1:] if p] + rest
+
+
+def nnls(rows, y, weights=None):
+    """Non-negative least squares for a handful of columns: min sum w_i^2 (rows_i . c - y_i)^2, c >= 0.
+
+    Exact by enumeration of the active set (2^n - 1 subsets, n <= 4 here): each subset's unconstrained
+    solution is kept when it is non-negative, and the best is returned. Returns the coefficient list."""
+    import numpy as np
+
+    A = np.asarray(rows, dtype=float)
+    b = np.asarray(y, dtype=float)
+    w = np.ones(len(b)) if weights is None else np.asarray(weights, dtype=float)
+    A, b = A * w[:, None], b * w
+    n = A.shape[1]
+    best, best_res = np.zeros(n), float(np.sum(b * b))
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sol, *_ = np.linalg.lstsq(A[:, cols], b, rcond=None)
+            if np.any(sol < 0):
+                continue
+            c = np.zeros(n)
+            c[list(cols)] = sol
+            res = float(np.sum((A @ c - b) ** 2))
+            if res < best_res - 1e-15 * max(1.0, best_res):
+                best, best_res = c, res
+    return [float(v) for v in best]
+
+
+def fit_time(points):
+    """(fixed, per_token, per_token_sq) in ms from the ok fitted points' medians, relative weighting
+    (each point's error counts as a fraction of its own time, so 2 ms image steps matter as much as
+    10 s clips)."""
+    pts = [p for p in points if p.role == "fit" and p.status == "ok"]
+    if len(pts) < 3:
+        raise UserError(f"calibrate: only {len(pts)} shape(s) measured, the time fit needs 3 "
+                        f"(raise --time-budget or give cheaper --shapes)")
+    rows = [(1.0, p.B * p.s, p.B * p.s * p.s) for p in pts]
+    y = [p.median_ms for p in pts]
+    return nnls(rows, y, [1 / v for v in y])
+
+
+def fit_memory(points):
+    """(fixed_bytes, bytes_per_token) from the ok points' peaks (fit and held-out alike: memory is linear
+    in tokens with flash attention and per-block checkpointing); None when no peak was measured."""
+    pts = [p for p in points if p.status == "ok" and p.peak_bytes]
+    if len({p.tokens for p in pts}) < 2:
+        return None
+    rows = [(1.0, p.tokens) for p in pts]
+    y = [p.peak_bytes for p in pts]
+    return nnls(rows, y, [1 / v for v in y])
+
+
+def budget_tokens(capacity_bytes, safety, fixed_bytes, bytes_per_token, oom_tokens=None):
+    """M_mem = (capacity * safety - fixed) / bytes per token, and below the smallest micro-batch that ran
+    out of memory (an observed bound beats the extrapolation)."""
+    b = int((capacity_bytes * safety - fixed_bytes) / bytes_per_token) if bytes_per_token > 0 else 0
+    if oom_tokens:
+        b = min(b, int(oom_tokens * safety))
+    if b < 1:
+        raise UserError(f"calibrate: no token budget left: {capacity_bytes * safety / 2**30:.1f} GiB usable, "
+                        f"{fixed_bytes / 2**30:.1f} GiB do not scale with tokens")
+    return b
+
+
+def rel_err(pred, meas):
+    return (pred - meas) / meas
+
+
+def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(), repeats=3, big_s=2.0,
+                  on_point=None, deadline=None, first_warmup=2):
+    """Measure `points` in order with step_fn(point) -> (fwd_bwd_ms, step_ms, peak_bytes or None).
+
+    One warm-up call (`first_warmup` for the first point: the process's first steps are slow) then
+    `repeats` timed calls per point (1 when the warm-up alone took over `big_s`:
+    such steps are long enough to be stable and would eat the budget). A point whose predicted cost no
+    longer fits the remaining budget is skipped, once 3 fitted points (what a fit needs) are measured. An
+    exception in `oom_types` marks the point oom (the
+    caller's step_fn cleans up), and larger micro-batches of the same per-GPU sequence are then skipped
+    as certain to fail."""
+    deadline = deadline if deadline is not None else clock() + budget_s
+    per_token_guess = None  # seconds per token-equivalent, learned from the points so far
+    oom_at = {}  # s -> smallest B*s that ran out of memory
+    warm = first_warmup
+    for p in points:
+        if p.s in oom_at and p.tokens >= oom_at[p.s]:
+            p.status, p.note = "skipped", f"a micro-batch of {oom_at[p.s]} tokens at this s ran out of memory"
+        elif (per_token_guess is not None and sum(q.status == "ok" and q.role == "fit" for q in points) >= 3
+              and clock() + per_token_guess * _work(p) * (1 + repeats) > deadline):
+            p.status, p.note = "skipped", "time budget"
+        else:
+            _measure_point(p, step_fn, clock, oom_types, repeats, big_s, warm)
+            warm = 1
+            if p.status == "oom":
+                oom_at[p.s] = min(oom_at.get(p.s, p.tokens), p.tokens)
+            elif p.status == "ok":
+                guess = (p.median_ms / 1000) / _work(p)
+                per_token_guess = guess if per_token_guess is None else max(per_token_guess, guess)
+        if on_point:
+            on_point(p)
+    return points
+
+
+def _work(p):
+    """A cost proxy for scheduling before any fit exists: linear work plus attention at ~8k-token scale."""
+    return p.B * (p.s + p.s * p.s / 8192) + 2000
+
+
+def _measure_point(p, step_fn, clock, oom_types, repeats, big_s, warmup=1):
+    try:
+        peaks = []
+        for _ in range(warmup):  # allocator, kernels' first use, Adam state on the first step
+            t0 = clock()
+            peaks.append(step_fn(p)[2])
+        n = 1 if clock() - t0 > big_s else repeats
+        for _ in range(n):
+            fb, st, peak = step_fn(p)
+            p.ms.append(fb)
+            p.step_ms.append(st)
+            peaks.append(peak)
+        peaks = [v for v in peaks if v]
+        p.peak_bytes = max(peaks) if peaks else None
+        p.status = "ok"
+    except oom_types as e:
+        p.status, p.note = "oom", str(e).splitlines()[0][:200] if str(e) else "out of memory"
+        p.ms, p.step_ms = [], []
+
+
+def report(points, coef, mem, capacity=None):
+    """Per-point rows: measured, predicted and relative error of time (and memory when measured)."""
+    fixed, a, b = coef
+    rows = []
+    for p in points:
+        r = {"role": p.role, "status": p.status, "B": p.B, "shape": "x".join(map(str, p.shape)), "S": p.S,
+             "s": p.s}
+        if p.status == "ok":
+            pred = fixed + a * p.B * p.s + b * p.B * p.s * p.s
+            r.update(ms=round(p.median_ms, 3), pred_ms=round(pred, 3), err=round(rel_err(pred, p.median_ms), 4),
+                     step_ms=round(statistics.median(p.step_ms), 3), n=len(p.ms))
+            if p.peak_bytes:
+                r["peak_gib"] = round(p.peak_bytes / 2**30, 3)
+                if capacity:
+                    r["peak_frac"] = round(p.peak_bytes / capacity, 4)
+                if mem:
+                    pm = mem[0] + mem[1] * p.tokens
+                    r.update(pred_gib=round(pm / 2**30, 3), mem_err=round(rel_err(pm, p.peak_bytes), 4))
+        if p.note:
+            r["note"] = p.note
+        rows.append(r)
+    return rows
+
+
+def err_summary(rows, role, key="err"):
+    errs = [abs(r[key]) for r in rows if r["role"] == role and key in r]
+    if not errs:
+        return None
+    return {"n": len(errs), "median_abs_rel_err": round(statistics.median(errs), 4),
+            "worst_abs_rel_err": round(max(errs), 4)}
+
+
+def dual_report(profile, dual, sizes):
+    """How well the paper's B * s^p <= M_comp tracks the time model's equal-compute batch
+    B_time(s) = T / sample_ms(s), T as in profile.derive_dual, at the measured sizes."""
+    p, m_comp = dual
+    s_hi = max(sizes)
+    target = max(profile.sample_ms(s_hi), profile.per_token_ms * profile.budget_tokens)
+    out = []
+    for s in sorted(set(sizes)):
+        b_time = target / profile.sample_ms(s)
+        b_dual = m_comp / s ** p
+        out.append({"s": s, "B_time": round(b_time, 3), "B_dual": round(b_dual, 3),
+                    "err": round(rel_err(b_dual, b_time), 4)})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Profile documents
+
+
+def profile_doc(geometry, coef, step_fixed, mem, capacity, safety, budget, meta, fit, dual_range=None,
+                dual_sizes=None, pin_dual=False):
+    from ds_adaptiveload.profile import CostProfile, derive_dual
+
+    doc = {
+        "geometry": {"vae_stride": list(geometry.vae_stride), "patch_size": list(geometry.patch_size)},
+        "time_ms": {"fixed": _r(coef[0]), "per_token": _r(coef[1]), "per_token_sq": _r(coef[2]),
+                    "step_fixed": _r(step_fixed)},
+        "memory": {"budget_tokens": int(budget), "safety": safety},
+    }
+    if mem:
+        doc["memory"].update(fixed_bytes=int(mem[0]), bytes_per_token=_r(mem[1]))
+    if capacity:
+        doc["memory"]["capacity_bytes"] = int(capacity)
+    prof = CostProfile.from_dict(doc)  # validates
+    if dual_range:
+        # The paper's B * s^p <= M_comp over the calibrated range (profile.derive_dual's convention). Pinned
+        # in `dual:` only on request: without it the planner derives it for each dataset's own range.
+        p, m_comp = derive_dual(prof, *dual_range)
+        fit = {**fit, "dual": {"p": _r(p), "m_comp": _r(m_comp), "s_range": list(dual_range),
+                               "vs_time_model": dual_report(prof, (p, m_comp), dual_sizes or dual_range)}}
+        if pin_dual:
+            doc["dual"] = {"p": _r(p), "m_comp": _r(m_comp)}
+            prof = CostProfile.from_dict(doc)
+    doc["meta"] = meta
+    doc["fit"] = fit
+    return doc, prof
+
+
+def _r(v, digits=5):
+    """Round to `digits` significant digits (keeps the YAML readable)."""
+    return float(f"{v:.{digits}g}") if v else 0.0
+
+
+def write_profile(doc, path, header=""):
+    import yaml
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(header)
+        yaml.safe_dump(doc, f, sort_keys=False, default_flow_style=None, width=120)
+
+
+def _header(doc):
+    m = doc.get("meta", {})
+    how = ("ESTIMATED from model FLOPs and memory arithmetic (no measurement)" if m.get("estimated")
+           else f"measured on {m.get('device', '?')}")
+    return (f"# Cost profile written by `python -m ds_adaptiveload calibrate` ({m.get('date', '')}), {how}.\n"
+            f"# Model {m.get('model_config', '?')}, DeepSpeed config {m.get('deepspeed_config', '?')}.\n"
+            "# time_ms: forward+backward of one micro-batch of B samples of s per-GPU tokens\n"
+            "#   = fixed + per_token * B*s + per_token_sq * B*s^2; step_fixed once per optimizer step.\n"
+            "# memory.budget_tokens = (capacity_bytes * safety - fixed_bytes) / bytes_per_token.\n"
+            "# dual: B * s^p <= m_comp, derived from the time model (profile.derive_dual). fit: per-point errors.\n")
+
+
+def _meta_common(cfg, ds, args, sp, world):
+    import importlib.metadata as md
+
+    def ver(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    zero = ds.get("zero_optimization", {}).get("stage", 0)
+    dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
+    return {"model_config": args.model_config, "model": {"dim": cfg.dim, "ffn_dim": cfg.ffn_dim,
+            "num_heads": cfg.num_heads, "num_layers": cfg.num_layers, "params": cfg.num_params()},
+            "deepspeed_config": args.deepspeed_config, "zero_stage": zero, "dtype": dtype, "sp": sp,
+            "world_size": world, "checkpoint_blocks": bool(args.checkpoint_blocks),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "torch": ver("torch"), "deepspeed": ver("deepspeed"), "python": sys.version.split()[0],
+            "ln_modulate": os.environ.get("DS_ADAPTIVELOAD_LN_MODULATE", "auto")}
+
+
+# ----------------------------------------------------------------------------------------------------
+# --estimate
+
+
+def estimate_profile(cfg, ds, args):
+    """Analytic profile: time from WanConfig.flops_per_sample at peak * mfu, memory from arithmetic.
+
+    - FLOPs per sample are a quadratic in tokens: f(S) = c0 + c1 S + c2 S^2 (flops_per_sample is exact).
+      With checkpointing the forward runs twice: x 4/3. c0 (text embedding, cross-attention k/v) goes to
+      `fixed` with the per-block launch overhead measured on one 1.3B block (FIXED_MS_PER_LAYER).
+    - Ulysses (k = sequence_parallel_size): per GPU s = S/k tokens; linear work on s, attention on S^2/k
+      -> per_token_sq on s is k x; all-to-all of q, k, v, out (4 s dim elements per layer, forward; x2
+      with backward, x3 with recompute) over --link-gbs adds to per_token.
+    - ZeRO-3 (N > 1 GPUs): parameter all-gathers (forward, recompute) and the gradient reduce-scatter,
+      2 bytes x params each x (N-1)/N, over --link-gbs, are charged to `fixed` as if not overlapped.
+    - Memory per token: checkpointed block inputs (layers x dim bf16) + one block's saved activations
+      while it is recomputed (bf16 2 ffn + 16 dim, fp32 6 dim) + the loss tensors; fixed: 16 bytes/param
+      over N (ZeRO-3 shards) + two gathered blocks in bf16 + 1 GiB of buffers and workspace."""
+    from ds_adaptiveload.geometry import Geometry
+
+    sp = int(ds.get("sequence_parallel_size", 1))
+    world = args.train_world_size or max(2, sp)
+    if world % sp:
+        raise UserError(f"--train-world-size {world} is not divisible by sequence_parallel_size {sp}")
+    if not (0 < args.mfu <= 1) or args.peak_tflops <= 0 or args.device_memory_gib <= 0 or args.link_gbs <= 0:
+        raise UserError("--mfu must be in (0, 1]; --peak-tflops, --device-memory-gib, --link-gbs must be > 0")
+    flops = [cfg.flops_per_sample(n) for n in (0, 1, 2)]
+    c0, c2 = flops[0], (flops[2] - 2 * flops[1] + flops[0]) / 2
+    c1 = flops[1] - c0 - c2
+    recompute = 4 / 3 if args.checkpoint_blocks else 1.0
+    ms_per_flop = recompute / (args.peak_tflops * 1e12 * args.mfu) * 1000
+    link = args.link_gbs * 1e9 / 1000  # bytes per ms
+    passes = 3 if args.checkpoint_blocks else 2
+    a2a = 4 * cfg.dim * 2 * cfg.num_layers * passes * (sp - 1) / sp / link if sp > 1 else 0.0
+    per_token = c1 * ms_per_flop + a2a
+    per_token_sq = c2 * ms_per_flop * sp
+    params = cfg.num_params()
+    zero_comm = (2 + (1 if args.checkpoint_blocks else 0)) * 2 * params * (world - 1) / world / link
+    fixed = FIXED_MS_PER_LAYER * cfg.num_layers + c0 * ms_per_flop + zero_comm
+    # Optimizer step: Adam reads/writes ~ 16 B + 2 B per parameter shard at the copy bandwidth (4.25 TB/s)
+    # plus a per-tensor launch cost; small next to a step, kept for completeness.
+    step_fixed = 36 * params / world / 4.25e12 * 1000 + 5.0
+    d, f = cfg.dim, cfg.ffn_dim
+    block_params = 2 * (4 * (d * d + d) + 2 * d) + 2 * d + (d * f + f) + (f * d + d) + 6 * d
+    bpt = (cfg.num_layers * cfg.dim * 2 + 2 * (2 * cfg.ffn_dim + 16 * cfg.dim)
+           + 4 * BLOCK_ACT_FP32_PER_DIM * cfg.dim + 5 * 4 * cfg.out_dim * math.prod(cfg.patch_size))
+    fixed_bytes = ZERO_BYTES_PER_PARAM * params / world + 2 * 2 * block_params + 2**30
+    capacity = args.device_memory_gib * 2**30
+    budget = budget_tokens(capacity, args.safety, fixed_bytes, bpt)
+    meta = {**_meta_common(cfg, ds, args, sp, world), "estimated": True, "device": "estimate",
+            "peak_tflops": args.peak_tflops, "mfu": args.mfu, "device_memory_gib": args.device_memory_gib,
+            "link_gbs": args.link_gbs, "train_world_size": world}
+    fit = {"method": "analytic (calibrate.estimate_profile)",
+           "flops_per_sample": {"c0": c0, "c1": c1, "c2": c2},
+           "terms_ms": {"compute_per_token": c1 * ms_per_flop, "ulysses_all_to_all_per_token": a2a,
+                        "launch_fixed": FIXED_MS_PER_LAYER * cfg.num_layers, "zero3_comm_fixed": zero_comm},
+           "bytes_per_token_terms": {"checkpoints": cfg.num_layers * cfg.dim * 2,
+                                     "one_block_recompute": bpt - cfg.num_layers * cfg.dim * 2}}
+    geo = Geometry(patch_size=cfg.patch_size)
+    grid = parse_shapes(args.shapes, "--shapes") if args.shapes else GRID_SHAPES
+    sizes = [-(-geo.tokens(*sh) // sp) for sh in grid]
+    doc, _ = profile_doc(geo, (fixed, per_token, per_token_sq), step_fixed, (fixed_bytes, bpt), capacity,
+                         args.safety, budget, meta, fit, dual_range=(min(sizes), max(sizes)), dual_sizes=sizes,
+                         pin_dual=args.pin_dual)
+    return doc
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measured mode (torch + DeepSpeed)
+
+
+def measure_profile(cfg, ds, args, shapes, heldout):
+    t_start = time.monotonic()
+    import torch
+
+    from ds_adaptiveload.geometry import Geometry
+
+    engine, dims, seq_shard, device, dtype = _init_engine(cfg, ds, args)
+    init_s = time.monotonic() - t_start
+    clock = _Clock(t_start, device if dims.world > 1 else None)
+    deadline = args.time_budget  # on clock(): seconds since start, the same on every rank
+    geometry = Geometry(patch_size=cfg.patch_size)
+    ds_sp = int(ds.get("sequence_parallel_size", 1))
+    # One GPU for a config with k > 1: measure full sequences, convert to per-GPU terms (see below).
+    emulate_sp = ds_sp if dims.sp == 1 and ds_sp > 1 else 1
+    try:
+        for sh in list(shapes) + list(heldout):
+            geometry.check(*sh)
+    except ValueError as e:
+        raise UserError(f"--shapes/--heldout: {e}") from None
+    points = grid_points(shapes, heldout, geometry, sp=dims.sp,
+                         batches=_batches(args.batches), probe_tokens=args.probe_tokens)
+    oom_types = (torch.cuda.OutOfMemoryError,) if device.type == "cuda" else ()
+    step_fn = _StepFn(engine, cfg, geometry, seq_shard, device, dtype, args.seed)
+    is_main = dims.rank == 0
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(points), desc="calibrate", disable=not is_main, dynamic_ncols=True)
+
+    def on_point(p):
+        bar.update(1)
+        bar.set_postfix_str(f"B={p.B} S={p.S}: {p.status}"
+                            + (f" {p.median_ms:.0f} ms" if p.status == "ok" else ""))
+
+    time_schedule(points, step_fn, None, clock=clock, oom_types=oom_types, repeats=args.repeats,
+                  on_point=on_point, deadline=deadline)
+    bar.close()
+    fixed, a, b = fit_time(points)
+    step_fixed = statistics.median([v for p in points if p.status == "ok" for v in p.step_ms])
+    mem = fit_memory(points)
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    rows = report(points, (fixed, a, b), mem, capacity)
+    oom_tokens = min((p.tokens for p in points if p.status == "oom"), default=None)
+
+    # Per-GPU terms for the training run. A one-GPU measurement of a k-way SP config: per GPU the linear
+    # work is on s = S/k tokens but attention on S^2/k, so per_token_sq on s is k times the measured one;
+    # the all-to-all is not measured and is added from --link-gbs.
+    per_token, per_token_sq, a2a = a, b, 0.0
+    if emulate_sp > 1:
+        passes = 3 if args.checkpoint_blocks else 2
+        a2a = 4 * cfg.dim * 2 * cfg.num_layers * passes * (emulate_sp - 1) / emulate_sp / (args.link_gbs * 1e6)
+        per_token, per_token_sq = a + a2a, b * emulate_sp
+    sp_eff = dims.sp * emulate_sp
+    train_world = args.train_world_size or max(dims.world, sp_eff)
+    mem_doc = None
+    if mem and capacity:
+        params = cfg.num_params()
+        # The intercept holds the ZeRO-3 shards at this run's world size; rescale them to the training run's.
+        fixed_bytes = mem[0] - ZERO_BYTES_PER_PARAM * params / dims.world + ZERO_BYTES_PER_PARAM * params / train_world
+        fixed_bytes = max(fixed_bytes, 0.0)
+        budget = budget_tokens(capacity, args.safety, fixed_bytes, mem[1], oom_tokens)
+        mem_doc = (fixed_bytes, mem[1])
+        mem_note = {"fixed_bytes_measured": int(mem[0]), "measured_world_size": dims.world,
+                    "train_world_size": train_world, "zero_bytes_per_param": ZERO_BYTES_PER_PARAM}
+    else:
+        # CPU (no peak memory): the largest micro-batch that ran is the only evidence.
+        budget = max(p.tokens for p in points if p.status == "ok")
+        mem_note = {"note": "no device memory statistics (CPU): budget = largest micro-batch measured"}
+    if mem and capacity and args.probe_budget:
+        # Check the extrapolated budget where it matters: one micro-batch of the smallest shape filling it.
+        small = min((p for p in points if p.status == "ok"), key=lambda p: p.s)
+        probe = Point(max(1, budget // small.s), small.shape, small.S, small.s, role="probe")
+        pred_s = (fixed + a * probe.tokens + b * probe.tokens * probe.s + step_fixed) / 1000
+        if probe.tokens <= max(p.tokens for p in points if p.status == "ok"):
+            probe.status, probe.note = "skipped", "not needed: a measured point was as large"
+        elif clock() + 2.2 * pred_s > deadline:
+            probe.status, probe.note = "skipped", f"time budget (needs ~{2 * pred_s:.0f} s)"
+        else:
+            _measure_point(probe, step_fn, clock, oom_types, repeats=1, big_s=0.0, warmup=1)
+        if probe.status == "oom":
+            budget = budget_tokens(capacity, args.safety, mem_doc[0], mem[1], probe.tokens)
+        points.append(probe)
+        rows = report(points, (fixed, a, b), mem, capacity)
+    held = err_summary(rows, "heldout")
+    fit = {
+        "method": "NNLS, relative weighting; medians of timed steps after one warm-up",
+        "time_coef_measured": {"fixed": fixed, "per_token": a, "per_token_sq": b},
+        "time_fit": err_summary(rows, "fit"),
+        "time_heldout": held,
+        "memory_fit": err_summary(rows, "fit", "mem_err"),
+        "memory_heldout": err_summary(rows, "heldout", "mem_err"),
+        "memory": mem_note,
+        "oom_bound_tokens": min((p.tokens for p in points if p.status == "oom"), default=None),
+        "points": rows,
+        "init_s": round(init_s, 1),
+        "elapsed_s": round(time.monotonic() - t_start, 1),
+    }
+    if emulate_sp > 1:
+        fit["sp_from_one_gpu"] = {"k": emulate_sp, "all_to_all_ms_per_token": a2a, "link_gbs": args.link_gbs,
+                                  "note": "per_token_sq x k, all-to-all added analytically (not measured)"}
+    meta = {**_meta_common(cfg, ds, args, sp_eff, dims.world), "estimated": False,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "train_world_size": train_world, "time_budget_s": args.time_budget,
+            "ln_modulate_op": _op_state(device)}
+    sizes = [-(-p.S // sp_eff) for p in points if p.status == "ok" and p.role == "fit"]  # training run's s
+    doc, prof = profile_doc(geometry, (fixed, per_token, per_token_sq), step_fixed, mem_doc, capacity,
+                            args.safety, budget, meta, fit, dual_range=(min(sizes), max(sizes)), dual_sizes=sizes,
+                            pin_dual=args.pin_dual)
+    fit = doc["fit"]
+    if not is_main:
+        return None
+    print_report(rows, fit, prof)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "points": [asdict(p) for p in points], "fit": fit}, f, indent=1)
+    return doc
+
+
+def _op_state(device):
+    """Which LN-modulate the measured steps ran: the fused CUDA op, or PyTorch and why."""
+    if device.type != "cuda":
+        return "torch (CPU)"
+    if os.environ.get("DS_ADAPTIVELOAD_LN_MODULATE") == "torch":
+        return "torch (DS_ADAPTIVELOAD_LN_MODULATE=torch)"
+    from ds_adaptiveload.ops import layernorm_modulate as lm
+
+    return "cuda" if lm.load_op() is not None else f"torch (op unavailable: {lm.op_error()})"
+
+
+class _Clock:
+    """Seconds since start. With several ranks, the maximum over ranks: every rank then takes the same
+    measure/skip decisions in the same order (a rank that skipped a point alone would hang the others
+    in the next collective)."""
+
+    def __init__(self, t_start, device=None):
+        self.t_start, self.device = t_start, device
+
+    def __call__(self):
+        t = time.monotonic() - self.t_start
+        if self.device is None:
+            return t
+        import torch
+        import torch.distributed as dist
+
+        v = torch.tensor([t], dtype=torch.float64, device=self.device)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        return float(v)
+
+
+def _batches(text):
+    if not text:
+        return BATCHES
+    try:
+        out = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        raise UserError(f"--batches: {text!r} is not a comma-separated list of integers") from None
+    if not out or out[0] < 1:
+        raise UserError(f"--batches: sizes must be >= 1, got {text!r}")
+    return out
+
+
+def _init_engine(cfg, ds, args):
+    """deepspeed.initialize exactly as launch/train_wan.py does; a single process needs no launcher."""
+    import torch
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from ds_adaptiveload.model import WanModel
+    from ds_adaptiveload.train import config as tconfig, sp as tsp
+
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", str(29600 + os.getpid() % 300))):
+        os.environ.setdefault(k, v)
+    accel = get_accelerator()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if accel.device_name() == "cpu":
+        device = torch.device("cpu")
+    else:
+        accel.set_device(local_rank)
+        device = torch.device(accel.device_name(local_rank))
+    ds = json.loads(json.dumps(ds))
+    ds.pop("adaptive_load", None)
+    # Calibrate on the JSON's sequence_parallel_size only when launched on enough ranks for it.
+    k = int(ds.get("sequence_parallel_size", 1))
+    if world % k:
+        k = 1
+    if k == 1:
+        ds.pop("sequence_parallel_size", None)
+    dims = tsp.ParallelDims(world=world, sp=k, rank=rank)
+    mpu = tsp.init_sequence_parallel(dims)
+    # Every micro-batch is one optimizer step here, so fwd+bwd and the step are timed apart.
+    ds["gradient_accumulation_steps"] = 1
+    tconfig.ds_batch_keys(ds, dims.dp)
+    ds.pop("tensorboard", None), ds.pop("csv_monitor", None), ds.pop("wandb", None)
+    ds["steps_per_print"] = 10**9
+    torch.manual_seed(args.seed)
+    model = WanModel(cfg, checkpoint_blocks=args.checkpoint_blocks)
+    with torch.no_grad():  # the zero-initialised head would make every other gradient zero
+        model.head.head.weight.normal_(std=0.02)
+    seq_shard = tsp.apply_ulysses(model, mpu, cfg.num_heads)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds,
+                                           mpu=mpu)
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+    return engine, dims, seq_shard, device, dtype
+
+
+class _StepFn:
+    """One training step on random inputs of a point's shape: flow-matching loss (train/flow.py),
+    engine.backward, engine.step. Returns (fwd+bwd ms, step ms, peak bytes)."""
+
+    def __init__(self, engine, cfg, geometry, seq_shard, device, dtype, seed):
+        from deepspeed.accelerator import get_accelerator
+
+        self.engine, self.cfg, self.geo, self.seq_shard = engine, cfg, geometry, seq_shard
+        self.device, self.dtype, self.seed = device, dtype, seed
+        self.accel = get_accelerator()
+        self.calls = 0
+
+    def __call__(self, p):
+        import torch
+
+        from ds_adaptiveload.train import flow
+
+        cuda = self.device.type == "cuda"
+        try:
+            lat = self.geo.latent_shape(*p.shape)
+            g = torch.Generator(device=self.device).manual_seed(self.seed + self.calls)
+            x0 = torch.randn(p.B, 16, *lat, generator=g, device=self.device).to(self.dtype)
+            text = torch.randn(p.B, self.cfg.text_len, self.cfg.text_dim, generator=g, device=self.device)
+            text = text.to(self.dtype)
+            eps, t = flow.draw_noise(x0, list(range(p.B)), self.seed, self.calls, 5.0)
+            self.calls += 1
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self.accel.synchronize()
+            t0 = time.perf_counter()
+            loss = flow.flow_matching_loss(self.engine, x0, text, eps, t, seq_shard=self.seq_shard).mean()
+            self.engine.backward(loss)
+            self.accel.synchronize()
+            t1 = time.perf_counter()
+            self.engine.step()
+            self.accel.synchronize()
+            t2 = time.perf_counter()
+            peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
+            return (t1 - t0) * 1000, (t2 - t1) * 1000, peak
+        except torch.cuda.OutOfMemoryError:
+            self._recover()
+            raise
+
+    def _recover(self):
+        """After an OOM mid-step: drop gradients and cached blocks so the next point starts clean."""
+        import gc
+
+        import torch
+
+        try:
+            self.engine.zero_grad()
+        except Exception:  # noqa: BLE001 - best effort; the point is already recorded as oom
+            pass
+        try:  # ZeRO-3: forget the half-finished step's parameter-fetch trace
+            coord = self.engine.optimizer.parameter_offload.get_param_coordinator()
+            coord.reset_step()
+        except Exception:  # noqa: BLE001
+            pass
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def print_report(rows, fit, prof):
+    cols = ("role", "status", "B", "shape", "S", "s", "ms", "pred_ms", "err", "step_ms", "peak_gib", "pred_gib",
+            "mem_err")
+    have = [c for c in cols if any(c in r for r in rows)]
+    table = [[str(r.get(c, "")) for c in have] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(have)]
+    print("  ".join(c.rjust(w) for c, w in zip(have, widths)))
+    for t in table:
+        print("  ".join(v.rjust(w) for v, w in zip(t, widths)))
+    for key in ("time_fit", "time_heldout", "memory_fit", "memory_heldout"):
+        v = fit.get(key)
+        if v:
+            print(f"{key}: median |err| {v['median_abs_rel_err']:.1%}, worst {v['worst_abs_rel_err']:.1%} "
+                  f"over {v['n']} point(s)")
+    if fit.get("oom_bound_tokens"):
+        print(f"out of memory at {fit['oom_bound_tokens']} tokens per micro-batch (bound)")
+    print(f"budget_tokens {prof.budget_tokens}; start-up {fit['init_s']} s, elapsed {fit['elapsed_s']} s")

@@ -1,0 +1,231 @@
+"""calibrate: the fits recover known coefficients, OOM points become bounds, the time budget holds,
+--estimate writes a loadable profile, and the measuring loop runs on CPU with the tiny model."""
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from ds_adaptiveload import calibrate as cal
+from ds_adaptiveload.geometry import Geometry
+from ds_adaptiveload.profile import CostProfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GEO = Geometry()
+TRUE = (60.0, 0.017, 1.6e-6)  # fixed, per_token, per_token_sq (ms): the 1.3B block profile x 1.36
+
+
+def model_ms(p, coef=TRUE):
+    f, a, b = coef
+    return f + a * p.B * p.s + b * p.B * p.s * p.s
+
+
+def fake_step(noise=0.02, seed=0, oom_over=None, mem=(20e9, 2.2e5)):
+    """step_fn with the TRUE time model, multiplicative noise, a linear memory model and an OOM threshold."""
+    rng = random.Random(seed)
+
+    def step(p):
+        if oom_over and p.tokens > oom_over:
+            raise MemoryError(f"CUDA out of memory at {p.tokens} tokens")
+        return model_ms(p) * (1 + rng.gauss(0, noise)), 12.0, int(mem[0] + mem[1] * p.tokens)
+    return step
+
+
+def points(**kw):
+    return cal.grid_points(cal.GRID_SHAPES, cal.HELDOUT_SHAPES, GEO, **kw)
+
+
+def test_grid_covers_images_to_longest_clip_and_puts_b1_first():
+    pts = points()
+    fit = [p for p in pts if p.role == "fit"]
+    assert {p.S for p in fit} == {1560, 4680, 9360, 18720, 32760, 46800, 75600}
+    # priority: shortest B=1, shortest largest-B, longest B=1, then the other B=1 shortest first
+    assert [(p.S, p.B) for p in pts[:3]] == [(1560, 1), (1560, 32), (75600, 1)]
+    assert [p.S for p in pts[3:8]] == [4680, 9360, 18720, 32760, 46800] and all(p.B == 1 for p in pts[3:8])
+    assert all(p.role == "heldout" and p.B == 1 for p in pts[8:13])
+    assert all(p.tokens <= 75600 for p in fit) and max(p.B for p in fit if p.S == 1560) == 32
+    assert {p.S for p in pts if p.role == "heldout"}.isdisjoint({p.S for p in fit})
+    # under sp=2 the per-GPU tokens halve (rounded up)
+    assert {p.s for p in points(sp=2) if p.B == 1 and p.role == "fit"} == {780, 2340, 4680, 9360, 16380, 23400, 37800}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fit_time_recovers_known_coefficients_with_noise(seed):
+    pts = points()
+    cal.time_schedule(pts, fake_step(noise=0.02, seed=seed), budget_s=1e9, repeats=3)
+    fixed, a, b = cal.fit_time(pts)
+    assert fixed == pytest.approx(TRUE[0], rel=0.15)
+    assert a == pytest.approx(TRUE[1], rel=0.10)
+    assert b == pytest.approx(TRUE[2], rel=0.05)
+    rows = cal.report(pts, (fixed, a, b), None)
+    held = cal.err_summary(rows, "heldout")
+    assert held["n"] >= 5 and held["worst_abs_rel_err"] < 0.08
+
+
+def test_nnls_clamps_to_non_negative():
+    # data from a negative intercept: the unconstrained fit would return it; NNLS must not
+    rows = [(1.0, x) for x in (1, 2, 3, 4, 5)]
+    y = [-1.0 + 2.0 * x for x in (1, 2, 3, 4, 5)]
+    c = cal.nnls(rows, y)
+    assert c[0] == 0.0 and c[1] > 0
+    # exact data with all-positive coefficients is recovered exactly
+    rows = [(1.0, x, x * x) for x in (1, 2, 4, 8)]
+    assert cal.nnls(rows, [3 + 2 * x + 0.5 * x * x for x in (1, 2, 4, 8)]) == pytest.approx([3, 2, 0.5])
+
+
+def test_fit_memory_and_budget():
+    pts = points()
+    cal.time_schedule(pts, fake_step(), budget_s=1e9)
+    fixed_bytes, bpt = cal.fit_memory(pts)
+    assert fixed_bytes == pytest.approx(20e9, rel=1e-3) and bpt == pytest.approx(2.2e5, rel=1e-3)
+    cap = 141 * 2**30
+    b = cal.budget_tokens(cap, 0.9, fixed_bytes, bpt)
+    assert b == int((cap * 0.9 - fixed_bytes) / bpt)
+    assert cal.budget_tokens(cap, 0.9, fixed_bytes, bpt, oom_tokens=100_000) == 90_000
+    with pytest.raises(ValueError, match="no token budget"):
+        cal.budget_tokens(10 * 2**30, 0.9, 20e9, bpt)
+
+
+def test_oom_points_are_excluded_and_recorded_as_bounds():
+    pts = cal.grid_points(cal.GRID_SHAPES, [], GEO, probe_tokens=160_000)
+    cal.time_schedule(pts, fake_step(noise=0.0, oom_over=60_000), budget_s=1e9, oom_types=(MemoryError,))
+    oom = [p for p in pts if p.status == "oom"]
+    assert oom and all(p.tokens > 60_000 and not p.ms for p in oom)
+    # once a micro-batch of s tokens per sample ran out, bigger ones of the same s are skipped, not run
+    for p in pts:
+        if p.status == "skipped":
+            assert any(q.s == p.s and q.status == "oom" and q.tokens <= p.tokens for q in oom)
+    ok = [p for p in pts if p.status == "ok"]
+    assert ok and all(p.tokens <= 60_000 for p in ok)
+    coef = cal.fit_time(pts)  # OOM points carry no timings; the fit is still exact on the rest
+    assert coef == pytest.approx(TRUE, rel=1e-6)
+    rows = cal.report(pts, coef, cal.fit_memory(pts))
+    assert {r["status"] for r in rows} >= {"ok", "oom"} and all("err" not in r for r in rows if r["status"] == "oom")
+    bound = min(p.tokens for p in oom)
+    assert cal.budget_tokens(141 * 2**30, 0.9, 20e9, 2.2e5, oom_tokens=bound) < bound
+
+
+def test_time_budget_skips_points_and_keeps_a_fit():
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def step(p):
+        ms = model_ms(p)
+        now[0] += ms / 1000
+        return ms, 10.0, None
+
+    pts = points()
+    cal.time_schedule(pts, step, budget_s=60.0, clock=clock, repeats=3)
+    assert now[0] <= 60.0 * 1.05
+    assert any(p.status == "skipped" for p in pts)
+    assert sum(p.status == "ok" and p.B == 1 for p in pts) >= 5  # priority order: B=1 of every shape first
+    assert cal.fit_time(pts)[2] == pytest.approx(TRUE[2], rel=1e-6)
+
+
+def test_fit_time_needs_three_points():
+    pts = points()[:2]
+    for p in pts:
+        p.status, p.ms = "ok", [model_ms(p)]
+    with pytest.raises(ValueError, match="time fit needs 3"):
+        cal.fit_time(pts)
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "ds_adaptiveload", "calibrate", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("ds", ["ds_zero3_bf16.json", "ds_zero3_bf16_sp2.json"])
+def test_estimate_writes_a_loadable_sane_profile(tmp_path, ds):
+    out = tmp_path / "est.yaml"
+    proc = run_cli("--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", f"configs/{ds}",
+                   "--out", str(out), "--estimate")
+    assert proc.returncode == 0, proc.stderr
+    prof = CostProfile.load(out)
+    assert 1e5 <= prof.budget_tokens <= 1e6
+    assert prof.per_token_sq_ms > 0 and prof.per_token_ms > 0 and prof.fixed_ms > 0 and prof.step_fixed_ms > 0
+    doc = yaml.safe_load(out.read_text())
+    assert doc["meta"]["estimated"] is True and doc["meta"]["torch"] and doc["meta"]["date"]
+    # a 480x832x81 clip at the H200 block measurements' rate (x1.36 for ZeRO-3 + recompute) is ~3.5 s:
+    # the estimate must land within a factor of 1.5 of that
+    s = -(-32760 // doc["meta"]["sp"])
+    assert 2.3e3 < prof.micro_ms(1, s) * doc["meta"]["sp"] < 5.3e3
+    if doc["meta"]["sp"] == 2:
+        assert doc["fit"]["terms_ms"]["ulysses_all_to_all_per_token"] > 0
+
+
+def test_estimate_pin_dual_and_bad_args(tmp_path):
+    out = tmp_path / "est.yaml"
+    proc = run_cli("--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", "configs/ds_zero3_bf16.json",
+                   "--out", str(out), "--estimate", "--pin-dual")
+    assert proc.returncode == 0, proc.stderr
+    prof = CostProfile.load(out)
+    assert prof.dual_p > 1 and prof.dual_m_comp > 0
+    proc = run_cli("--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", "configs/ds_zero3_bf16.json",
+                   "--out", str(out), "--estimate", "--mfu", "1.5")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --mfu")
+
+
+def test_cpu_measuring_loop_with_tiny_model(tmp_path):
+    """The real loop: deepspeed.initialize (ZeRO-3, one gloo process), the flow-matching loss, the
+    optimizer step, held-out points; ~35 s on 2 cores (most of it DeepSpeed start-up)."""
+    out, raw = tmp_path / "tiny.yaml", tmp_path / "tiny.json"
+    env = dict(os.environ, MASTER_PORT="29677", OMP_NUM_THREADS="2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_adaptiveload", "calibrate", "--model-config", "configs/wan_tiny.yaml",
+         "--deepspeed_config", "configs/ds_tiny_cpu.json", "--out", str(out), "--json", str(raw),
+         "--shapes", "1x64x64,5x64x64,9x64x64,17x64x96", "--heldout", "1x64x96,13x64x64",
+         "--batches", "1,2,4", "--probe-tokens", "192", "--repeats", "2", "--time-budget", "90"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    prof = CostProfile.load(out)
+    doc = yaml.safe_load(out.read_text())
+    assert doc["meta"]["estimated"] is False and doc["meta"]["device"] == "cpu"
+    assert prof.fixed_ms + prof.per_token_ms * 192 > 0 and prof.step_fixed_ms > 0
+    rows = doc["fit"]["points"]
+    assert sum(r["role"] == "fit" and r["status"] == "ok" for r in rows) >= 4
+    assert doc["fit"]["time_heldout"]["n"] >= 1
+    assert "time_fit:" in proc.stdout and "time_heldout:" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# bench/train_e2e.py: the reductions the end-to-end benchmark reports
+
+
+def _e2e():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import train_e2e
+    return train_e2e
+
+
+def test_e2e_reduce_run_idle_throughput_and_simulator_error():
+    e2e = _e2e()
+    def rec(step, compute, pred, samples, mem):
+        return {"step": step, "compute_ms": compute, "step_ms": max(compute) + 100, "pred_ms": pred,
+                "samples": samples, "tokens": samples * 1000, "mfu": 0.4,
+                "idle_fraction": 1 - sum(compute) / 2 / max(compute),
+                "loss": 1.0, "mem_peak_gib": mem, "mem_capacity_gib": 100.0}
+    warm = rec(1, [5000, 100], [900, 900], 1, 50)
+    logs = [[warm, rec(2, [1000, 500], [1000, 400], 10, 40), rec(3, [800, 800], [900, 900], 6, 60)],
+            [warm, rec(2, [1000, 500], [1000, 400], 10, 30), rec(3, [800, 800], [900, 900], 6, 20)]]
+    r = e2e.reduce_run(logs, warmup=1, dp_size=2)
+    assert r["measured_steps"] == 2 and r["samples"] == 16
+    assert r["idle_fraction"] == pytest.approx(1 - (750 + 800) / (1000 + 800))  # sum mean / sum max
+    assert r["samples_per_s"] == pytest.approx(16 / 2.0)  # step_ms 1100 + 900
+    assert r["pred_wall_s"] == pytest.approx(1.9) and r["pred_wall_err"] == pytest.approx(1.9 / 2.0 - 1)
+    assert r["pred_idle_fraction"] == pytest.approx(1 - (700 + 900) / (1000 + 900))
+    assert r["mem_frac_mean"] == pytest.approx(0.375) and r["mem_peak_gib_max"] == 60
+
+
+def test_e2e_choose_steps_keeps_variants_before_steps():
+    e2e = _e2e()
+    costs = {n: (lambda m, c=c: c * m) for n, c in (("a", 5.0), ("b", 6.0), ("c", 5.0), ("d", 3.0))}
+    m, kept = e2e.choose_steps(costs, budget=250, overhead=40, warmup=2, max_measured=12, min_measured=4)
+    assert kept == ["a", "b", "c"] and m == 6  # with d, 4 x 40 + 19 x 6 = 274 > 250 even at 4 steps
+    assert sum(40 + costs[n](2 + m) for n in kept) <= 250 < sum(40 + costs[n](3 + m) for n in kept)
+    m, kept = e2e.choose_steps(costs, budget=10, overhead=40, warmup=2, max_measured=12, min_measured=4)
+    assert kept == ["a"] and m == 4  # nothing fits: still the first variant, at the minimum
