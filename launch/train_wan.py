@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
     p.add_argument("--prefetch-factor", type=int, default=2, help="micro-batches prefetched per worker")
     p.add_argument("--dump-grads", help=argparse.SUPPRESS)  # tests: params + gradients of the last step
+    p.add_argument("--fault", action="append", help=argparse.SUPPRESS)  # tests: train/faults.py
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
@@ -66,7 +67,7 @@ def train(args) -> None:
     from ds_adaptiveload.planner import PlanConfig
     from ds_adaptiveload.profile import CostProfile
     from ds_adaptiveload.sampler import AdaptiveSampler
-    from ds_adaptiveload.train import checkpoint, config, data, flow, metrics, sp
+    from ds_adaptiveload.train import checkpoint, config, data, faults, flow, metrics, sp
 
     # -- distributed init: gloo on the CPU accelerator, nccl on CUDA -----------------------------------
     accel = get_accelerator()
@@ -111,11 +112,23 @@ def train(args) -> None:
                                  dtype="fp32" if device.type == "cpu" else "bf16", geometry=profile.geometry)
         dist.barrier()
     samples = load_manifest(manifest, profile.geometry)
-    data.check_samples(samples, manifest, profile.geometry, model_cfg.text_dim)
+    # skip: samples found bad now leave the plan (every rank reads the same headers, so all agree)
+    bad_upfront = data.check_samples(samples, manifest, profile.geometry, model_cfg.text_dim, al.on_bad_sample)
+    if bad_upfront:
+        dropped = {id(s) for s, _ in bad_upfront}
+        samples = [s for s in samples if id(s) not in dropped]
+        if rank == 0:
+            for _, reason in bad_upfront[:20]:
+                print(f"[train_wan] skipped sample: {reason}", file=sys.stderr)
+            print(f"[train_wan] on_bad_sample=skip: {len(bad_upfront)} bad sample(s) left out of the plan, "
+                  f"{len(samples)} remain", file=sys.stderr)
+        if not samples:
+            raise UserError(f"{manifest}: every sample is bad")
     plan_cfg = PlanConfig(policy=al.policy, world_size=world, sp=dims.sp, grad_accum=G, seed=al.seed,
                           on_oversize=al.on_oversize, window=al.window, fill=al.fill)
     sampler = AdaptiveSampler(samples, profile, plan_cfg, dims.dp_rank)
-    dataset = data.LatentDataset(samples, manifest, profile.geometry, model_cfg.text_len, model_cfg.text_dim)
+    dataset = data.LatentDataset(samples, manifest, profile.geometry, model_cfg.text_len, model_cfg.text_dim,
+                                 on_bad=al.on_bad_sample)
     stream = data.MicroBatchStream(sampler)
     workers = max(0, args.num_workers)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=stream, collate_fn=data.first, num_workers=workers,
@@ -133,9 +146,15 @@ def train(args) -> None:
         engine.compile()
     divisor = sp.grad_divisor(engine, dims)  # what DeepSpeed divides summed gradients by
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+    # Skipping an update after backward relies on ZeRO-3 discarding a step whose gradient norm is NaN.
+    zero3 = engine.zero_optimization_stage() == 3
+    if al.on_oom == "skip" and not zero3:
+        raise UserError(f"{args.deepspeed_config}: adaptive_load.on_oom \"skip\" needs zero_optimization.stage 3")
 
     # -- checkpoint resume --------------------------------------------------------------------------------
-    layout = {"world": world, "sp": dims.sp, "grad_accum": G, "adaptive_load": al.to_dict(),
+    # The failure policies may change between a crash and the resume (e.g. to skip what crashed it).
+    plan_keys = {k: v for k, v in al.to_dict().items() if k not in ("on_bad_sample", "on_oom")}
+    layout = {"world": world, "sp": dims.sp, "grad_accum": G, "adaptive_load": plan_keys,
               "manifest_samples": len(samples)}
     start = 0
     if args.resume:
@@ -144,76 +163,157 @@ def train(args) -> None:
         start = cs["step"]
     ckpt_dir = os.path.join(args.output, "checkpoints")
 
+    def save_if_due(step):
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
+            checkpoint.save(engine, ckpt_dir, step + 1, plan_step.state, layout, fault)
+
     # -- loop -----------------------------------------------------------------------------------------------
+    fault = faults.Faults(args.fault, rank)
+    oom_error = faults.out_of_memory_error()
     log = metrics.StepLog(args.output, rank)
+    skipped = []  # this launch's skipped steps, for the summary
     bar = tqdm(total=args.max_steps, initial=start, disable=rank != 0, desc="train", dynamic_ncols=True)
     batches = iter(loader)
+
+    def micro_step(batch, weight):
+        x0 = batch["latent"].to(device, dtype, non_blocking=True)
+        text = batch["text"].to(device, dtype, non_blocking=True)
+        eps, t = flow.draw_noise(x0, batch["index"], al.seed, plan_step.epoch, args.timestep_shift)
+        per_sample = flow.flow_matching_loss(engine, x0, text, eps, t, seq_shard=seq_shard)
+        engine.backward(per_sample.sum() * weight)
+        return per_sample.detach()
+
+    def stand_in():
+        """After an OOM: a 1-sample, k-token micro-batch with zero weight, so this rank still issues the
+        forward/backward collectives (ZeRO-3 gathers, gradient reduce-scatters) its peers issue."""
+        x0 = torch.zeros(1, data.LATENT_CHANNELS, 1, 2, 2 * dims.sp, device=device, dtype=dtype)
+        text = torch.zeros(1, model_cfg.text_len, model_cfg.text_dim, device=device, dtype=dtype)
+        loss = flow.flow_matching_loss(engine, x0, text, torch.zeros_like(x0, dtype=torch.float32),
+                                       torch.zeros(1, device=device), seq_shard=seq_shard)
+        engine.backward(loss.sum() * 0.0)
+
+    def skip_step(step, reason, detail, rec):
+        """Every rank calls this with the same decision: log the skip with every rank's sample ids."""
+        everyone = [None] * world
+        dist.all_gather_object(everyone, {"ids": [i for ids, is_pad in rec["_mbs"] if not is_pad for i in ids],
+                                          "detail": detail})
+        ids = sorted({i for e in everyone[::dims.sp] for i in e["ids"]})
+        details = [d for e in everyone for d in e["detail"]]
+        entry = {"step": step + 1, "reason": reason, "ids": ids, "detail": details}
+        skipped.append(entry)
+        if rank == 0:
+            print(f"[train_wan] step {step + 1} skipped on every rank ({reason}): "
+                  f"{'; '.join(details) if details else ''} samples {ids}", file=sys.stderr, flush=True)
+        return entry
+
     for step in range(start, args.max_steps):
         accel.synchronize()
         t_step = time.perf_counter()
-        compute_ms = data_ms = 0.0
+        # The step's micro-batches are read before any compute, so a bad sample can be agreed on and the
+        # step skipped on every rank before any collective of the step.
+        t0 = time.perf_counter()
+        mbs = [next(batches) for _ in range(G)]
+        data_ms = (time.perf_counter() - t0) * 1000
+        plan_step = stream.pending.popleft()
+        for g, batch in enumerate(mbs):
+            assert batch["index"] == plan_step.micro_batches[g], "loader and sampler out of step"
+        step_ids = [(b["ids"], g in plan_step.pad) for g, b in enumerate(mbs)]
+        base = {"step": step + 1, "epoch": plan_step.epoch, "plan_step": plan_step.step,
+                "ids": [b["ids"] for b in mbs], "pad": plan_step.pad}
+        if al.on_bad_sample == "skip":
+            bad = [f"{sid}: {why}" for b in mbs for sid, why in b.get("bad", ())]
+            if metrics.any_rank(len(bad), device):
+                entry = skip_step(step, "bad_sample", bad, {"_mbs": step_ids})
+                log.write({**base, "skipped": entry})
+                bar.update(1)
+                save_if_due(step)
+                continue
+
+        compute_ms = 0.0
         counters = {"loss_sum": 0.0, "samples": 0, "tokens": 0, "flops": 0.0}
         nonfinite = torch.zeros((), device=device)
-        seen = []
-        for g in range(G):
-            t0 = time.perf_counter()
-            batch = next(batches)
-            data_ms += (time.perf_counter() - t0) * 1000
-            if g == 0:
-                plan_step = stream.pending.popleft()
-            assert batch["index"] == plan_step.micro_batches[g], "loader and sampler out of step"
+        seen, oom = [], []
+        for g, batch in enumerate(mbs):
             pad = g in plan_step.pad
             t0 = time.perf_counter()
-            x0 = batch["latent"].to(device, dtype, non_blocking=True)
-            text = batch["text"].to(device, dtype, non_blocking=True)
-            eps, t = flow.draw_noise(x0, batch["index"], al.seed, plan_step.epoch, args.timestep_shift)
-            per_sample = flow.flow_matching_loss(engine, x0, text, eps, t, seq_shard=seq_shard)
             weight = 0.0 if pad else flow.loss_scale(divisor, G, plan_step.global_samples)
-            engine.backward(per_sample.sum() * weight)
+            if not oom:
+                try:
+                    fault.before_forward(step + 1, g)
+                    per_sample = micro_step(batch, weight)
+                except oom_error as e:
+                    msg = oom_message(step, rank, g, batch, samples, profile, dims.sp, e)
+                    if al.on_oom != "skip":
+                        raise UserError(msg + "; set adaptive_load.on_oom \"skip\" to skip such steps, or lower "
+                                        "memory.budget_tokens / use --checkpoint-blocks") from None
+                    oom.append(msg)
+                if oom:  # outside the except block, so the failed forward's frames and tensors are gone
+                    recover_after_oom(engine, accel, world)
+            if oom:  # this rank's step is lost; keep issuing the collectives its peers issue
+                stand_in()
+            else:
+                nonfinite += (~torch.isfinite(per_sample)).sum()
+                seen.append((batch["ids"], batch["index"], per_sample, pad))
+            if g == 0:
+                fault.after_backward(step + 1)
             if args.dump_grads and g == G - 1 and step == args.max_steps - 1:
                 dump_grads(engine, args.dump_grads, rank, step + 1)
             if g < G - 1:
                 engine.step()  # inside the accumulation window: no optimizer update
-            per_sample = per_sample.detach()
-            nonfinite += (~torch.isfinite(per_sample)).sum()
-            seen.append((batch["ids"], batch["index"], per_sample, pad))
             accel.synchronize()
             compute_ms += (time.perf_counter() - t0) * 1000
-            if not pad:
+            if not pad and not oom:
                 S = profile.geometry.tokens(*_shape(samples[batch["index"][0]]))
                 counters["samples"] += len(batch["ids"])
                 counters["tokens"] += S * len(batch["ids"])
                 counters["flops"] += model_cfg.flops_per_sample(S) * len(batch["ids"])
-        # One all-gather per step, before the optimizer update, so a non-finite loss stops every rank
-        # before it reaches the weights.
+        # One all-gather per step, before the optimizer update, so a non-finite loss or an OOM on any rank
+        # is known to every rank before it reaches the weights.
         counters.update(loss_sum=float(sum(ps.sum() for _, _, ps, is_pad in seen if not is_pad)),
-                        compute_ms=compute_ms, data_ms=data_ms, nonfinite=float(nonfinite))
+                        compute_ms=compute_ms, data_ms=data_ms, nonfinite=float(nonfinite), oom=float(bool(oom)))
         ranks = metrics.gather_counters(counters, device)
-        if any(r["nonfinite"] for r in ranks):
-            raise UserError(nonfinite_message(step, ranks, seen, samples, manifest, rank))
+        reason = detail = None
+        if any(r["oom"] for r in ranks):
+            reason, detail = "oom", oom
+        elif any(r["nonfinite"] for r in ranks):
+            if al.on_bad_sample != "skip" or not zero3:
+                raise UserError(nonfinite_message(step, ranks, seen, samples, manifest, rank))
+            reason, detail = "nonfinite_loss", nonfinite_samples(seen, samples)
         lr = engine.get_lr()[0]  # the rate this update uses (the scheduler advances inside step())
-        engine.step()
+        entry = None
+        if reason:
+            entry = skip_step(step, reason, detail, {"_mbs": step_ids})
+            poison_gradients(engine)
+            engine.step()  # ZeRO-3 sees a NaN gradient norm: discards the gradients, no update, LR unchanged
+            if engine.was_step_applied():
+                raise RuntimeError(f"step {step + 1}: DeepSpeed applied an update that had to be skipped")
+            if device.type == "cuda":
+                accel.empty_cache()
+        else:
+            engine.step()
         accel.synchronize()
         step_s = time.perf_counter() - t_step
 
         m = metrics.step_metrics(ranks, dims.sp, step_s, args.peak_tflops, device)
         m["pred_ms"] = list(plan_step.pred_ms)
         m["pred_idle_fraction"] = metrics.idle_fraction(plan_step.pred_ms)
-        log.write({"step": step + 1, "epoch": plan_step.epoch, "plan_step": plan_step.step, "lr": lr, **m,
-                   "rank_loss": counters["loss_sum"] / max(counters["samples"], 1),
-                   "ids": [ids for ids, _, _, _ in seen], "pad": plan_step.pad})
-        if engine.monitor.enabled:
+        rec = {**base, "lr": lr, **m, "rank_loss": counters["loss_sum"] / max(counters["samples"], 1)}
+        if entry:
+            rec["skipped"] = entry
+        log.write(rec)
+        if engine.monitor.enabled and not entry:
             engine.monitor.write_events(metrics.monitor_events(m, step + 1, lr))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.4f}", sps=f"{m['samples_per_s']:.1f}", idle=f"{m['idle_fraction']:.2f}")
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
-            checkpoint.save(engine, ckpt_dir, step + 1, plan_step.state, layout)
+        save_if_due(step)
     bar.close()
     if start < args.max_steps and not args.no_final_save:
-        checkpoint.save(engine, ckpt_dir, args.max_steps, plan_step.state, layout)
+        checkpoint.save(engine, ckpt_dir, args.max_steps, plan_step.state, layout, fault)
     log.close()
+    if rank == 0:
+        write_summary(args.output, start, args.max_steps, bad_upfront, skipped)
     del batches  # stop DataLoader workers before the process group goes away
     dist.barrier()
 
@@ -237,6 +337,76 @@ def dump_grads(engine, path, rank, step):
         torch.save({"step": step, "params": params, "grads": grads}, path)
 
 
+def oom_message(step, rank, g, batch, samples, profile, sp, err) -> str:
+    """The micro-batch that ran out of memory, with what the profile predicted for it."""
+    s = samples[batch["index"][0]]
+    B, S = len(batch["index"]), profile.geometry.tokens(*_shape(s))
+    S_gpu = -(-S // sp)
+    mem = profile.memory
+    pred_mem = ""
+    if "bytes_per_token" in mem:
+        gib = (mem.get("fixed_bytes", 0) + mem["bytes_per_token"] * B * S_gpu) / 2**30
+        pred_mem = f", predicted {gib:.1f} GiB"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (f"step {step + 1}, rank {rank}: out of memory in micro-batch {g} (B={B}, frames={s.frames}, "
+            f"{s.height}x{s.width}, {S} tokens/sample, {B * S_gpu} tokens/GPU; profile predicts "
+            f"{profile.micro_ms(B, S_gpu):.0f} ms{pred_mem}, budget_tokens {profile.budget_tokens}; "
+            f"samples {', '.join(batch['ids'][:4])}{' ...' if B > 4 else ''}): {first[:200]}")
+
+
+def recover_after_oom(engine, accel, world) -> None:
+    """Free what the failed micro-batch held. With one rank under ZeRO-3, an exception inside forward
+    leaves gathered parameters and a half-recorded module trace: release them and end the trace step.
+    With several ranks that release would make this rank gather parameters its peers keep (persistent
+    ones), so its collectives would no longer match theirs; it is left out (docs/reliability.md: an OOM
+    after the micro-batch's first collective cannot be recovered with several ranks)."""
+    import gc
+
+    gc.collect()
+    if world == 1 and engine.zero_optimization_stage() == 3:
+        coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+        coordinator.release_and_reset_all(engine.module)
+        coordinator.reset_step()
+    accel.empty_cache()
+
+
+def poison_gradients(engine) -> None:
+    """Make this step's gradient norm NaN, so ZeRO-3's step() takes its overflow path on every rank (the
+    norm is all-reduced): gradients discarded, optimizer state and LR schedule untouched, global_steps and
+    skipped_steps counted. A plain zero_grad would still let AdamW decay its moments and step its count."""
+    import torch
+    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+    for p in engine.module.parameters():
+        g = safe_get_local_grad(p)
+        if g is not None and g.numel():
+            safe_set_local_grad(p, torch.full_like(g, float("nan")))
+            return
+
+
+def write_summary(out_dir, start, end, bad_upfront, skipped) -> None:
+    """OUTPUT/skipped.json and one stderr line: what this launch left out and why."""
+    import json
+
+    doc = {"steps": [start + 1, end], "samples_left_out_of_plan": [{"id": s.id, "reason": r} for s, r in bad_upfront],
+           "skipped_steps": skipped}
+    with open(os.path.join(out_dir, "skipped.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    if bad_upfront or skipped:
+        reasons = {}
+        for e in skipped:
+            reasons[e["reason"]] = reasons.get(e["reason"], 0) + 1
+        print(f"[train_wan] summary: {len(bad_upfront)} sample(s) left out of the plan, {len(skipped)} step(s) "
+              f"skipped {reasons} ({sum(len(e['ids']) for e in skipped)} samples not trained); "
+              f"see {os.path.join(out_dir, 'skipped.json')}", file=sys.stderr, flush=True)
+
+
+def nonfinite_samples(seen, samples) -> list:
+    return [f"{sid}: non-finite loss ({samples[i].extra.get('shard', '?')})"
+            for ids, index, per_sample, _ in seen for sid, i, v in zip(ids, index, per_sample.tolist())
+            if v != v or v in (float("inf"), float("-inf"))]
+
+
 def nonfinite_message(step, ranks, seen, samples, manifest, rank) -> str:
     bad = [r for r, c in enumerate(ranks) if c["nonfinite"]]
     mine = []
@@ -251,6 +421,11 @@ def nonfinite_message(step, ranks, seen, samples, manifest, rank) -> str:
 
 
 def main(argv=None) -> int:
+    import faulthandler
+    import signal
+
+    # A rank stuck in a collective: `kill -USR1 <pid>` prints its Python stacks (docs/reliability.md).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = parse_args(argv)
     try:
         train(args)

@@ -30,6 +30,14 @@ class AdaptiveLoadConfig:
     """balanced with G = 1: steps per cost-sorting window (None = whole epoch)."""
     fill: float = 0.9
     """balanced with G >= 2: fraction of a step's R*G micro-batch slots to fill."""
+    on_bad_sample: str = "error"
+    """error | skip: a sample that cannot be read (missing or truncated shard, missing tensor, shape or
+    dtype not matching the manifest, NaN/Inf values) or a non-finite loss. skip drops samples found
+    bad before training from the plan, and skips a whole step on every rank when one is found during
+    training (docs/reliability.md); both are counted and reported."""
+    on_oom: str = "error"
+    """error | skip: an accelerator out-of-memory error in a micro-batch. skip drops that step on every
+    rank (no optimizer update) and continues; needs ZeRO-3 (docs/reliability.md)."""
 
     @classmethod
     def from_dict(cls, d, source) -> "AdaptiveLoadConfig":
@@ -41,6 +49,9 @@ class AdaptiveLoadConfig:
             raise UserError(f"{source}: unknown adaptive_load key(s) {unknown}; known: {sorted(known)}")
         if "profile" not in d:
             raise UserError(f"{source}: adaptive_load.profile is required (a cost profile YAML)")
+        for key in ("on_oversize", "on_bad_sample", "on_oom"):
+            if d.get(key, "error") not in ("error", "skip"):
+                raise UserError(f"{source}: adaptive_load.{key} must be \"error\" or \"skip\", got {d[key]!r}")
         return cls(**d)
 
     def resolve_profile(self, json_path) -> str:

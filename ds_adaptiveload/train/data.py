@@ -70,7 +70,8 @@ def write_synthetic(out_dir, samples, text_dim=4096, max_text_len=512, seed=0, s
             L = int(torch.randint(min(8, max_text_len), max_text_len + 1, (1,), generator=gen))
             tensors[f"{s.id}/latent"] = torch.randn(LATENT_CHANNELS, *shape, generator=gen).to(tdtype)
             tensors[f"{s.id}/text"] = torch.randn(L, text_dim, generator=gen).to(tdtype)
-            s.extra = {**s.extra, "shard": name, "latent_key": f"{s.id}/latent", "text_key": f"{s.id}/text"}
+            s.extra = {**s.extra, "shard": name, "latent_key": f"{s.id}/latent", "text_key": f"{s.id}/text",
+                       "latent_dtype": dtype}
         save_file(tensors, os.path.join(out_dir, name))
     path = os.path.join(out_dir, "manifest.jsonl")
     write_manifest(path, samples)
@@ -93,38 +94,64 @@ def _shard_path(sample, root, manifest):
     return os.path.join(root, sample.extra["shard"])
 
 
-def check_samples(samples, manifest, geometry, text_dim) -> None:
-    """Fail before training on a missing shard, a missing tensor or a latent whose shape disagrees with
-    the manifest. Reads only the safetensors headers (cheap), once per shard."""
+# safetensors header dtype -> the manifest's optional `latent_dtype` spelling; latents must be floats.
+FLOAT_DTYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+
+
+def check_samples(samples, manifest, geometry, text_dim, on_bad="error") -> list:
+    """Fail before training on a missing or unreadable (e.g. truncated) shard, a missing tensor, a latent
+    whose shape disagrees with the manifest or whose dtype is not a float (or not the manifest's
+    `latent_dtype`). Reads only the safetensors headers (cheap), once per shard. on_bad="skip": return
+    [(sample, reason)] of the bad samples instead of raising at the first."""
     from safetensors import safe_open
 
     root = os.path.dirname(os.path.abspath(manifest))
-    by_shard = {}
+    by_shard, bad = {}, []
+
+    def fail(s, msg):
+        if on_bad != "skip":
+            raise UserError(msg)
+        bad.append((s, msg))
+
     for s in samples:
-        by_shard.setdefault(_shard_path(s, root, manifest), []).append(s)
+        try:
+            by_shard.setdefault(_shard_path(s, root, manifest), []).append(s)
+        except UserError as e:
+            fail(s, str(e))
     for path, group in by_shard.items():
         if not os.path.isfile(path):
-            raise UserError(f"{path}: shard missing (needed by sample {group[0].id!r}, "
-                            f"{_where(group[0], manifest)}{' and %d more' % (len(group) - 1) if len(group) > 1 else ''})")
+            for s in group:
+                fail(s, f"{path}: shard missing (needed by sample {s.id!r}, {_where(s, manifest)}"
+                        f"{' and %d more' % (len(group) - 1) if len(group) > 1 and s is group[0] else ''})")
+            continue
         try:
             f = safe_open(path, framework="pt")
         except Exception as e:  # a truncated or foreign file; safetensors raises its own types
-            raise UserError(f"{path}: not a readable safetensors file ({e}) (sample {group[0].id!r})") from None
+            for s in group:
+                fail(s, f"{path}: not a readable safetensors file ({e}) (sample {s.id!r}, {_where(s, manifest)})")
+            continue
         with f:
             keys = set(f.keys())
             for s in group:
-                for k in (s.extra["latent_key"], s.extra["text_key"]):
-                    if k not in keys:
-                        raise UserError(f"{path}: no tensor {k!r} for sample {s.id!r} ({_where(s, manifest)})")
+                missing = [k for k in (s.extra["latent_key"], s.extra["text_key"]) if k not in keys]
+                if missing:
+                    fail(s, f"{path}: no tensor {missing[0]!r} for sample {s.id!r} ({_where(s, manifest)})")
+                    continue
+                lat = f.get_slice(s.extra["latent_key"])
                 want = (LATENT_CHANNELS, *geometry.latent_shape(s.frames, s.height, s.width))
-                got = tuple(f.get_slice(s.extra["latent_key"]).get_shape())
-                if got != want:
-                    raise UserError(f"{path}: sample {s.id!r} latent has shape {list(got)}, but the manifest's "
-                                    f"{s.frames}x{s.height}x{s.width} needs {list(want)} ({_where(s, manifest)})")
+                got = tuple(lat.get_shape())
                 tshape = tuple(f.get_slice(s.extra["text_key"]).get_shape())
-                if len(tshape) != 2 or tshape[1] != text_dim:
-                    raise UserError(f"{path}: sample {s.id!r} text embedding has shape {list(tshape)}, the model "
-                                    f"needs [L, {text_dim}] ({_where(s, manifest)})")
+                dtype = FLOAT_DTYPES.get(lat.get_dtype())
+                if got != want:
+                    fail(s, f"{path}: sample {s.id!r} latent has shape {list(got)}, but the manifest's "
+                            f"{s.frames}x{s.height}x{s.width} needs {list(want)} ({_where(s, manifest)})")
+                elif dtype is None or s.extra.get("latent_dtype", dtype) != dtype:
+                    fail(s, f"{path}: sample {s.id!r} latent has dtype {lat.get_dtype()}, the manifest says "
+                            f"{s.extra.get('latent_dtype', 'a float (fp32, fp16, bf16)')} ({_where(s, manifest)})")
+                elif len(tshape) != 2 or tshape[1] != text_dim:
+                    fail(s, f"{path}: sample {s.id!r} text embedding has shape {list(tshape)}, the model "
+                            f"needs [L, {text_dim}] ({_where(s, manifest)})")
+    return bad
 
 
 class LatentDataset:
@@ -133,8 +160,11 @@ class LatentDataset:
     {'latent': [B, 16, F', H', W'], 'text': [B, text_len, text_dim], 'index': [...], 'ids': [...]}.
     Tensors keep the stored dtype; the trainer casts on the device."""
 
-    def __init__(self, samples, manifest, geometry, text_len, text_dim):
+    def __init__(self, samples, manifest, geometry, text_len, text_dim, on_bad="error"):
         self.samples, self.manifest, self.geometry = samples, manifest, geometry
+        self.on_bad = on_bad
+        """error: a bad sample raises UserError; skip: the micro-batch comes back as {'bad': [(id, reason)],
+        'index', 'ids'} without tensors, and the trainer skips the step on every rank."""
         self.root = os.path.dirname(os.path.abspath(manifest))
         self.text_len, self.text_dim = text_len, text_dim
         self._open = {}  # shard path -> safe_open handle, per worker process
@@ -143,6 +173,7 @@ class LatentDataset:
         return len(self.samples)
 
     def _read(self, i):
+        import torch
         from safetensors import safe_open
 
         s = self.samples[i]
@@ -153,27 +184,54 @@ class LatentDataset:
                 raise UserError(f"{path}: shard missing (sample {s.id!r}, {_where(s, self.manifest)})")
             if len(self._open) >= 16:  # bound open files/mmaps per worker
                 self._open.pop(next(iter(self._open))).__exit__(None, None, None)
-            f = self._open[path] = safe_open(path, framework="pt").__enter__()
-        latent = f.get_tensor(s.extra["latent_key"])
+            try:
+                f = safe_open(path, framework="pt").__enter__()
+            except Exception as e:  # truncated or foreign file
+                raise UserError(f"{path}: not a readable safetensors file ({e}) (sample {s.id!r}, "
+                                f"{_where(s, self.manifest)})") from None
+            self._open[path] = f
+        try:
+            latent = f.get_tensor(s.extra["latent_key"])
+            text = f.get_tensor(s.extra["text_key"])[: self.text_len]
+        except Exception as e:  # tensor missing, or the file changed under the open handle
+            raise UserError(f"{path}: cannot read sample {s.id!r} ({e}) ({_where(s, self.manifest)})") from None
         want = (LATENT_CHANNELS, *self.geometry.latent_shape(s.frames, s.height, s.width))
         if tuple(latent.shape) != want:
             raise UserError(f"{path}: sample {s.id!r} latent has shape {list(latent.shape)}, but the manifest's "
                             f"{s.frames}x{s.height}x{s.width} needs {list(want)} ({_where(s, self.manifest)})")
-        text = f.get_tensor(s.extra["text_key"])[: self.text_len]
+        dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(latent.dtype)
+        if dtype is None or s.extra.get("latent_dtype", dtype) != dtype:
+            raise UserError(f"{path}: sample {s.id!r} latent has dtype {latent.dtype}, the manifest says "
+                            f"{s.extra.get('latent_dtype', 'a float (fp32, fp16, bf16)')} ({_where(s, self.manifest)})")
         if text.ndim != 2 or text.shape[1] != self.text_dim:
             raise UserError(f"{path}: sample {s.id!r} text embedding has shape {list(text.shape)}, the model "
                             f"needs [L, {self.text_dim}] ({_where(s, self.manifest)})")
+        for name, t in (("latent", latent), ("text embedding", text)):
+            if not torch.isfinite(t).all():
+                n = int((~torch.isfinite(t)).sum())
+                raise UserError(f"{path}: sample {s.id!r} {name} has {n} NaN/Inf value(s) ({_where(s, self.manifest)})")
         return latent, text
 
     def __getitems__(self, indices):
         import torch
 
-        latents, texts = zip(*(self._read(i) for i in indices))
+        ids = [self.samples[i].id for i in indices]
+        if self.on_bad == "skip":
+            read, bad = [], []
+            for i in indices:
+                try:
+                    read.append(self._read(i))
+                except UserError as e:
+                    bad.append((self.samples[i].id, str(e)))
+            if bad:
+                return {"bad": bad, "index": list(indices), "ids": ids}
+        else:
+            read = [self._read(i) for i in indices]
+        latents, texts = zip(*read)
         text = torch.zeros(len(indices), self.text_len, self.text_dim, dtype=texts[0].dtype)
         for b, t in enumerate(texts):
             text[b, : t.shape[0]] = t
-        return {"latent": torch.stack(latents), "text": text, "index": list(indices),
-                "ids": [self.samples[i].id for i in indices]}
+        return {"latent": torch.stack(latents), "text": text, "index": list(indices), "ids": ids}
 
     def __getitem__(self, i):
         return self.__getitems__([i])

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 # Per-rank counters gathered every step, in this order.
-FIELDS = ("compute_ms", "data_ms", "loss_sum", "samples", "tokens", "flops", "nonfinite")
+FIELDS = ("compute_ms", "data_ms", "loss_sum", "samples", "tokens", "flops", "nonfinite", "oom")
 
 
 def gather_counters(values: dict, device) -> list:
@@ -67,12 +67,19 @@ def monitor_events(m: dict, step: int, lr: float) -> list:
 
 
 class StepLog:
-    """One JSONL file per rank, one line per optimizer step (append: a resumed run continues the file)."""
+    """One JSONL file per rank, one line per optimizer step (append: a resumed run continues the file;
+    read it back with read_step_log)."""
 
     def __init__(self, out_dir: str, rank: int):
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, f"steps.rank{rank}.jsonl")
-        self.f = open(self.path, "a")
+        self.f = open(self.path, "a+")
+        self.f.seek(0, os.SEEK_END)
+        if self.f.tell():  # a killed run may have left half a line: end it so the next record parses
+            self.f.seek(self.f.tell() - 1)
+            last = self.f.read(1)
+            if last != "\n":
+                self.f.write("\n")
 
     def write(self, rec: dict) -> None:
         self.f.write(json.dumps(rec) + "\n")
@@ -80,3 +87,31 @@ class StepLog:
 
     def close(self):
         self.f.close()
+
+
+def read_step_log(path) -> list:
+    """The records of the steps that reached the final weights, in step order.
+
+    A resumed run appends to the log from the checkpoint's step on, so the steps a crashed run trained
+    after its last checkpoint appear twice. Rule: reading in file order, a record for step s discards every
+    kept record with step >= s (that run was rewound to the checkpoint before s); what is left is, for each
+    step, the entry of the last run that trained it. A half-written last line of a killed run is ignored."""
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # only a killed writer leaves these (StepLog ends them with a newline)
+            while kept and kept[-1]["step"] >= rec["step"]:
+                kept.pop()
+            kept.append(rec)
+    return kept
+
+
+def any_rank(count: int, device) -> int:
+    """All-reduce (sum) of a per-rank count: every rank gets the same answer, so every rank takes the
+    same branch (a rank that skipped alone would leave its peers waiting in a collective)."""
+    t = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(t)
+    return int(t.item())

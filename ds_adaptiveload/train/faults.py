@@ -1,0 +1,51 @@
+"""Fault injection for the reliability tests (tests/test_reliability.py); hidden `--fault SPEC` flag.
+
+    kill:RANK:STEP        SIGKILL rank RANK during step STEP (1-based), after its first backward
+    save-abort:STEP       rank 0 SIGKILLs itself after the checkpoint of STEP is written, before it is
+                          published (checkpoint.save)
+    oom:RANK:STEP:MB      rank RANK raises the accelerator's out-of-memory error for micro-batch MB (0-based)
+                          of step STEP, before the micro-batch's forward issues any collective
+
+SIGKILL, not an exception: nothing gets to clean up, as with a preempted node or the kernel's OOM killer.
+"""
+import os
+import signal
+
+from ds_adaptiveload.errors import UserError
+
+
+class Faults:
+    def __init__(self, specs, rank: int):
+        self.rank = rank
+        self.kill, self.save_abort, self.oom = set(), set(), set()
+        for spec in specs or ():
+            kind, *nums = spec.split(":")
+            try:
+                nums = tuple(int(n) for n in nums)
+            except ValueError:
+                nums = ()
+            want = {"kill": 2, "save-abort": 1, "oom": 3}.get(kind)
+            if want is None or len(nums) != want:
+                raise UserError(f"--fault {spec!r}: expected kill:RANK:STEP, save-abort:STEP or oom:RANK:STEP:MB")
+            {"kill": self.kill, "save-abort": self.save_abort, "oom": self.oom}[kind].add(nums)
+
+    def after_backward(self, step: int) -> None:
+        if (self.rank, step) in self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_publish(self, step: int) -> None:
+        if self.rank == 0 and (step,) in self.save_abort:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_forward(self, step: int, micro: int) -> None:
+        if (self.rank, step, micro) in self.oom:
+            import torch
+
+            raise out_of_memory_error()(f"injected out-of-memory (--fault oom:{self.rank}:{step}:{micro})")
+
+
+def out_of_memory_error():
+    """torch.OutOfMemoryError (accelerator-agnostic, torch >= 2.5) or torch.cuda.OutOfMemoryError."""
+    import torch
+
+    return getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
