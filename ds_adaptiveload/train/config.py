@@ -6,11 +6,11 @@ train_batch_size = G * dp. DeepSpeed uses them only for its own bookkeeping (`gl
 samples axis of its monitor events, throughput log lines); its LR schedules step per optimizer step and
 are unaffected. True sample and token counts are in our step log and monitor events.
 """
-import json
 import os
 from dataclasses import asdict, dataclass, fields
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.fileio import read_json_object
 
 
 @dataclass
@@ -70,15 +70,7 @@ class AdaptiveLoadConfig:
 def load_ds_config(path):
     """-> (DeepSpeed dict without `adaptive_load`, AdaptiveLoadConfig). DeepSpeed's config parser tolerates
     unknown top-level keys, but it stores the dict in every checkpoint and prints it, so ours is removed."""
-    try:
-        with open(path) as f:
-            ds = json.load(f)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read DeepSpeed config ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
-    if not isinstance(ds, dict):
-        raise UserError(f"{path}: expected a JSON object")
+    ds = read_json_object(path, "DeepSpeed config")
     if "adaptive_load" not in ds:
         raise UserError(f"{path}: no adaptive_load section (profile, policy, seed, on_oversize)")
     al = AdaptiveLoadConfig.from_dict(ds.pop("adaptive_load"), path)
