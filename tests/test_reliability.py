@@ -282,7 +282,7 @@ def test_oom_and_bad_samples_skipped_on_every_rank(tmp_path, dataset, reference)
 
     left = [s for s in samples if s not in truncated]
     plan = make_plan(left, CostProfile.load(os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")),
-                     PlanConfig(world_size=2, grad_accum=2, fill=0.9), 0)
+                     PlanConfig(world_size=2, grad_accum=2), 0)  # the trainer's defaults
     victim = left[plan.steps[3][0][0][0]]
     key = victim.extra["latent_key"]
 

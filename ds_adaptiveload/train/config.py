@@ -28,8 +28,9 @@ class AdaptiveLoadConfig:
     """error | skip: a sample whose per-GPU tokens exceed the profile's memory budget."""
     window: int = None
     """balanced with G = 1: steps per cost-sorting window (None = whole epoch)."""
-    fill: float = 0.9
-    """balanced with G >= 2: fraction of a step's R*G micro-batch slots to fill."""
+    fill: float = None
+    """balanced with G >= 2: fraction of a step's R*G micro-batch slots to fill (None: the planner
+    chooses by predicted wall time, see planner.FILL_CHOICES)."""
     on_bad_sample: str = "error"
     """error | skip: a sample that cannot be read (missing or truncated shard, missing tensor, shape or
     dtype not matching the manifest, NaN/Inf values) or a non-finite loss. skip drops samples found
