@@ -51,7 +51,8 @@ def test_report_writes_plots_and_sections(tmp_path):
     for name in ("tokens_hist.png", "load_per_rank.png", "idle_fraction.png"):
         assert f"]({name})" in md
     # Bucket table: one row per shape; equal-tokens B = floor(M_mem / S) with M_mem = 75600.
-    assert re.search(r"^\| 81x480x832 \| \d+ \| 32760 \| 2 \| 1 \| ", md, re.M)
+    # the longest clip fills M_mem, so the derived compute cap equals the memory cap (docs/scheduler.md)
+    assert re.search(r"^\| 81x480x832 \| \d+ \| 32760 \| 2 \| 2 \| ", md, re.M)
     assert re.search(r"^\| 81x720x1280 \| \d+ \| 75600 \| 1 \| 1 \| 1 \|", md, re.M)
     assert sum(line.startswith(f"| {f}x{h}x{w} |") for line in md.splitlines() for f, h, w in SHAPES) == 6
     # Idle table: every policy at 8, 64, 1024 and the requested world size.

@@ -85,7 +85,7 @@ def bucket_table(samples, tokens, profile, sp, balanced, per_gpu_tokens) -> list
     for row in rows.values():
         g = row["gpu_tokens"]
         row["b_mem"] = profile.mem_batch(g)  # floor(M_mem / S); 0 = oversize, skipped
-        row["b_dual"] = min(row["b_mem"], profile.comp_batch(g)) if row["b_mem"] else 0
+        row["b_dual"] = min(row["b_mem"], profile.comp_batch(g, balanced.dual)) if row["b_mem"] else 0
     return sorted(rows.values(), key=lambda r: (r["tokens"], r["shape"]))
 
 
@@ -102,6 +102,7 @@ def render_markdown(args, profile, samples, tokens, shapes, plans, figs) -> str:
     oversize = sum(r["count"] for r in shapes if r["b_mem"] == 0)
     q = statistics.quantiles(tokens, n=10) if len(tokens) > 1 else [tokens[0]] * 9
     meta = ", ".join(f"{k}: {v}" for k, v in profile.meta.items()) or "no meta section"
+    dual = plans[n, "balanced"].dual
     out = [
         "# Dataset report", "",
         f"Manifest `{args.manifest}`, profile `{args.profile}` ({meta}); world size {n}, sp {sp}, "
@@ -118,7 +119,8 @@ def render_markdown(args, profile, samples, tokens, shapes, plans, figs) -> str:
         "## Buckets", "",
         f"One row per shape (frames x height x width). S: tokens per GPU (sp={sp}). equal-tokens: "
         f"B = floor(M_mem / S), M_mem = {profile.budget_tokens}. dual: B = min(floor(M_mem / S), "
-        f"floor(M_comp / S^p)), p = {profile.dual_p:.3f}, M_comp = {profile.dual_m_comp:.4g}. balanced: "
+        f"floor(M_comp / S^p)), p = {dual[0]:.3f}, M_comp = {dual[1]:.4g} "
+        f"({'from the profile' if profile.dual_p is not None else 'derived for this data'}). balanced: "
         f"the micro-batch sizes its plan at world size {n} used (min-max; it sizes micro-batches to even "
         "out the ranks, so they vary). 0 = oversize.", "",
         "| shape | samples | tokens S | equal-tokens B | dual B | balanced B used |",
