@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.geometry import per_gpu_tokens
 
-RUNMUL = 1  # tuning knob: micro-batches per same-shape run in the stratified stream
+# Same-shape run length (in micro-batches) of the stratified stream; measured best of 1/2/4/8 on the
+# video-heavy mix at 8-1024 ranks (docs/scheduler.md).
+RUN_SLOTS = 1
 POLICIES = ("balanced", "dual", "equal-tokens")
 # Step-composition classes for mix_tv, by full-sequence tokens: images and short clips, mid clips, long.
 CLASS_BOUNDS = (4096, 20000)
@@ -190,9 +192,6 @@ class _Ctx:
                 by_shape[key] = self.profile.sample_ms(g)
         self.cost = [by_shape[key] for key in self.shape]
 
-    def sample_ms(self, i):
-        return self.cost[i]
-
     def mb_ms(self, mb):
         return self.profile.micro_ms(len(mb), self.gpu[mb[0]])
 
@@ -326,7 +325,7 @@ AUTO_MARGIN = 0.97
 
 def _balanced_mixed(keep, ctx, rng):
     r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
-    stream = _stratified_stream(keep, ctx, rng, run_slots=RUNMUL)
+    stream = _stratified_stream(keep, ctx, rng, run_slots=RUN_SLOTS)
     demand = _slot_demand(stream, ctx)
     fill = ctx.cfg.fill
     if fill is None:

@@ -109,7 +109,6 @@ class AdaptiveSampler:
             raise UserError("sampler state does not match this run: " +
                             ", ".join(f"{k} saved {state[k]!r} now {mine[k]!r}" for k in diff))
         self.set_epoch(state["epoch"])
-        self._plan = None if self._plan is not None and self._plan.epoch != state["epoch"] else self._plan
         if not 0 <= state["next_step"] <= len(self):
             raise UserError(f"sampler state: next_step {state['next_step']} outside 0..{len(self)}")
         self.next_step = state["next_step"]
