@@ -296,8 +296,11 @@ def _stratified_stream(indices, ctx, rng, run_slots=0):
     ranks, which is what lets the packer fill slots. Classes are interleaved by key (j + u) / n for the
     j-th sample of a class of n (u uniform): proportional, with jitter."""
     classes = {}
+    # With G <= 2 a rank has too few slots to offset a sample that fills a micro-batch alone (a 720p clip)
+    # with filler, so such samples come in runs of R: a step that holds one then holds about one per rank.
+    heavy_run = ctx.cfg.dp_size if ctx.cfg.grad_accum <= 2 else 0
     for key, b in _shuffled_buckets(indices, ctx.shape, rng):
-        size = max(1, run_slots * ctx.cap[key])
+        size = heavy_run if (heavy_run and ctx.cap[key] == 1) else max(1, run_slots * ctx.cap[key])
         runs = [b[j:j + size] for j in range(0, len(b), size)]
         classes.setdefault(token_class(ctx.full[b[0]]), []).extend(runs)
     order, keys = [], array("d")
