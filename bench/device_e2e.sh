@@ -7,7 +7,11 @@
 #   CPU smoke of the same logic (tiny model, 2 gloo ranks):       E2E_SMOKE=1 bash bench/device_e2e.sh
 #   knobs: E2E_TOTAL (480 s: the 8-minute target; up to 570 under the call's 600 s limit buys more
 #   measured steps / the sp=2 variant), CAL_BUDGET (80 s), E2E_VARIANTS (comma list, priority order, from
-#   bench/train_e2e.py VARIANTS), E2E_MIN_MEASURED (4)
+#   bench/train_e2e.py VARIANTS), E2E_MIN_MEASURED (4), E2E_EXTRA (more train_e2e.py arguments, e.g.
+#   "--grad-accum 4"), E2E_PROFILE (skip calibration, use this profile), E2E_TRAIN_MAX (330 s of training)
+#   The side-by-side policy run the first call could not fit (2026-11-29):
+#   E2E_TOTAL=570 E2E_PROFILE=configs/profiles/h200-wan1.3b-calibrated.yaml E2E_TRAIN_MAX=470 \
+#     E2E_VARIANTS=balanced,equal-tokens E2E_EXTRA="--grad-accum 4" bash bench/device_e2e.sh
 #   (prepare .whl/ first, here: bash ../shared/device/prepare-wheels.sh)
 #
 # Comes back in $OUT (<= 8 files): h200-wan1.3b-calibrated.yaml (copy it to configs/profiles/),
@@ -91,10 +95,15 @@ grep -q "rc=0" "$LOGS/synthesize.log" || { el "synthesize failed"; cat "$LOGS/sy
 el "calibrate on GPU 0 (fused op, ZeRO-3, bf16, checkpointing)"
 PROFILE=$OUT/h200-wan1.3b-calibrated.yaml
 [ "${E2E_SMOKE:-0}" = 1 ] && PROFILE=$OUT/tiny-cpu-calibrated.yaml
+if [ -n "${E2E_PROFILE:-}" ]; then
+  # A profile calibrated earlier (e.g. configs/profiles/h200-wan1.3b-calibrated.yaml): all the time trains.
+  cp "$E2E_PROFILE" "$PROFILE"; rc=$?; el "calibration skipped: using $E2E_PROFILE"
+else
 CUDA_VISIBLE_DEVICES=$CAL_DEV DS_ADAPTIVELOAD_LN_MODULATE=$FUSED MASTER_PORT=29631 \
   timeout "$(cap 130)" $PY -m ds_adaptiveload calibrate --model-config $MODEL --deepspeed_config $DS \
   --out "$PROFILE" --json "$OUT/calibrate.json" $CAL_ARGS > "$LOGS/calibrate.log" 2>&1
 rc=$?
+fi
 grep -E "^ *(role|fit|heldout|probe) |time_|memory_|budget_tokens|wrote|error" "$LOGS/calibrate.log" | tail -40
 if [ $rc -ne 0 ] || [ ! -s "$PROFILE" ]; then
   el "calibration failed (rc $rc): falling back to the analytic --estimate profile (marked estimated: true)"
@@ -105,7 +114,8 @@ if [ $rc -ne 0 ] || [ ! -s "$PROFILE" ]; then
 fi
 
 el "train: policies x fused on/off x sp (bench/train_e2e.py)"
-BUDGET=$(( $(left) - 60 )); [ $BUDGET -gt 330 ] && BUDGET=330; [ $BUDGET -lt 60 ] && BUDGET=60
+TRAIN_MAX=${E2E_TRAIN_MAX:-330}
+BUDGET=$(( $(left) - 60 )); [ $BUDGET -gt $TRAIN_MAX ] && BUDGET=$TRAIN_MAX; [ $BUDGET -lt 60 ] && BUDGET=60
 timeout "$(cap $(( BUDGET + 60 )))" $PY bench/train_e2e.py --model-config $MODEL --ds-base $DS --profile "$PROFILE" \
   --data "$DATA/manifest.jsonl" --num "$NUM" --mix "$MIX" --out-dir "$OUT" --work /tmp/e2e_runs --tag "$TAG" \
   --time-budget "$BUDGET" $E2E_ARGS 2>&1 | tee "$LOGS/train_e2e.log" | grep -E "^\[e2e\]|^error" 
