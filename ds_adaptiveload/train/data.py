@@ -138,20 +138,28 @@ def check_samples(samples, manifest, geometry, text_dim, on_bad="error") -> list
                     fail(s, f"{path}: no tensor {missing[0]!r} for sample {s.id!r} ({_where(s, manifest)})")
                     continue
                 lat = f.get_slice(s.extra["latent_key"])
-                want = (LATENT_CHANNELS, *geometry.latent_shape(s.frames, s.height, s.width))
-                got = tuple(lat.get_shape())
-                tshape = tuple(f.get_slice(s.extra["text_key"]).get_shape())
-                dtype = FLOAT_DTYPES.get(lat.get_dtype())
-                if got != want:
-                    fail(s, f"{path}: sample {s.id!r} latent has shape {list(got)}, but the manifest's "
-                            f"{s.frames}x{s.height}x{s.width} needs {list(want)} ({_where(s, manifest)})")
-                elif dtype is None or s.extra.get("latent_dtype", dtype) != dtype:
-                    fail(s, f"{path}: sample {s.id!r} latent has dtype {lat.get_dtype()}, the manifest says "
-                            f"{s.extra.get('latent_dtype', 'a float (fp32, fp16, bf16)')} ({_where(s, manifest)})")
-                elif len(tshape) != 2 or tshape[1] != text_dim:
-                    fail(s, f"{path}: sample {s.id!r} text embedding has shape {list(tshape)}, the model "
-                            f"needs [L, {text_dim}] ({_where(s, manifest)})")
+                problem = _layout_problem(s, path, manifest, geometry, text_dim, lat.get_shape(),
+                                          FLOAT_DTYPES.get(lat.get_dtype()), lat.get_dtype(),
+                                          f.get_slice(s.extra["text_key"]).get_shape())
+                if problem:
+                    fail(s, problem)
     return bad
+
+
+def _layout_problem(s, path, manifest, geometry, text_dim, latent_shape, dtype, dtype_label, text_shape):
+    """The error message for a latent/text whose shape or dtype disagrees with the manifest and model, or
+    None. Shared by the header check before training and the Dataset's read."""
+    want = (LATENT_CHANNELS, *geometry.latent_shape(s.frames, s.height, s.width))
+    if tuple(latent_shape) != want:
+        return (f"{path}: sample {s.id!r} latent has shape {list(latent_shape)}, but the manifest's "
+                f"{s.frames}x{s.height}x{s.width} needs {list(want)} ({_where(s, manifest)})")
+    if dtype is None or s.extra.get("latent_dtype", dtype) != dtype:
+        return (f"{path}: sample {s.id!r} latent has dtype {dtype_label}, the manifest says "
+                f"{s.extra.get('latent_dtype', 'a float (fp32, fp16, bf16)')} ({_where(s, manifest)})")
+    if len(text_shape) != 2 or text_shape[1] != text_dim:
+        return (f"{path}: sample {s.id!r} text embedding has shape {list(text_shape)}, the model "
+                f"needs [L, {text_dim}] ({_where(s, manifest)})")
+    return None
 
 
 class LatentDataset:
@@ -195,17 +203,11 @@ class LatentDataset:
             text = f.get_tensor(s.extra["text_key"])[: self.text_len]
         except Exception as e:  # tensor missing, or the file changed under the open handle
             raise UserError(f"{path}: cannot read sample {s.id!r} ({e}) ({_where(s, self.manifest)})") from None
-        want = (LATENT_CHANNELS, *self.geometry.latent_shape(s.frames, s.height, s.width))
-        if tuple(latent.shape) != want:
-            raise UserError(f"{path}: sample {s.id!r} latent has shape {list(latent.shape)}, but the manifest's "
-                            f"{s.frames}x{s.height}x{s.width} needs {list(want)} ({_where(s, self.manifest)})")
         dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(latent.dtype)
-        if dtype is None or s.extra.get("latent_dtype", dtype) != dtype:
-            raise UserError(f"{path}: sample {s.id!r} latent has dtype {latent.dtype}, the manifest says "
-                            f"{s.extra.get('latent_dtype', 'a float (fp32, fp16, bf16)')} ({_where(s, self.manifest)})")
-        if text.ndim != 2 or text.shape[1] != self.text_dim:
-            raise UserError(f"{path}: sample {s.id!r} text embedding has shape {list(text.shape)}, the model "
-                            f"needs [L, {self.text_dim}] ({_where(s, self.manifest)})")
+        problem = _layout_problem(s, path, self.manifest, self.geometry, self.text_dim, latent.shape, dtype,
+                                  latent.dtype, text.shape)
+        if problem:
+            raise UserError(problem)
         for name, t in (("latent", latent), ("text embedding", text)):
             if not torch.isfinite(t).all():
                 n = int((~torch.isfinite(t)).sum())
