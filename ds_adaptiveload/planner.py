@@ -165,7 +165,7 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
     if not keep:
         steps = []
     elif cfg.policy in ("equal-tokens", "dual"):
-        steps = _deal(_micro_batches(_shuffled_buckets(keep, shape, rng), cap, shape), ctx, rng)
+        steps = _deal(_micro_batches(_shuffled_buckets(keep, shape, rng), cap), ctx, rng)
     elif cfg.grad_accum == 1 or cfg.window:
         steps = _balanced_sorted(keep, ctx, rng)
     else:
@@ -258,7 +258,7 @@ def _shuffled_buckets(indices, shape, rng):
     return out
 
 
-def _micro_batches(buckets, cap, shape):
+def _micro_batches(buckets, cap):
     mbs = []
     for key, b in buckets:
         c = cap[key]
@@ -393,7 +393,7 @@ def _pack_step(cand, ctx):
     buckets = {}
     for i in cand:
         buckets.setdefault(ctx.shape[i], []).append(i)
-    mbs = _micro_batches(sorted(buckets.items()), ctx.cap, ctx.shape)
+    mbs = _micro_batches(sorted(buckets.items()), ctx.cap)
     cost = ctx.cost
     mbs.sort(key=lambda mb: -len(mb) * cost[mb[0]])
     step = _lpt_micro_batches(mbs, r, g, ctx, load_fn=lambda mb: len(mb) * cost[mb[0]])
@@ -548,7 +548,7 @@ def _balanced_sorted(keep, ctx, rng):
         chunks = [stream]
     steps, carry = [], []
     for w, chunk in enumerate(chunks):
-        mbs = _micro_batches(_shuffled_buckets(carry + chunk, ctx.shape, rng), ctx.cap, ctx.shape)
+        mbs = _micro_batches(_shuffled_buckets(carry + chunk, ctx.shape, rng), ctx.cap)
         rng.shuffle(mbs)  # random order among equal costs
         mbs.sort(key=ctx.mb_ms, reverse=True)
         last = w == len(chunks) - 1
