@@ -22,8 +22,11 @@ def add_arguments(p):
     p.add_argument("--on-oversize", default="error", choices=["error", "skip"],
                    help="a sample over the memory budget: stop with an error, or skip and report it")
     p.add_argument("--window", type=int, default=None,
-                   help="balanced, G=1: steps per cost-sorting window (default: whole epoch)")
+                   help="balanced with G=1 or --lockstep: steps per cost-sorting window (default: whole epoch)")
     p.add_argument("--fill", type=float, default=None, help="balanced, G>=2: slot fill target per step")
+    p.add_argument("--lockstep", action="store_true",
+                   help="ranks synchronise at every micro-batch (ZeRO-2/3; the trainer sets this from the "
+                        "DeepSpeed config): plan and predict per micro-batch round")
     p.add_argument("--dump", help="write one JSON line per micro-batch: step, rank, micro, ids")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON summary line")
 
@@ -48,7 +51,7 @@ def run(args):
     samples = load_samples(args, profile.geometry)
     extra = {k: v for k, v in (("window", args.window), ("fill", args.fill)) if v is not None}
     cfg = PlanConfig(policy=args.policy, world_size=args.world_size, sp=args.sp, grad_accum=args.grad_accum,
-                     seed=args.seed, on_oversize=args.on_oversize, **extra)
+                     seed=args.seed, on_oversize=args.on_oversize, lockstep=args.lockstep, **extra)
     t0 = time.perf_counter()
     plan = make_plan(samples, profile, cfg, epoch=args.epoch)
     elapsed = time.perf_counter() - t0

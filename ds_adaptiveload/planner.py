@@ -56,6 +56,10 @@ class PlanConfig:
     fill: float = None
     """balanced with G >= 2: a step draws samples worth this fraction of its R*G micro-batch slots
     (None: the better of FILL_CHOICES by predicted wall time on a prefix of the epoch)."""
+    lockstep: bool = False
+    """Ranks wait for each other at every micro-batch, not only at the optimizer step: true under ZeRO-3
+    (parameter all-gathers in every forward and backward) and ZeRO-2 (gradient reduce-scatter in every
+    backward). A step then costs the sum over its G micro-batch rounds of the slowest rank's micro-batch."""
 
     def __post_init__(self):
         def positive(name):
@@ -72,6 +76,8 @@ class PlanConfig:
             raise UserError(f"on-oversize must be 'error' or 'skip', got {self.on_oversize!r}")
         if self.window is not None and (not isinstance(self.window, int) or self.window < 0):
             raise UserError(f"window must be an integer >= 0, got {self.window!r}")
+        if not isinstance(self.lockstep, bool):
+            raise UserError(f"lockstep must be true or false, got {self.lockstep!r}")
         if self.fill is not None and not 0.1 <= self.fill <= 1.0:
             raise UserError(f"fill must be in [0.1, 1], got {self.fill!r}")
 
@@ -97,10 +103,13 @@ class Plan:
     epoch: int
     dual: tuple = None
     """(p, M_comp) of the compute constraint for this data (used by the dual policy)."""
+    pred_wall_ms: list = None
+    """pred_wall_ms[step] -> predicted wall ms of the step: the slowest rank's pred_ms, or under lockstep
+    the sum over micro-batch rounds of the slowest rank's micro-batch (>= the slowest rank's total)."""
 
     def summary(self) -> dict:
         cfg = self.config
-        sum_max = sum(max(r) for r in self.pred_ms)
+        sum_max = sum(self.pred_wall_ms)
         sum_mean = sum(sum(r) / len(r) for r in self.pred_ms)
         planned = sum(len(mb) for s, step in enumerate(self.steps) for r, mbs in enumerate(step)
                       for m, mb in enumerate(mbs) if (s, r, m) not in self.pad)
@@ -166,13 +175,15 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
         steps = []
     elif cfg.policy in ("equal-tokens", "dual"):
         steps = _deal(_micro_batches(_shuffled_buckets(keep, shape, rng), cap), ctx, rng)
+    elif cfg.lockstep and cfg.grad_accum > 1:
+        steps = _balanced_rounds(keep, ctx, rng)
     elif cfg.grad_accum == 1 or cfg.window:
         steps = _balanced_sorted(keep, ctx, rng)
     else:
         steps = _balanced_mixed(keep, ctx, rng)
     pad = _finish_tail(steps, ctx, keep)
     pred = [[ctx.rank_ms(mbs) for mbs in step] for step in steps]
-    return Plan(steps, pred, pad, skipped, full, cfg, epoch, dual)
+    return Plan(steps, pred, pad, skipped, full, cfg, epoch, dual, [ctx.step_ms(step) for step in steps])
 
 
 @dataclass
@@ -197,6 +208,13 @@ class _Ctx:
 
     def rank_ms(self, mbs):
         return self.profile.step_fixed_ms + sum(self.mb_ms(mb) for mb in mbs)
+
+    def step_ms(self, step):
+        """Predicted wall time of a step (every rank holds the same number of micro-batches)."""
+        if not self.cfg.lockstep:
+            return max(self.rank_ms(mbs) for mbs in step)
+        return self.profile.step_fixed_ms + sum(max(self.mb_ms(mbs[k]) for mbs in step)
+                                                for k in range(len(step[0])))
 
 
 def _tokens(samples, profile, sp):
@@ -337,7 +355,7 @@ def _balanced_mixed(keep, ctx, rng):
         n = min(len(stream), math.ceil(len(stream) * AUTO_PREFIX_STEPS * r * g / max(demand, 1)))
         prefix = stream[:n]
         pd = _slot_demand(prefix, ctx)
-        wall = {f: sum(max(ctx.rank_ms(mbs) for mbs in step) for step in _draw_steps(prefix, pd, f, ctx))
+        wall = {f: sum(ctx.step_ms(step) for step in _draw_steps(prefix, pd, f, ctx))
                 for f in FILL_CHOICES}
         lo, hi = FILL_CHOICES
         fill = hi if wall[hi] < AUTO_MARGIN * wall[lo] else lo
@@ -525,27 +543,81 @@ def _fill_slots(mbs, g):
 
 
 # ----------------------------------------------------------------------------------------------------
+# balanced, G >= 2 under lockstep: rounds of equal-cost micro-batches, interleaved by class
+
+
+def _balanced_rounds(keep, ctx, rng):
+    """Under lockstep a step's wall time is the sum over its G rounds (the k-th micro-batch of every rank)
+    of the round's slowest micro-batch: rank totals do not matter, rounds do. Within a window of the
+    stratified stream (default: the epoch), full micro-batches per shape (the fewest: each pays the fixed
+    per-micro-batch cost) are sorted by cost and cut into rounds of R; for a fixed set of micro-batches
+    that minimises the sum of round maxima, and rounds of one shape cost exactly the same. The W*G rounds
+    of a window are striped over its W steps (step j takes rounds j, j + W, j + 2W, ...: one per cost
+    quantile), so every step holds expensive and cheap rounds. A smaller window keeps steps closer to the
+    data's composition at the price of less even rounds."""
+    r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
+    steps, carry = [], []
+    chunks = _windows(_stratified_stream(keep, ctx, rng), ctx)
+    for w, chunk in enumerate(chunks):
+        mbs = _micro_batches(_shuffled_buckets(carry + chunk, ctx.shape, rng), ctx.cap)
+        rng.shuffle(mbs)  # random order among equal costs
+        mbs.sort(key=ctx.mb_ms, reverse=True)
+        n = len(mbs) // (r * g)
+        last = w == len(chunks) - 1
+        if not last:  # the rest of the window (the cheapest micro-batches) moves on to the next one
+            carry = [i for mb in mbs[n * r * g:] for i in mb]
+            mbs = mbs[:n * r * g]
+        rounds = [mbs[j:j + r] for j in range(0, n * r * g, r)]
+        order = []
+        for j in rng.sample(range(n), n):  # shuffled step order: no epoch sorted by cost
+            order += [rounds[j + q * n] for q in range(g)]
+        rest = mbs[n * r * g:]  # only in the last window: fewer than G rounds, the epoch's last step
+        order += [rest[j:j + r] for j in range(0, len(rest), r)]
+        for s in range(0, len(order), g):
+            steps.append(_deal_rounds(order[s:s + g], r, ctx))
+    return steps
+
+
+def _deal_rounds(rounds, r, ctx):
+    """One step from its rounds: a round's heaviest micro-batch goes to the least-loaded rank so far, which
+    keeps rank totals even as well (what matters when ranks do not run in lockstep)."""
+    step = [[] for _ in range(r)]
+    load = [0.0] * r
+    for rd in rounds:
+        ranks = sorted(range(r), key=load.__getitem__)
+        for k, mb in zip(ranks, sorted(rd, key=ctx.mb_ms, reverse=True)):
+            step[k].append(mb)
+            load[k] += ctx.mb_ms(mb)
+    return step
+
+
+def _windows(stream, ctx):
+    """Cut the stream into windows of about `window` steps of micro-batches (slot units: a sample fills
+    1/cap of a micro-batch); window 0 or None: the whole stream."""
+    window = ctx.cfg.window or 0
+    if not window:
+        return [stream]
+    per_window = window * ctx.cfg.dp_size * ctx.cfg.grad_accum
+    chunks, cur, used = [], [], 0.0
+    for i in stream:
+        cur.append(i)
+        used += 1 / ctx.cap[ctx.shape[i]]
+        if used >= per_window:
+            chunks.append(cur)
+            cur, used = [], 0.0
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+# ----------------------------------------------------------------------------------------------------
 # balanced, G == 1 (or an explicit window): steps of similar micro-batches
 
 
 def _balanced_sorted(keep, ctx, rng):
     r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
     per_step = r * g
-    stream = _stratified_stream(keep, ctx, rng)
-    window = ctx.cfg.window or 0
-    if window:
-        # A window holds about `window` steps of micro-batches, measured in slot units like _balanced_mixed.
-        chunks, cur, used = [], [], 0.0
-        for i in stream:
-            cur.append(i)
-            used += 1 / ctx.cap[ctx.shape[i]]
-            if used >= window * per_step:
-                chunks.append(cur)
-                cur, used = [], 0.0
-        if cur:
-            chunks.append(cur)
-    else:
-        chunks = [stream]
+    chunks = _windows(_stratified_stream(keep, ctx, rng), ctx)
     steps, carry = [], []
     for w, chunk in enumerate(chunks):
         mbs = _micro_batches(_shuffled_buckets(carry + chunk, ctx.shape, rng), ctx.cap)

@@ -21,6 +21,8 @@ class StepBatch:
     """Per micro-batch: True if it only repeats a sample to keep ranks in lockstep (zero loss weight)."""
     pred_ms: list
     """Predicted compute ms of every data-parallel rank in this step."""
+    pred_wall_ms: float
+    """Predicted wall ms of the step (Plan.pred_wall_ms: lockstep-aware)."""
     global_samples: int
     """Real (non-pad) samples in this step over all data-parallel ranks: the loss normaliser."""
 
@@ -34,7 +36,7 @@ def fingerprint(samples) -> str:
 
 
 _STATE_KEYS = {"version", "epoch", "next_step", "seed", "policy", "world_size", "sp", "grad_accum",
-               "num_samples", "fingerprint"}
+               "lockstep", "num_samples", "fingerprint"}
 
 
 class AdaptiveSampler:
@@ -67,7 +69,7 @@ class AdaptiveSampler:
         pad = [(step, r, m) in plan.pad for m in range(len(mbs))]
         total = sum(len(mb) for k, rank_mbs in enumerate(plan.steps[step]) for m, mb in enumerate(rank_mbs)
                     if (step, k, m) not in plan.pad)
-        return StepBatch(step, mbs, pad, list(plan.pred_ms[step]), total)
+        return StepBatch(step, mbs, pad, list(plan.pred_ms[step]), plan.pred_wall_ms[step], total)
 
     def __iter__(self):
         """Yields this rank's steps from `next_step` on; `next_step` advances as steps are handed out."""
@@ -92,7 +94,7 @@ class AdaptiveSampler:
         return {"version": 1, "epoch": self.epoch,
                 "next_step": self.next_step if next_step is None else next_step,
                 "seed": c.seed, "policy": c.policy, "world_size": c.world_size, "sp": c.sp,
-                "grad_accum": c.grad_accum, "num_samples": len(self.samples), "fingerprint": self._fingerprint}
+                "grad_accum": c.grad_accum, "lockstep": c.lockstep, "num_samples": len(self.samples), "fingerprint": self._fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores the position; refuses a state from a different manifest, seed or layout, since the
@@ -103,7 +105,8 @@ class AdaptiveSampler:
         if extra or missing:
             raise UserError(f"sampler state: unexpected keys {sorted(extra)}, missing keys {sorted(missing)}")
         mine = self.state_dict()
-        diff = [k for k in ("seed", "policy", "world_size", "sp", "grad_accum", "num_samples", "fingerprint")
+        diff = [k for k in ("seed", "policy", "world_size", "sp", "grad_accum", "lockstep", "num_samples",
+                                      "fingerprint")
                 if state[k] != mine[k]]
         if diff:
             raise UserError("sampler state does not match this run: " +

@@ -124,8 +124,10 @@ def train(args) -> None:
                   f"{len(samples)} remain", file=sys.stderr)
         if not samples:
             raise UserError(f"{manifest}: every sample is bad")
+    # ZeRO-2/3 synchronise ranks at every micro-batch (reduce-scatter / all-gather): plan rounds, not totals.
+    lockstep = ds_cfg.get("zero_optimization", {}).get("stage", 0) >= 2
     plan_cfg = PlanConfig(policy=al.policy, world_size=world, sp=dims.sp, grad_accum=G, seed=al.seed,
-                          on_oversize=al.on_oversize, window=al.window, fill=al.fill)
+                          on_oversize=al.on_oversize, window=al.window, fill=al.fill, lockstep=lockstep)
     sampler = AdaptiveSampler(samples, profile, plan_cfg, dims.dp_rank)
     dataset = data.LatentDataset(samples, manifest, profile.geometry, model_cfg.text_len, model_cfg.text_dim,
                                  on_bad=al.on_bad_sample)
@@ -296,7 +298,8 @@ def train(args) -> None:
 
         m = metrics.step_metrics(ranks, dims.sp, step_s, args.peak_tflops, device)
         m["pred_ms"] = list(plan_step.pred_ms)
-        m["pred_idle_fraction"] = metrics.idle_fraction(plan_step.pred_ms)
+        m["pred_wall_ms"] = plan_step.pred_wall_ms
+        m["pred_idle_fraction"] = max(0.0, 1 - sum(plan_step.pred_ms) / len(plan_step.pred_ms) / plan_step.pred_wall_ms)
         rec = {**base, "lr": lr, **m, "rank_loss": counters["loss_sum"] / max(counters["samples"], 1)}
         if entry:
             rec["skipped"] = entry

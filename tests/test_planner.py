@@ -33,7 +33,8 @@ def scenarios(draw):
     sp = draw(st.sampled_from([1, 1, 2, 4]))
     dp = draw(st.integers(1, 9))
     cfg = PlanConfig(policy=draw(st.sampled_from(POLICIES)), world_size=dp * sp, sp=sp,
-                     grad_accum=draw(st.integers(1, 4)), seed=draw(st.integers(0, 3)), on_oversize="skip")
+                     grad_accum=draw(st.integers(1, 4)), seed=draw(st.integers(0, 3)), on_oversize="skip",
+                     lockstep=draw(st.booleans()), window=draw(st.sampled_from([None, None, 1, 3])))
     return samples, profile, cfg, draw(st.integers(0, 2))
 
 
@@ -59,6 +60,13 @@ def check_invariants(samples, profile, cfg, plan):
             want = profile.step_fixed_ms + sum(profile.micro_ms(len(mb), per_gpu_tokens(plan.tokens[mb[0]], cfg.sp))
                                                for mb in mbs)
             assert math.isclose(plan.pred_ms[s][k], want, rel_tol=1e-9)
+        ms = [[profile.micro_ms(len(mb), per_gpu_tokens(plan.tokens[mb[0]], cfg.sp)) for mb in mbs] for mbs in step]
+        if cfg.lockstep:  # ranks wait for the slowest micro-batch of every round
+            want = profile.step_fixed_ms + sum(max(r[m] for r in ms) for m in range(g))
+        else:
+            want = max(plan.pred_ms[s])
+        assert math.isclose(plan.pred_wall_ms[s], want, rel_tol=1e-9)
+        assert plan.pred_wall_ms[s] >= max(plan.pred_ms[s]) * (1 - 1e-9)
     fits = {i for i, smp in enumerate(samples)
             if per_gpu_tokens(GEO.tokens(smp.frames, smp.height, smp.width), cfg.sp) <= profile.budget_tokens}
     assert sorted(seen) == sorted(fits), "every sample that fits exactly once per epoch"
@@ -138,6 +146,34 @@ def test_balanced_beats_equal_tokens_on_video_heavy():
             assert eq["predicted_wall_s"] / bal["predicted_wall_s"] >= 1.5
         else:
             assert bal["mix_tv"] <= eq["mix_tv"], (bal, eq)
+
+
+def test_lockstep_rounds_beat_equal_tokens_under_zero3():
+    """ZeRO-3 makes ranks wait at every micro-batch: balanced plans rounds of equal cost. Calibrated ZeRO-3
+    profile (1.3 s fixed per micro-batch), one 720p clip per micro-batch, G = 4."""
+    import dataclasses
+    profile = dataclasses.replace(CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml"),
+                                  budget_tokens=75600)
+    for ranks, n, gain in ((2, 320, 1.15), (8, 1600, 1.5)):
+        samples = make_mix("video-heavy", n)
+        eq = make_plan(samples, profile, PlanConfig("equal-tokens", ranks, grad_accum=4, lockstep=True)).summary()
+        bal = make_plan(samples, profile, PlanConfig("balanced", ranks, grad_accum=4, lockstep=True)).summary()
+        assert bal["idle_fraction"] <= 0.05, bal
+        assert eq["predicted_wall_s"] / bal["predicted_wall_s"] >= gain, (eq, bal)
+        assert bal["micro_batches"] <= eq["micro_batches"] * 1.05  # no extra fixed costs bought for balance
+    # the rank-total planner alone leaves the rounds unbalanced under lockstep
+    totals = make_plan(samples, profile, PlanConfig("balanced", 8, grad_accum=4)).steps
+    plan = make_plan(samples, profile, PlanConfig("balanced", 8, grad_accum=4, lockstep=True))
+    assert totals != plan.steps
+
+
+def test_lockstep_window_trades_balance_for_mix():
+    samples = make_mix("video-heavy", 8 * 400)
+    profile = CostProfile.load(H200)
+    whole = make_plan(samples, profile, PlanConfig("balanced", 8, grad_accum=4, lockstep=True)).summary()
+    small = make_plan(samples, profile, PlanConfig("balanced", 8, grad_accum=4, lockstep=True, window=1)).summary()
+    assert small["mix_tv"] < whole["mix_tv"]
+    assert small["idle_fraction"] >= whole["idle_fraction"]
 
 
 def test_equal_tokens_batch_size_is_memory_only():
@@ -284,5 +320,7 @@ def test_sampler_state_refuses_other_run():
         s.load_state_dict({**state, "junk": 1})
     shuffled = list(samples)
     random.Random(0).shuffle(shuffled)
+    with pytest.raises(UserError, match="lockstep"):
+        AdaptiveSampler(samples, profile, PlanConfig("balanced", 2, lockstep=True), 0).load_state_dict(state)
     with pytest.raises(UserError, match="fingerprint"):
         AdaptiveSampler(shuffled, profile, PlanConfig("balanced", 2), 0).load_state_dict(state)

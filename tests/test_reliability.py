@@ -24,7 +24,7 @@ BIN = os.path.dirname(sys.executable)
 DEEPSPEED = shutil.which("deepspeed", path=BIN + os.pathsep + os.environ.get("PATH", ""))
 TINY = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_tiny.yaml"))
 GEO = Geometry()
-NUM, STEPS = 64, 5  # the plan of 64 tiny samples on 2 ranks with G = 2 has 5 steps
+NUM, STEPS = 100, 5  # the plan of 100 tiny samples on 2 ranks, G = 2, ZeRO-3 (lockstep) has 5 steps
 needs_launcher = pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
 
 
@@ -282,7 +282,7 @@ def test_oom_and_bad_samples_skipped_on_every_rank(tmp_path, dataset, reference)
 
     left = [s for s in samples if s not in truncated]
     plan = make_plan(left, CostProfile.load(os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")),
-                     PlanConfig(world_size=2, grad_accum=2), 0)  # the trainer's defaults
+                     PlanConfig(world_size=2, grad_accum=2, lockstep=True), 0)  # the trainer's (ZeRO-3)
     victim = left[plan.steps[3][0][0][0]]
     key = victim.extra["latent_key"]
 

@@ -27,7 +27,8 @@ class AdaptiveLoadConfig:
     on_oversize: str = "error"
     """error | skip: a sample whose per-GPU tokens exceed the profile's memory budget."""
     window: int = None
-    """balanced with G = 1: steps per cost-sorting window (None = whole epoch)."""
+    """balanced with G = 1, or G >= 2 under ZeRO-2/3 (lockstep): steps per cost-sorting window (None = whole
+    epoch; smaller keeps steps closer to the data's composition, at some balance)."""
     fill: float = None
     """balanced with G >= 2: fraction of a step's R*G micro-batch slots to fill (None: the planner
     chooses by predicted wall time, see planner.FILL_CHOICES)."""

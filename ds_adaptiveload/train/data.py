@@ -251,6 +251,7 @@ class PlannedStep:
         self.step, self.epoch, self.state = batch.step, epoch, state
         self.micro_batches = batch.micro_batches
         self.pred_ms = list(batch.pred_ms)
+        self.pred_wall_ms = batch.pred_wall_ms
         self.pad = [m for m, is_pad in enumerate(batch.pad) if is_pad]
         """This rank's pad micro-batches (repeats that keep ranks in lockstep; zero loss weight)."""
         self.global_samples = batch.global_samples
