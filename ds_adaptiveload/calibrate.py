@@ -265,7 +265,7 @@ def rel_err(pred, meas):
     return (pred - meas) / meas
 
 
-def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(), repeats=3, big_s=2.0,
+def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(), repeats=3, big_s=5.0,
                   on_point=None, deadline=None, first_warmup=2):
     """Measure `points` in order with step_fn(point) -> (fwd_bwd_ms, step_ms, peak_bytes or None).
 
@@ -277,14 +277,15 @@ def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(),
     caller's step_fn cleans up), and larger micro-batches of the same per-GPU sequence are then skipped
     as certain to fail."""
     deadline = deadline if deadline is not None else clock() + budget_s
-    per_token_guess = None  # seconds per token-equivalent, learned from the points so far
+    seen = []  # (work proxy, seconds per call) of the points measured so far
     oom_at = {}  # s -> smallest B*s that ran out of memory
     warm = first_warmup
     for p in points:
         if p.s in oom_at and p.tokens >= oom_at[p.s]:
             p.status, p.note = "skipped", f"a micro-batch of {oom_at[p.s]} tokens at this s ran out of memory"
-        elif (per_token_guess is not None and sum(q.status == "ok" and q.role == "fit" for q in points) >= 3
-              and clock() + per_token_guess * _work(p) * (1 + repeats) > deadline):
+        elif (sum(q.status == "ok" and q.role == "fit" for q in points) >= 3
+              and clock() + _guess_s(seen, _work(p)) * (1 + (1 if _guess_s(seen, _work(p)) > big_s else repeats))
+              > deadline):
             p.status, p.note = "skipped", "time budget"
         else:
             _measure_point(p, step_fn, clock, oom_types, repeats, big_s, warm)
@@ -292,11 +293,20 @@ def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(),
             if p.status == "oom":
                 oom_at[p.s] = min(oom_at.get(p.s, p.tokens), p.tokens)
             elif p.status == "ok":
-                guess = (p.median_ms / 1000) / _work(p)
-                per_token_guess = guess if per_token_guess is None else max(per_token_guess, guess)
+                seen.append((_work(p), p.median_ms / 1000))
         if on_point:
             on_point(p)
     return points
+
+
+def _guess_s(seen, work, safety=1.2):
+    """Seconds one call of a point of `work` will take: a non-negative fit a + b * work over the points so
+    far (a large fixed cost, as under ZeRO-3, would make a seconds-per-work ratio of the smallest point
+    overestimate every larger one), with a safety margin; the largest ratio while the fit is unidentified."""
+    if len({w for w, _ in seen}) < 2:
+        return safety * max(t / w for w, t in seen) * work
+    a, b = nnls([[1.0, w] for w, _ in seen], [t for _, t in seen])
+    return safety * (a + b * work)
 
 
 def _work(p):

@@ -229,3 +229,27 @@ def test_e2e_choose_steps_keeps_variants_before_steps():
     assert sum(40 + costs[n](2 + m) for n in kept) <= 250 < sum(40 + costs[n](3 + m) for n in kept)
     m, kept = e2e.choose_steps(costs, budget=10, overhead=40, warmup=2, max_measured=12, min_measured=4)
     assert kept == ["a"] and m == 4  # nothing fits: still the first variant, at the minimum
+
+
+def test_time_budget_with_a_large_fixed_cost_measures_what_fits():
+    """ZeRO-3-like: 1.2 s per call whatever the size. A seconds-per-work guess from the smallest point would
+    skip every larger point; the budget here covers them all with room to spare."""
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def step(p):
+        ms = 1200.0 + model_ms(p) / 1000
+        now[0] += ms / 1000
+        return ms, 10.0, None
+
+    pts = points()
+    need = sum(1.2 * (1 + 3) for _ in pts) + 2 * 1.2  # every point: warm-up + 3 repeats, 2 warm-ups first
+    cal.time_schedule(pts, step, budget_s=need * 1.3, clock=clock, repeats=3)
+    assert all(p.status == "ok" for p in pts), [(p.B, p.shape, p.status) for p in pts]
+    # and a tight budget still stops in time
+    now[0] = 0.0
+    pts = points()
+    cal.time_schedule(pts, step, budget_s=need / 3, clock=clock, repeats=3)
+    assert now[0] <= need / 3 * 1.05 + 1.2 * 4 and any(p.status == "skipped" for p in pts)
