@@ -80,12 +80,22 @@ def parse_args(argv=None):
     p.add_argument("--slowdown", type=float, default=1.0 if SMOKE else 1.25,
                    help="planned step time = profile prediction x this (2-GPU ZeRO-3 traffic not in a 1-GPU "
                         "calibration)")
+    p.add_argument("--epoch", action="store_true",
+                   help="each variant trains --warmup steps plus one whole epoch of its plan: throughput is then "
+                        "compared over the same samples (the measured steps are the epoch after its first "
+                        "--warmup steps plus that many from the next epoch); the step budget is not used")
     p.add_argument("--sim-ranks", default="8,64,1024", help="world sizes for the planner-only simulation")
-    p.add_argument("--sim-samples-per-rank", type=int, default=64)
+    p.add_argument("--sim-samples-per-rank", type=int, default=400,
+                   help="epochs of ~30 steps at G = 4; 64 per rank gave ratios 1.49-1.76x over 3 seeds at 8 ranks")
     p.add_argument("--work", default=None, help="run folders (logs, generated configs); default OUT/runs")
     p.add_argument("--out-dir", required=True, help="results JSON, plots, table, logs tarball")
     p.add_argument("--tag", default=None, help="file name tag (default train_e2e-DATE-h200x2 / -cpu)")
     p.add_argument("--render", help="only re-render plots and the table from an existing results JSON")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="merge the runs of results JSONs of one data set (e.g. from several device calls) into "
+                        "OUT-DIR/TAG.json, re-reducing each run from its step logs under --logs, and render")
+    p.add_argument("--logs", nargs="+", default=[], metavar="DIR",
+                   help="--merge: folders holding VARIANT/steps.rank*.jsonl (the runs' work folders)")
     p.add_argument("--port", type=int, default=29540)
     return p.parse_args(argv)
 
@@ -119,14 +129,22 @@ def reduce_run(rank_logs, warmup, dp_size):
     sum_max = sum(max(c) for c in compute)
     sum_mean = sum(sum(c) / len(c) for c in compute)
     # The plan's prediction for exactly these steps; pred_ms has one entry per dp rank.
+    # Under ZeRO-3 the step's predicted wall is lockstep (sum over rounds of the slowest micro-batch).
     pred = [r["pred_ms"] for r in recs]
-    pred_wall = sum(max(p) for p in pred) / 1000
-    pred_idle = 1 - sum(sum(p) / len(p) for p in pred) / sum(max(p) for p in pred) if dp_size > 1 else 0.0
+    pred_step = [r.get("pred_wall_ms", max(p)) for r, p in zip(recs, pred)]
+    pred_wall = sum(pred_step) / 1000
+    pred_idle = 1 - sum(sum(p) / len(p) for p in pred) / sum(pred_step) if dp_size > 1 else 0.0
     mem = [r["mem_peak_gib"] / r["mem_capacity_gib"] for log in rank_logs for r in log[warmup:]
            if r.get("mem_capacity_gib")]
     samples = sum(r["samples"] for r in recs)
     tokens = sum(r["tokens"] for r in recs)
+    # Epoch 0 whole, warm-up steps included: with --epoch every policy trains exactly these samples, so the
+    # ratio of these walls is the time-to-same-work comparison (the warm-up cost is in both).
+    ep0 = [r for r in rank_logs[0] if r.get("epoch", 0) == 0]
     out = {
+        "epoch0_steps": len(ep0), "epoch0_wall_s": sum(r["step_ms"] for r in ep0) / 1000,
+        "epoch0_samples": sum(r["samples"] for r in ep0), "epoch0_tokens": sum(r["tokens"] for r in ep0),
+        "epoch0_pred_wall_s": sum(r.get("pred_wall_ms", max(r["pred_ms"])) for r in ep0) / 1000,
         "measured_steps": len(recs),
         "samples": samples, "tokens": tokens, "wall_s": wall,
         "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
@@ -136,6 +154,8 @@ def reduce_run(rank_logs, warmup, dp_size):
         "compute_ms": compute,
         "step_ms": [r["step_ms"] for r in recs],
         "pred_ms": pred,
+        "pred_step_ms": pred_step,
+        "pred_step_idle": [max(0.0, 1 - sum(p) / len(p) / w) if w else 0.0 for p, w in zip(pred, pred_step)],
         "pred_idle_fraction": pred_idle,
         "pred_wall_s": pred_wall,
         "pred_wall_err": pred_wall / wall - 1,
@@ -154,7 +174,13 @@ def reduce_run(rank_logs, warmup, dp_size):
 # Planning the benchmark: steps per run from the time budget
 
 
-def plan_step_s(manifest, profile, policy, sp, world, grad_accum, seed=0):
+def lockstep_of(ds_json):
+    """What the trainer derives from the DeepSpeed config: ZeRO-2/3 synchronise at every micro-batch."""
+    with open(ds_json) as f:
+        return json.load(f).get("zero_optimization", {}).get("stage", 0) >= 2
+
+
+def plan_step_s(manifest, profile, policy, sp, world, grad_accum, lockstep, seed=0):
     """Predicted wall seconds of every step of the run's epoch-0 plan (what the trainer runs), and the
     plan summary (what `python -m ds_adaptiveload plan` prints)."""
     from ds_adaptiveload.manifest import load_manifest
@@ -162,8 +188,8 @@ def plan_step_s(manifest, profile, policy, sp, world, grad_accum, seed=0):
 
     samples = load_manifest(manifest, profile.geometry)
     plan = make_plan(samples, profile, PlanConfig(policy=policy, world_size=world, sp=sp, grad_accum=grad_accum,
-                                                  seed=seed, on_oversize="skip"))
-    return [max(p) / 1000 for p in plan.pred_ms], plan.summary(), hash(repr(plan.steps))
+                                                  seed=seed, on_oversize="skip", lockstep=lockstep))
+    return [w / 1000 for w in plan.pred_wall_ms], plan.summary(), hash(repr(plan.steps))
 
 
 def first_steps_s(per_step, steps):
@@ -277,7 +303,7 @@ def run_variant(name, args, manifest, profile_path, steps, timeout, port):
     return res
 
 
-def simulate(profile, ranks_list, samples_per_rank, grad_accum, mix):
+def simulate(profile, ranks_list, samples_per_rank, grad_accum, mix, lockstep):
     """The planner alone at larger scale: predicted idle and wall per policy (what `plan` prints)."""
     from ds_adaptiveload.mixes import make_mix
     from ds_adaptiveload.planner import PlanConfig, make_plan
@@ -288,7 +314,7 @@ def simulate(profile, ranks_list, samples_per_rank, grad_accum, mix):
         for policy in ("equal-tokens", "dual", "balanced"):
             t0 = time.perf_counter()
             s = make_plan(samples, profile, PlanConfig(policy=policy, world_size=ranks, grad_accum=grad_accum,
-                                                       on_oversize="skip")).summary()
+                                                       on_oversize="skip", lockstep=lockstep)).summary()
             rows.append({"ranks": ranks, "policy": policy, "samples": len(samples), "steps": s["steps"],
                          "pred_idle_fraction": s["idle_fraction"], "pred_wall_s": s["predicted_wall_s"],
                          "samples_per_s_pred": s["samples_planned"] / s["predicted_wall_s"],
@@ -317,8 +343,44 @@ def env_info():
     return info
 
 
+def merge(args):
+    """One results file from several runs' JSONs: metadata of the first, every run re-reduced from its raw
+    step logs with this file's reduce_run (so all runs carry the same metrics), simulation of the last."""
+    docs = []
+    for path in args.merge:
+        with open(path) as f:
+            docs.append(json.load(f))
+    res = {**docs[0], "merged_from": [os.path.basename(p) for p in args.merge], "runs": []}
+    res["variants_dropped"] = []
+    for doc in docs:
+        for run in doc["runs"]:
+            if any(r["name"] == run["name"] for r in res["runs"]):
+                continue
+            folder = next((os.path.join(d, run["name"]) for d in args.logs
+                           if os.path.exists(os.path.join(d, run["name"], "steps.rank0.jsonl"))), None)
+            if folder is None:
+                raise SystemExit(f"error: no step logs for run {run['name']!r} under {args.logs}")
+            logs = [read_steps(os.path.join(folder, f"steps.rank{k}.jsonl")) for k in range(doc["num_gpus"])]
+            run = {**run, **reduce_run(logs, doc["warmup_steps"], run["dp"])}
+            res["runs"].append(run)
+    # The simulation is planning only (CPU): redone here with this file's settings and the runs' profile.
+    from ds_adaptiveload.profile import CostProfile
+    res["simulation"] = simulate(CostProfile.from_dict(res["profile_used"]),
+                                 [int(v) for v in args.sim_ranks.split(",") if v], args.sim_samples_per_rank,
+                                 res["grad_accum"], res["mix"], res.get("lockstep", False)) if args.sim_ranks else []
+    res["simulation_samples_per_rank"] = args.sim_samples_per_rank
+    tag = args.tag or os.path.splitext(os.path.basename(args.merge[0]))[0]
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"{tag}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    render(res, args.out_dir, tag)
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.merge:
+        return merge(args)
     if args.render:
         with open(args.render) as f:
             res = json.load(f)
@@ -359,9 +421,11 @@ def main(argv=None):
         print(f"error: unknown variant(s) {bad}; choose from {list(VARIANTS)}", file=sys.stderr)
         return 2
     plans, costs, same_plan = {}, {}, {}
+    lockstep = lockstep_of(args.ds_base)
     for n in names:
         policy, fused, sp = VARIANTS[n]
-        per_step, plans[n], steps_key = plan_step_s(manifest, profile, policy, sp, args.num_gpus, args.grad_accum)
+        per_step, plans[n], steps_key = plan_step_s(manifest, profile, policy, sp, args.num_gpus, args.grad_accum,
+                                                    lockstep)
         # dual equals equal-tokens when the compute cap never binds harder than memory (profile.derive_dual:
         # the longest sample fills M_mem): the same micro-batches, so running it again measures nothing new.
         twin = next((m for m in costs if VARIANTS[m][1:] == (fused, sp) and plans[m]["_key"] == steps_key), None)
@@ -370,13 +434,19 @@ def main(argv=None):
             same_plan[n] = twin
             continue
         costs[n] = lambda steps, per_step=per_step: first_steps_s(per_step, steps) * args.slowdown
+        plans[n]["_epoch_steps"] = len(per_step)
     for n, twin in same_plan.items():
         print(f"[e2e] {n}: plan identical to {twin}'s (the compute cap does not bind at this budget): not run")
-    measured, kept = choose_steps(costs, args.time_budget, args.launch_overhead, args.warmup, args.max_measured,
-                                  args.min_measured)
-    steps = args.warmup + measured
+    if args.epoch:
+        kept = list(costs)
+        steps_of = {n: args.warmup + plans[n]["_epoch_steps"] for n in kept}
+        measured = "epoch"
+    else:
+        measured, kept = choose_steps(costs, args.time_budget, args.launch_overhead, args.warmup,
+                                      args.max_measured, args.min_measured)
+        steps_of = {n: args.warmup + measured for n in kept}
     dropped = [n for n in costs if n not in kept]
-    print(f"[e2e] {steps} steps per run ({args.warmup} warm-up + {measured} measured); variants {kept}"
+    print(f"[e2e] steps per run {steps_of} ({args.warmup} warm-up); variants {kept}"
           + (f"; dropped for time: {dropped}" if dropped else ""), flush=True)
 
     info = env_info()
@@ -389,7 +459,7 @@ def main(argv=None):
            "profile_used": profile.to_dict(), "budget_tokens": profile.budget_tokens,
            "budget_tokens_calibrated": calibrated_budget,
            "manifest": manifest, "num_samples": args.num, "mix": args.mix, "grad_accum": args.grad_accum,
-           "num_gpus": args.num_gpus, "warmup_steps": args.warmup, "measured_steps": measured,
+           "num_gpus": args.num_gpus, "lockstep": lockstep, "warmup_steps": args.warmup, "measured_steps": measured,
            "settings": {"time_budget_s": args.time_budget, "launch_overhead_s": args.launch_overhead,
                         "slowdown": args.slowdown, "min_measured": args.min_measured,
                         "max_measured": args.max_measured},
@@ -404,6 +474,7 @@ def main(argv=None):
     save()  # rewritten after every run: a stage killed from outside still leaves its finished runs
     deadline = t_start + args.time_budget * 1.1
     for i, n in enumerate(kept):
+        steps = steps_of[n]
         left = deadline - time.monotonic()
         if left < args.launch_overhead:
             dropped.append(n)
@@ -412,7 +483,7 @@ def main(argv=None):
         timeout = min(left, 3 * (args.launch_overhead + costs[n](steps)) + 60)
         print(f"[e2e] {n}: launching ({steps} steps, timeout {timeout:.0f} s)", flush=True)
         r = run_variant(n, args, manifest, run_profile, steps, timeout, args.port + i)
-        r["plan_epoch"] = {k: v for k, v in plans[n].items() if k != "_key"}
+        r["plan_epoch"] = {k: v for k, v in plans[n].items() if not k.startswith("_")}
         runs.append(r)
         save()
         print(f"[e2e] {n}: rc={r['rc']} in {r['elapsed_s']:.0f} s; " + (
@@ -420,7 +491,7 @@ def main(argv=None):
             f"wall err {r['pred_wall_err']:+.1%}" if "samples_per_s" in r else "no measured steps"), flush=True)
 
     res["simulation"] = simulate(profile, [int(v) for v in args.sim_ranks.split(",") if v],
-                                 args.sim_samples_per_rank, args.grad_accum, args.mix) if args.sim_ranks else []
+                                 args.sim_samples_per_rank, args.grad_accum, args.mix, lockstep) if args.sim_ranks else []
     res["partial"] = False
     save()
     print(f"[e2e] wrote {path}")
@@ -461,6 +532,12 @@ def table(res):
         if a in ok and b in ok:
             ratios.append(f"{what}: {ok[a]['tokens_per_s'] / ok[b]['tokens_per_s']:.3f}x tokens/s, "
                           f"{ok[a]['samples_per_s'] / ok[b]['samples_per_s']:.3f}x samples/s")
+        if a in ok and b in ok and res.get("measured_steps") == "epoch" and "epoch0_samples" in ok[a] and \
+                ok[a].get("epoch0_samples") == ok[b].get("epoch0_samples"):
+            ratios.append(f"{what}, same {ok[a]['epoch0_samples']} samples (epoch 0 incl. warm-up): "
+                          f"{ok[a]['epoch0_wall_s']:.1f} s vs {ok[b]['epoch0_wall_s']:.1f} s = "
+                          f"speed {ok[b]['epoch0_wall_s'] / ok[a]['epoch0_wall_s']:.3f}x (predicted "
+                          f"{ok[b]['epoch0_pred_wall_s'] / ok[a]['epoch0_pred_wall_s']:.3f}x)")
     if ratios:
         lines += [""] + [f"- {r}" for r in ratios]
     if res.get("variants_same_plan"):
@@ -499,7 +576,9 @@ def render(res, out_dir, tag):
         comp = r["compute_ms"]
         for k in range(len(comp[0])):
             ax.plot(range(1, len(comp) + 1), [c[k] / 1000 for c in comp], marker="o", ms=3, label=f"rank {k}")
-        ax.plot(range(1, len(comp) + 1), [max(p) / 1000 for p in r["pred_ms"]], "k--", lw=1, label="plan max (pred)")
+        pred_step = r.get("pred_step_ms") or [max(p) for p in r["pred_ms"]]
+        ax.plot(range(1, len(comp) + 1), [w / 1000 for w in pred_step], "k--", lw=1, label="step wall (pred)")
+        ax.plot(range(1, len(comp) + 1), [w / 1000 for w in r["step_ms"]], "k:", lw=1, label="step wall (measured)")
         ax.set_ylabel("s")
         ax.set_title(f"{r['name']}: idle {r['idle_fraction']:.1%} measured, {r['pred_idle_fraction']:.1%} predicted",
                      fontsize=9)
@@ -515,8 +594,12 @@ def render(res, out_dir, tag):
     bins = [i / 20 for i in range(0, 21)]
     for r in dp_runs:
         mean = statistics.fmean(r["step_idle"])
-        ax.hist(r["step_idle"], bins=bins, alpha=0.5, label=f"{r['name']} (mean {mean:.1%})")
-    ax.set_xlabel("per-step idle fraction (1 - mean/max of ranks' compute)")
+        ax.hist(r["step_idle"], bins=bins, alpha=0.5, label=f"{r['name']} measured (mean {mean:.1%})")
+        if r.get("pred_step_idle"):  # under ZeRO-3 the ranks' timers include the waits: see the prediction too
+            mean = statistics.fmean(r["pred_step_idle"])
+            ax.hist(r["pred_step_idle"], bins=bins, histtype="step", lw=1.5,
+                    label=f"{r['name']} predicted (mean {mean:.1%})")
+    ax.set_xlabel("per-step idle fraction (1 - mean rank compute / step wall)")
     ax.set_ylabel("steps")
     ax.legend(fontsize=7)
     fig.tight_layout()
