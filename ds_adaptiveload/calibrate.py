@@ -238,15 +238,36 @@ def fit_time(points):
     return nnls(rows, y, [1 / v for v in y])
 
 
+# A peak this much above the smallest one is on the rising part of the memory curve.
+FLOOR_MARGIN = 1.02
+
+
 def fit_memory(points):
-    """(fixed_bytes, bytes_per_token) from the ok points' peaks (fit and held-out alike: memory is linear
-    in tokens with flash attention and per-block checkpointing); None when no peak was measured."""
+    """(fixed_bytes, bytes_per_token, floor_bytes) from the ok points' peaks (fit and held-out alike):
+    peak = max(floor, fixed + bytes_per_token * B*s). Memory is linear in tokens with flash attention and
+    per-block checkpointing, but it has a floor that does not grow with them (under ZeRO-3 on an H200 the
+    1.3B model peaks at 28.76 GiB for every micro-batch up to ~25k tokens: gathered parameters, optimizer
+    step); a line through the floor points underestimates the slope that large micro-batches follow, which
+    put the extrapolated budget at twice what fits. So the line is fitted on the points above the floor
+    (the two largest micro-batches when fewer rise above it). None when no peak was measured."""
     pts = [p for p in points if p.status == "ok" and p.peak_bytes]
     if len({p.tokens for p in pts}) < 2:
         return None
-    rows = [(1.0, p.tokens) for p in pts]
-    y = [p.peak_bytes for p in pts]
-    return nnls(rows, y, [1 / v for v in y])
+    floor = min(p.peak_bytes for p in pts)
+    use = [p for p in pts if p.peak_bytes > floor * FLOOR_MARGIN]
+    if len({p.tokens for p in use}) < 2:
+        by_tokens = {}
+        for p in sorted(pts, key=lambda p: p.tokens):
+            by_tokens[p.tokens] = p
+        use = list(by_tokens.values())[-2:]
+    y = [p.peak_bytes for p in use]
+    fixed, per_token = nnls([(1.0, p.tokens) for p in use], y, [1 / v for v in y])
+    return fixed, per_token, float(floor)
+
+
+def predict_peak(mem, tokens):
+    fixed, per_token, floor = mem
+    return max(floor, fixed + per_token * tokens)
 
 
 def budget_tokens(capacity_bytes, safety, fixed_bytes, bytes_per_token, oom_tokens=None):
@@ -350,7 +371,7 @@ def report(points, coef, mem, capacity=None):
                 if capacity:
                     r["peak_frac"] = round(p.peak_bytes / capacity, 4)
                 if mem:
-                    pm = mem[0] + mem[1] * p.tokens
+                    pm = predict_peak(mem, p.tokens)
                     r.update(pred_gib=round(pm / 2**30, 3), mem_err=round(rel_err(pm, p.peak_bytes), 4))
         if p.note:
             r["note"] = p.note
@@ -592,7 +613,8 @@ def measure_profile(cfg, ds, args, shapes, heldout):
         fixed_bytes = max(fixed_bytes, 0.0)
         budget = budget_tokens(capacity, args.safety, fixed_bytes, mem[1], oom_tokens)
         mem_doc = (fixed_bytes, mem[1])
-        mem_note = {"fixed_bytes_measured": int(mem[0]), "measured_world_size": dims.world,
+        mem_note = {"fixed_bytes_measured": int(mem[0]), "floor_bytes_measured": int(mem[2]),
+                    "model": "peak = max(floor, fixed + bytes_per_token * tokens)", "measured_world_size": dims.world,
                     "train_world_size": train_world, "zero_bytes_per_param": ZERO_BYTES_PER_PARAM}
     else:
         # CPU (no peak memory): the largest micro-batch that ran is the only evidence.

@@ -22,14 +22,15 @@ def model_ms(p, coef=TRUE):
     return f + a * p.B * p.s + b * p.B * p.s * p.s
 
 
-def fake_step(noise=0.02, seed=0, oom_over=None, mem=(20e9, 2.2e5)):
-    """step_fn with the TRUE time model, multiplicative noise, a linear memory model and an OOM threshold."""
+def fake_step(noise=0.02, seed=0, oom_over=None, mem=(20e9, 2.2e5), floor=0):
+    """step_fn with the TRUE time model, multiplicative noise, a linear memory model above `floor` and an
+    OOM threshold."""
     rng = random.Random(seed)
 
     def step(p):
         if oom_over and p.tokens > oom_over:
             raise MemoryError(f"CUDA out of memory at {p.tokens} tokens")
-        return model_ms(p) * (1 + rng.gauss(0, noise)), 12.0, int(mem[0] + mem[1] * p.tokens)
+        return model_ms(p) * (1 + rng.gauss(0, noise)), 12.0, int(max(floor, mem[0] + mem[1] * p.tokens))
     return step
 
 
@@ -78,7 +79,7 @@ def test_nnls_clamps_to_non_negative():
 def test_fit_memory_and_budget():
     pts = points()
     cal.time_schedule(pts, fake_step(), budget_s=1e9)
-    fixed_bytes, bpt = cal.fit_memory(pts)
+    fixed_bytes, bpt, _ = cal.fit_memory(pts)
     assert fixed_bytes == pytest.approx(20e9, rel=1e-3) and bpt == pytest.approx(2.2e5, rel=1e-3)
     cap = 141 * 2**30
     b = cal.budget_tokens(cap, 0.9, fixed_bytes, bpt)
@@ -86,6 +87,24 @@ def test_fit_memory_and_budget():
     assert cal.budget_tokens(cap, 0.9, fixed_bytes, bpt, oom_tokens=100_000) == 90_000
     with pytest.raises(ValueError, match="no token budget"):
         cal.budget_tokens(10 * 2**30, 0.9, 20e9, bpt)
+
+
+def test_fit_memory_above_a_floor():
+    """As measured on the H200 under ZeRO-3: every micro-batch up to ~40k tokens peaks at the same floor,
+    larger ones rise linearly. The slope comes from the rising points; a line through all of them would
+    put the budget far beyond what fits."""
+    true, floor = (22e9, 2.1e5), 28.76 * 2**30
+    pts = points()
+    cal.time_schedule(pts, fake_step(mem=true, floor=floor), budget_s=1e9)
+    fixed, bpt, got_floor = cal.fit_memory(pts)
+    assert (fixed, bpt) == pytest.approx(true, rel=1e-3) and got_floor == pytest.approx(floor, rel=1e-6)
+    rows = cal.report(pts, cal.fit_time(pts), (fixed, bpt, got_floor))
+    assert max(abs(r["mem_err"]) for r in rows if "mem_err" in r) < 1e-3
+    cap = 141 * 2**30
+    right = cal.budget_tokens(cap, 0.9, fixed, bpt)
+    ok = [p for p in pts if p.status == "ok"]
+    naive = cal.nnls([(1.0, p.tokens) for p in ok], [p.peak_bytes for p in ok], [1 / p.peak_bytes for p in ok])
+    assert cal.budget_tokens(cap, 0.9, *naive) > 1.3 * right
 
 
 def test_oom_points_are_excluded_and_recorded_as_bounds():
