@@ -21,6 +21,19 @@ def manifest(tmp_path):
     return str(path)
 
 
+def test_lockstep_flag(manifest, capsys):
+    """--lockstep (ZeRO-2/3) predicts a step as rounds of micro-batches: never less wall than step-level
+    sync for the same plan, and balanced then plans rounds that beat equal-tokens."""
+    def run(*extra):
+        assert main(["plan", "--manifest", manifest, "--profile", H200, "--world-size", "4", "--grad-accum", "4",
+                     "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    eq, eq_lock = run("--policy", "equal-tokens"), run("--policy", "equal-tokens", "--lockstep")
+    assert eq_lock["steps"] == eq["steps"] and eq_lock["predicted_wall_s"] > eq["predicted_wall_s"]
+    bal_lock = run("--policy", "balanced", "--lockstep")
+    assert bal_lock["predicted_wall_s"] < eq_lock["predicted_wall_s"] and bal_lock["idle_fraction"] < 0.1
+
+
 def test_json_summary_and_dump(tmp_path, manifest, capsys):
     dump = tmp_path / "plan.jsonl"
     rc = main(["plan", "--manifest", manifest, "--profile", H200, "--world-size", "4", "--sp", "2",
