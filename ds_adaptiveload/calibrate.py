@@ -265,6 +265,18 @@ def fit_memory(points):
     return fixed, per_token, float(floor)
 
 
+def sp_terms(per_token, per_token_sq, cfg, k, checkpoint_blocks=True, link_gbs=200.0):
+    """(per_token, per_token_sq, all_to_all_ms_per_token) on per-GPU tokens s = S/k from terms measured
+    unsharded on one GPU: linear work is on S/k tokens but Ulysses attention costs S^2/k, i.e. k * s^2, and
+    the all-to-all (q, k, v, out: 4 * s * dim bf16 elements per layer forward, x2 with backward, x3 with
+    recompute, (k-1)/k of it crossing the link) is added at `link_gbs`. k = 1: unchanged."""
+    if k <= 1:
+        return per_token, per_token_sq, 0.0
+    passes = 3 if checkpoint_blocks else 2
+    a2a = 4 * cfg.dim * 2 * cfg.num_layers * passes * (k - 1) / k / (link_gbs * 1e6)
+    return per_token + a2a, per_token_sq * k, a2a
+
+
 def predict_peak(mem, tokens):
     fixed, per_token, floor = mem
     return max(floor, fixed + per_token * tokens)
@@ -595,14 +607,8 @@ def measure_profile(cfg, ds, args, shapes, heldout):
     rows = report(points, (fixed, a, b), mem, capacity)
     oom_tokens = min((p.tokens for p in points if p.status == "oom"), default=None)
 
-    # Per-GPU terms for the training run. A one-GPU measurement of a k-way SP config: per GPU the linear
-    # work is on s = S/k tokens but attention on S^2/k, so per_token_sq on s is k times the measured one;
-    # the all-to-all is not measured and is added from --link-gbs.
-    per_token, per_token_sq, a2a = a, b, 0.0
-    if emulate_sp > 1:
-        passes = 3 if args.checkpoint_blocks else 2
-        a2a = 4 * cfg.dim * 2 * cfg.num_layers * passes * (emulate_sp - 1) / emulate_sp / (args.link_gbs * 1e6)
-        per_token, per_token_sq = a + a2a, b * emulate_sp
+    # Per-GPU terms for the training run (a one-GPU measurement of a k-way SP config is converted).
+    per_token, per_token_sq, a2a = sp_terms(a, b, cfg, emulate_sp, args.checkpoint_blocks, args.link_gbs)
     sp_eff = dims.sp * emulate_sp
     train_world = args.train_world_size or max(dims.world, sp_eff)
     mem_doc = None

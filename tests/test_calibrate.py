@@ -272,3 +272,15 @@ def test_time_budget_with_a_large_fixed_cost_measures_what_fits():
     pts = points()
     cal.time_schedule(pts, step, budget_s=need / 3, clock=clock, repeats=3)
     assert now[0] <= need / 3 * 1.05 + 1.2 * 4 and any(p.status == "skipped" for p in pts)
+
+
+def test_sp_terms_convert_one_gpu_terms_to_per_gpu_tokens():
+    from ds_adaptiveload.model import WanConfig
+
+    cfg = WanConfig.from_yaml("configs/wan_1_3b.yaml")
+    assert cal.sp_terms(0.01, 1e-6, cfg, 1) == (0.01, 1e-6, 0.0)
+    pt, pt2, a2a = cal.sp_terms(0.01, 1e-6, cfg, 2, checkpoint_blocks=True, link_gbs=200.0)
+    # Ulysses: attention on S^2/k per GPU = k * s^2; q, k, v, out cross the link (k-1)/k, 3 passes with recompute
+    assert pt2 == pytest.approx(2e-6) and a2a == pytest.approx(4 * 1536 * 2 * 30 * 3 * 0.5 / 200e6)
+    assert pt == pytest.approx(0.01 + a2a)
+    assert cal.sp_terms(0.01, 1e-6, cfg, 4, link_gbs=200.0)[2] == pytest.approx(a2a * 1.5)  # (k-1)/k: 3/4 vs 1/2
