@@ -218,6 +218,27 @@ def choose_steps(costs, budget, overhead, warmup, max_measured, min_measured):
 # Running
 
 
+def profile_for(sp, run_profile, model_config):
+    """The profile a variant plans with: for an SP variant, a one-GPU profile converted to per-GPU terms at
+    sp = k (calibrate.sp_terms, what calibrate writes for a k-way config measured on one GPU; unconverted,
+    the 1.3B sp = 2 run was predicted 33% low)."""
+    import dataclasses
+
+    from ds_adaptiveload.calibrate import sp_terms
+    from ds_adaptiveload.model import WanConfig
+    from ds_adaptiveload.profile import CostProfile
+
+    prof = CostProfile.load(run_profile)
+    if sp == prof.meta.get("sp", 1) or prof.meta.get("sp", 1) != 1:
+        return run_profile
+    path = os.path.join(os.path.dirname(run_profile), f"profile-sp{sp}.yaml")
+    pt, pt2, a2a = sp_terms(prof.per_token_ms, prof.per_token_sq_ms, WanConfig.from_yaml(model_config), sp,
+                            prof.meta.get("checkpoint_blocks", True))
+    dataclasses.replace(prof, per_token_ms=pt, per_token_sq_ms=pt2,
+                        meta={**prof.meta, "sp": sp, "derived": f"calibrate.sp_terms k={sp}"}).to_yaml(path)
+    return path
+
+
 def write_ds_json(path, base, profile_path, policy, sp, grad_accum, seed):
     with open(base) as f:
         ds = json.load(f)
@@ -424,8 +445,9 @@ def main(argv=None):
     lockstep = lockstep_of(args.ds_base)
     for n in names:
         policy, fused, sp = VARIANTS[n]
-        per_step, plans[n], steps_key = plan_step_s(manifest, profile, policy, sp, args.num_gpus, args.grad_accum,
-                                                    lockstep)
+        variant_profile = CostProfile.load(profile_for(sp, run_profile, args.model_config))
+        per_step, plans[n], steps_key = plan_step_s(manifest, variant_profile, policy, sp, args.num_gpus,
+                                                    args.grad_accum, lockstep)
         # dual equals equal-tokens when the compute cap never binds harder than memory (profile.derive_dual:
         # the longest sample fills M_mem): the same micro-batches, so running it again measures nothing new.
         twin = next((m for m in costs if VARIANTS[m][1:] == (fused, sp) and plans[m]["_key"] == steps_key), None)
@@ -482,7 +504,8 @@ def main(argv=None):
             continue
         timeout = min(left, 3 * (args.launch_overhead + costs[n](steps)) + 60)
         print(f"[e2e] {n}: launching ({steps} steps, timeout {timeout:.0f} s)", flush=True)
-        r = run_variant(n, args, manifest, run_profile, steps, timeout, args.port + i)
+        r = run_variant(n, args, manifest, profile_for(VARIANTS[n][2], run_profile, args.model_config), steps,
+                        timeout, args.port + i)
         r["plan_epoch"] = {k: v for k, v in plans[n].items() if not k.startswith("_")}
         runs.append(r)
         save()

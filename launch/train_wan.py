@@ -93,6 +93,11 @@ def train(args) -> None:
     G = ds_cfg["gradient_accumulation_steps"]
     model_cfg = WanConfig.from_yaml(args.model_config)
     profile = CostProfile.load(al.resolve_profile(args.deepspeed_config))
+    if rank == 0 and profile.meta.get("sp", dims.sp) != dims.sp:
+        # A profile's per-GPU terms depend on the SP degree (attention k x per GPU token, the all-to-all).
+        print(f"[train_wan] warning: the profile was calibrated for sp={profile.meta['sp']}, this run has "
+              f"sp={dims.sp}: predictions and balance will be off (measured: -33% on the 1.3B model); "
+              f"calibrate with this config or derive one (bench/sp_profile_check.py)", file=sys.stderr)
     if rank == 0 and changed:
         print(f"[train_wan] batch keys set to count micro-batches (docs/training.md): "
               f"{ {k: v for k, (_, v) in changed.items()} } (config had { {k: o for k, (o, _) in changed.items()} })")

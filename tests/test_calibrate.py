@@ -238,6 +238,31 @@ def test_e2e_reduce_run_idle_throughput_and_simulator_error():
     assert r["pred_wall_s"] == pytest.approx(1.9) and r["pred_wall_err"] == pytest.approx(1.9 / 2.0 - 1)
     assert r["pred_idle_fraction"] == pytest.approx(1 - (700 + 900) / (1000 + 900))
     assert r["mem_frac_mean"] == pytest.approx(0.375) and r["mem_peak_gib_max"] == 60
+    # epoch 0 whole (warm-up included): the same-samples comparison of --epoch runs; steps without an
+    # "epoch" key count as epoch 0, a step of epoch 1 does not
+    logs[0][2]["epoch"] = 1
+    r = e2e.reduce_run(logs, warmup=1, dp_size=2)
+    assert (r["epoch0_steps"], r["epoch0_samples"]) == (2, 11) and r["epoch0_wall_s"] == pytest.approx(5.1 + 1.1)
+    assert r["epoch0_pred_wall_s"] == pytest.approx(1.9)
+    # under lockstep the logged step prediction (pred_wall_ms) is the one compared
+    for log in logs:
+        for x in log:
+            x["pred_wall_ms"] = max(x["pred_ms"]) + 50
+    r = e2e.reduce_run(logs, warmup=1, dp_size=2)
+    assert r["pred_wall_s"] == pytest.approx(2.0) and r["pred_step_ms"] == [1050, 950]
+
+
+def test_e2e_sp_variant_plans_with_a_converted_profile(tmp_path):
+    e2e = _e2e()
+    from ds_adaptiveload.profile import CostProfile
+
+    src = tmp_path / "p.yaml"
+    CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml").to_yaml(src)
+    assert e2e.profile_for(1, str(src), "configs/wan_1_3b.yaml") == str(src)
+    sp2 = CostProfile.load(e2e.profile_for(2, str(src), "configs/wan_1_3b.yaml"))
+    base = CostProfile.load(src)
+    assert sp2.meta["sp"] == 2 and sp2.per_token_sq_ms == pytest.approx(2 * base.per_token_sq_ms)
+    assert sp2.per_token_ms > base.per_token_ms
 
 
 def test_e2e_choose_steps_keeps_variants_before_steps():
