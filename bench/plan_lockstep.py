@@ -31,7 +31,8 @@ def main():
     rows = []
     for ranks, n in SIZES:
         samples = make_mix("video-heavy", n)
-        for policy, window in (("equal-tokens", None), ("balanced", None), ("balanced", 4), ("balanced", 1)):
+        for policy, window in (("equal-tokens", None), ("balanced", None), ("balanced", 16), ("balanced", 4),
+                               ("balanced", 2), ("balanced", 1)):
             cfg = PlanConfig(policy, ranks, grad_accum=args.grad_accum, lockstep=True, window=window)
             s = make_plan(samples, profile, cfg).summary()
             rows.append({**s, "window": window, "samples": n})
