@@ -115,6 +115,9 @@ def test_documented_command_runs(tmp_path):
         assert r["loss"] > 0 and r["samples"] > 0 and r["tokens"] > 0
         assert len(r["compute_ms"]) == 2 and 0 <= r["idle_fraction"] < 1 and len(r["pred_ms"]) == 2
         assert len(r["ids"]) == 2  # G micro-batches
+        # ds_tiny_cpu.json is ZeRO-3: the plan's step prediction is lockstep (rounds), never below a rank total
+        assert r["pred_wall_ms"] >= max(r["pred_ms"]) * (1 - 1e-9)
+        assert r["pred_idle_fraction"] == pytest.approx(1 - sum(r["pred_ms"]) / 2 / r["pred_wall_ms"], abs=1e-12)
     # the two ranks trained disjoint samples and agree on the global metrics
     r1 = steps(straight, 1)
     for a, b in zip(recs, r1):
