@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device runs on nvidia-h200-x2, in stages that fit one call each (a call may run 600 s):
 #   calib  python -m ds_adaptiveload calibrate on GPU 0 (default grid and held-out shapes, CAL_BUDGET s)
+#   calib_sp2  the same on both GPUs with Ulysses sp = 2 (configs/ds_zero3_bf16_sp2.json), after calib
 #   one    1.3B, ZeRO-3, bf16, fused op: 20 steps on one GPU (GPU 1; beside calib when both are asked)
 #   sp2    the same on both GPUs with Ulysses sp = 2
 #   dp2    the same on both GPUs, data parallel 2
@@ -66,6 +67,14 @@ if want calib; then
 fi
 want one && { el "1.3B, 1 GPU (GPU 1), 20 steps"; train one "--include localhost:1 --master_port 29611" 150; }
 if want calib; then wait $CAL; el "calibrate: $(tail -1 "$L/calibrate.log")"; tail -25 "$L/calibrate.log" | cut -c1-200; fi
+if want calib_sp2; then
+  el "calibrate on 2 GPUs, sp=2 (time budget ${CAL_BUDGET:-240} s)"
+  timeout "$(cap $(( ${CAL_BUDGET:-240} + 90 )))" deepspeed --num_gpus 2 --master_port 29632 --module ds_adaptiveload \
+    calibrate --model-config configs/wan_1_3b.yaml --deepspeed_config configs/ds_zero3_bf16_sp2.json \
+    --out "$OUT/h200x2-wan1.3b-sp2-calibrated.yaml" --json "$OUT/calibrate-sp2.json" --time-budget "${CAL_BUDGET:-240}" \
+    > "$L/calibrate_sp2.log" 2>&1
+  el "calibrate sp2: exit $?"; grep -E "time_|memory_|budget_tokens|wrote" "$L/calibrate_sp2.log" | tail -8
+fi
 want sp2 && { el "1.3B, 2 GPUs, Ulysses sp=2, 20 steps"; train sp2 "--num_gpus 2 --master_port 29612" 160; }
 want dp2 && { el "1.3B, 2 GPUs, data parallel 2, 20 steps"; train dp2 "--num_gpus 2 --master_port 29613" 160; }
 if want e2e; then
