@@ -556,23 +556,14 @@ def _balanced_rounds(keep, ctx, rng):
     quantile), so every step holds expensive and cheap rounds. A smaller window keeps steps closer to the
     data's composition at the price of less even rounds."""
     r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
-    steps, carry = [], []
-    chunks = _windows(_stratified_stream(keep, ctx, rng), ctx)
-    for w, chunk in enumerate(chunks):
-        mbs = _micro_batches(_shuffled_buckets(carry + chunk, ctx.shape, rng), ctx.cap)
-        rng.shuffle(mbs)  # random order among equal costs
-        mbs.sort(key=ctx.mb_ms, reverse=True)
+    steps = []
+    for mbs, rest in _sorted_windows(keep, ctx, rng):
         n = len(mbs) // (r * g)
-        last = w == len(chunks) - 1
-        if not last:  # the rest of the window (the cheapest micro-batches) moves on to the next one
-            carry = [i for mb in mbs[n * r * g:] for i in mb]
-            mbs = mbs[:n * r * g]
-        rounds = [mbs[j:j + r] for j in range(0, n * r * g, r)]
+        rounds = [mbs[j:j + r] for j in range(0, len(mbs), r)]
         order = []
         for j in rng.sample(range(n), n):  # shuffled step order: no epoch sorted by cost
             order += [rounds[j + q * n] for q in range(g)]
-        rest = mbs[n * r * g:]  # only in the last window: fewer than G rounds, the epoch's last step
-        order += [rest[j:j + r] for j in range(0, len(rest), r)]
+        order += [rest[j:j + r] for j in range(0, len(rest), r)]  # fewer than G rounds: the last step
         for s in range(0, len(order), g):
             steps.append(_deal_rounds(order[s:s + g], r, ctx))
     return steps
@@ -610,6 +601,26 @@ def _windows(stream, ctx):
     return chunks
 
 
+def _sorted_windows(keep, ctx, rng):
+    """Per window of the stratified stream: (its micro-batches sorted by cost, descending and in random
+    order among equal costs, cut at whole steps of R*G; rest). A window's remainder (its cheapest
+    micro-batches) moves on to the next window; only the epoch's last remainder comes back, as `rest`, for
+    the epoch's last step (_finish_tail)."""
+    per_step = ctx.cfg.dp_size * ctx.cfg.grad_accum
+    chunks = _windows(_stratified_stream(keep, ctx, rng), ctx)
+    carry = []
+    for w, chunk in enumerate(chunks):
+        mbs = _micro_batches(_shuffled_buckets(carry + chunk, ctx.shape, rng), ctx.cap)
+        rng.shuffle(mbs)
+        mbs.sort(key=ctx.mb_ms, reverse=True)
+        full = len(mbs) - len(mbs) % per_step
+        if w == len(chunks) - 1:
+            yield mbs[:full], mbs[full:]
+        else:
+            carry = [i for mb in mbs[full:] for i in mb]
+            yield mbs[:full], []
+
+
 # ----------------------------------------------------------------------------------------------------
 # balanced, G == 1 (or an explicit window): steps of similar micro-batches
 
@@ -617,22 +628,13 @@ def _windows(stream, ctx):
 def _balanced_sorted(keep, ctx, rng):
     r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
     per_step = r * g
-    chunks = _windows(_stratified_stream(keep, ctx, rng), ctx)
-    steps, carry = [], []
-    for w, chunk in enumerate(chunks):
-        mbs = _micro_batches(_shuffled_buckets(carry + chunk, ctx.shape, rng), ctx.cap)
-        rng.shuffle(mbs)  # random order among equal costs
-        mbs.sort(key=ctx.mb_ms, reverse=True)
-        last = w == len(chunks) - 1
-        full = len(mbs) - len(mbs) % per_step
-        # A window's partial last step moves on to the next window (its cheapest micro-batches); only
-        # the epoch's final partial step stays, last, for _finish_tail.
-        carry = [] if last else [i for mb in mbs[full:] for i in mb]
-        window_steps = [_lpt_micro_batches(mbs[s:s + per_step], r, g, ctx) for s in range(0, full, per_step)]
+    steps = []
+    for mbs, rest in _sorted_windows(keep, ctx, rng):
+        window_steps = [_lpt_micro_batches(mbs[s:s + per_step], r, g, ctx) for s in range(0, len(mbs), per_step)]
         rng.shuffle(window_steps)  # no epoch sorted by length
         steps += window_steps
-        if last and full < len(mbs):
-            steps.append(_lpt_micro_batches(mbs[full:], r, g, ctx))
+        if rest:
+            steps.append(_lpt_micro_batches(rest, r, g, ctx))
     return steps
 
 
