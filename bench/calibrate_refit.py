@@ -17,14 +17,13 @@ def refit(doc, safety=0.9):
         points.append(p)
     coef = cal.fit_time([p for p in points if p.role != "probe"])
     mem = cal.fit_memory(points)
-    capacity = next((r["peak_bytes"] / r["peak_frac"] for r in [
-        {**d, "peak_frac": row.get("peak_frac")} for d, row in zip(doc["points"], doc["fit"]["points"])]
-        if r.get("peak_bytes") and r.get("peak_frac")), None)
+    # the device capacity, from any point's peak and its peak fraction (fit rows align with the points)
+    capacity = next((d["peak_bytes"] / row["peak_frac"] for d, row in zip(doc["points"], doc["fit"]["points"])
+                     if d.get("peak_bytes") and row.get("peak_frac")), None)
     rows = cal.report(points, coef, mem, capacity)
     note = doc["fit"]["memory"]
-    params = doc["meta"]["model"]["params"]
-    z = note.get("zero_bytes_per_param", cal.ZERO_BYTES_PER_PARAM)
-    fixed = mem[0] - z * params / note["measured_world_size"] + z * params / note["train_world_size"]
+    fixed = cal.train_fixed_bytes(mem[0], doc["meta"]["model"]["params"], note["measured_world_size"],
+                                  note["train_world_size"], note.get("zero_bytes_per_param", cal.ZERO_BYTES_PER_PARAM))
     oom = doc["fit"].get("oom_bound_tokens")
     return {
         "source": doc["meta"].get("date"), "time_coef": dict(zip(("fixed", "per_token", "per_token_sq"), coef)),

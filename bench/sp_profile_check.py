@@ -1,4 +1,4 @@
-"""Derive a k-way Ulysses profile from a one-GPU calibration (calibrate.sp_terms: attention k x, all-to-all
+"""Derive a k-way Ulysses profile from a one-GPU calibration (calibrate.sp_profile: attention k x, all-to-all
 added at --link-gbs) and check it against the step walls of a measured sp run (its steps.rank0.jsonl).
 
     python bench/sp_profile_check.py --profile configs/profiles/h200-wan1.3b-calibrated.yaml --sp 2 \\
@@ -6,10 +6,9 @@ added at --link-gbs) and check it against the step walls of a measured sp run (i
         --out-profile configs/profiles/h200-wan1.3b-sp2-derived.yaml --out bench/results/sp-profile-check.json
 """
 import argparse
-import dataclasses
 import json
 
-from ds_adaptiveload.calibrate import sp_terms
+from ds_adaptiveload.calibrate import sp_profile
 from ds_adaptiveload.geometry import per_gpu_tokens
 from ds_adaptiveload.mixes import make_mix
 from ds_adaptiveload.model import WanConfig
@@ -38,17 +37,10 @@ def main():
     base = CostProfile.load(args.profile)
     if base.meta.get("sp", 1) != 1:
         raise SystemExit(f"error: {args.profile} is already an sp = {base.meta['sp']} profile")
-    cfg = WanConfig.from_yaml(args.model_config)
-    checkpoint = base.meta.get("checkpoint_blocks", True)
-    per_token, per_token_sq, a2a = sp_terms(base.per_token_ms, base.per_token_sq_ms, cfg, args.sp, checkpoint,
-                                            args.link_gbs)
-    derived = dataclasses.replace(
-        base, per_token_ms=per_token, per_token_sq_ms=per_token_sq,
-        meta={**base.meta, "sp": args.sp, "derived_from": args.profile,
-              "derivation": f"bench/sp_profile_check.py: calibrate.sp_terms, k = {args.sp}, link {args.link_gbs} GB/s"},
-        fit={"sp_from_one_gpu": {"k": args.sp, "all_to_all_ms_per_token": a2a, "link_gbs": args.link_gbs}})
-    res = {"profile": args.profile, "sp": args.sp, "per_token": per_token, "per_token_sq": per_token_sq,
-           "all_to_all_ms_per_token": a2a}
+    derived = sp_profile(base, WanConfig.from_yaml(args.model_config), args.sp, args.link_gbs, source=args.profile)
+    res = {"profile": args.profile, "sp": args.sp, "per_token": derived.per_token_ms,
+           "per_token_sq": derived.per_token_sq_ms,
+           "all_to_all_ms_per_token": derived.fit["sp_from_one_gpu"]["all_to_all_ms_per_token"]}
     if args.steps:
         shapes = {s.id: (s.frames, s.height, s.width) for s in make_mix(args.mix, args.num, args.seed)}
         with open(args.steps) as f:

@@ -118,6 +118,12 @@ def percentile(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def pred_step_ms(rec):
+    """The plan's predicted wall of a logged step: lockstep-aware (pred_wall_ms) in logs that have it, the
+    slowest rank's prediction in older ones."""
+    return rec.get("pred_wall_ms", max(rec["pred_ms"]))
+
+
 def reduce_run(rank_logs, warmup, dp_size):
     """rank_logs: per rank, the list of step records. Returns the run's measured metrics."""
     recs = rank_logs[0][warmup:]
@@ -131,7 +137,7 @@ def reduce_run(rank_logs, warmup, dp_size):
     # The plan's prediction for exactly these steps; pred_ms has one entry per dp rank.
     # Under ZeRO-3 the step's predicted wall is lockstep (sum over rounds of the slowest micro-batch).
     pred = [r["pred_ms"] for r in recs]
-    pred_step = [r.get("pred_wall_ms", max(p)) for r, p in zip(recs, pred)]
+    pred_step = [pred_step_ms(r) for r in recs]
     pred_wall = sum(pred_step) / 1000
     pred_idle = 1 - sum(sum(p) / len(p) for p in pred) / sum(pred_step) if dp_size > 1 else 0.0
     mem = [r["mem_peak_gib"] / r["mem_capacity_gib"] for log in rank_logs for r in log[warmup:]
@@ -144,7 +150,7 @@ def reduce_run(rank_logs, warmup, dp_size):
     out = {
         "epoch0_steps": len(ep0), "epoch0_wall_s": sum(r["step_ms"] for r in ep0) / 1000,
         "epoch0_samples": sum(r["samples"] for r in ep0), "epoch0_tokens": sum(r["tokens"] for r in ep0),
-        "epoch0_pred_wall_s": sum(r.get("pred_wall_ms", max(r["pred_ms"])) for r in ep0) / 1000,
+        "epoch0_pred_wall_s": sum(pred_step_ms(r) for r in ep0) / 1000,
         "measured_steps": len(recs),
         "samples": samples, "tokens": tokens, "wall_s": wall,
         "samples_per_s": samples / wall, "tokens_per_s": tokens / wall,
@@ -155,7 +161,7 @@ def reduce_run(rank_logs, warmup, dp_size):
         "step_ms": [r["step_ms"] for r in recs],
         "pred_ms": pred,
         "pred_step_ms": pred_step,
-        "pred_step_idle": [max(0.0, 1 - sum(p) / len(p) / w) if w else 0.0 for p, w in zip(pred, pred_step)],
+        "pred_step_idle": [r["pred_idle_fraction"] for r in recs],  # the trainer's, lockstep-aware
         "pred_idle_fraction": pred_idle,
         "pred_wall_s": pred_wall,
         "pred_wall_err": pred_wall / wall - 1,
@@ -222,9 +228,7 @@ def profile_for(sp, run_profile, model_config):
     """The profile a variant plans with: for an SP variant, a one-GPU profile converted to per-GPU terms at
     sp = k (calibrate.sp_terms, what calibrate writes for a k-way config measured on one GPU; unconverted,
     the 1.3B sp = 2 run was predicted 33% low)."""
-    import dataclasses
-
-    from ds_adaptiveload.calibrate import sp_terms
+    from ds_adaptiveload.calibrate import sp_profile
     from ds_adaptiveload.model import WanConfig
     from ds_adaptiveload.profile import CostProfile
 
@@ -232,10 +236,7 @@ def profile_for(sp, run_profile, model_config):
     if sp == prof.meta.get("sp", 1) or prof.meta.get("sp", 1) != 1:
         return run_profile
     path = os.path.join(os.path.dirname(run_profile), f"profile-sp{sp}.yaml")
-    pt, pt2, a2a = sp_terms(prof.per_token_ms, prof.per_token_sq_ms, WanConfig.from_yaml(model_config), sp,
-                            prof.meta.get("checkpoint_blocks", True))
-    dataclasses.replace(prof, per_token_ms=pt, per_token_sq_ms=pt2,
-                        meta={**prof.meta, "sp": sp, "derived": f"calibrate.sp_terms k={sp}"}).to_yaml(path)
+    sp_profile(prof, WanConfig.from_yaml(model_config), sp, source=run_profile).to_yaml(path)
     return path
 
 

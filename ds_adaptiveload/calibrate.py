@@ -29,7 +29,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
@@ -275,6 +275,23 @@ def sp_terms(per_token, per_token_sq, cfg, k, checkpoint_blocks=True, link_gbs=2
     passes = 3 if checkpoint_blocks else 2
     a2a = 4 * cfg.dim * 2 * cfg.num_layers * passes * (k - 1) / k / (link_gbs * 1e6)
     return per_token + a2a, per_token_sq * k, a2a
+
+
+def sp_profile(profile, cfg, k, link_gbs=200.0, source=None):
+    """A profile measured without sequence parallelism (meta.sp 1), converted to per-GPU terms at sp = k
+    with sp_terms; the fit report is replaced by the conversion's."""
+    pt, pt2, a2a = sp_terms(profile.per_token_ms, profile.per_token_sq_ms, cfg, k,
+                            profile.meta.get("checkpoint_blocks", True), link_gbs)
+    meta = {**profile.meta, "sp": k, "derived_from": source,
+            "derivation": f"calibrate.sp_profile: calibrate.sp_terms, k = {k}, link {link_gbs} GB/s"}
+    return replace(profile, per_token_ms=pt, per_token_sq_ms=pt2, meta=meta,
+                   fit={"sp_from_one_gpu": {"k": k, "all_to_all_ms_per_token": a2a, "link_gbs": link_gbs}})
+
+
+def train_fixed_bytes(fixed_bytes, params, measured_world, train_world, bytes_per_param=ZERO_BYTES_PER_PARAM):
+    """The memory intercept holds the ZeRO-3 shards at the measuring run's world size: rescale them to the
+    training run's."""
+    return max(fixed_bytes - bytes_per_param * params / measured_world + bytes_per_param * params / train_world, 0.0)
 
 
 def predict_peak(mem, tokens):
@@ -614,9 +631,7 @@ def measure_profile(cfg, ds, args, shapes, heldout):
     mem_doc = None
     if mem and capacity:
         params = cfg.num_params()
-        # The intercept holds the ZeRO-3 shards at this run's world size; rescale them to the training run's.
-        fixed_bytes = mem[0] - ZERO_BYTES_PER_PARAM * params / dims.world + ZERO_BYTES_PER_PARAM * params / train_world
-        fixed_bytes = max(fixed_bytes, 0.0)
+        fixed_bytes = train_fixed_bytes(mem[0], params, dims.world, train_world)
         budget = budget_tokens(capacity, args.safety, fixed_bytes, mem[1], oom_tokens)
         mem_doc = (fixed_bytes, mem[1])
         mem_note = {"fixed_bytes_measured": int(mem[0]), "floor_bytes_measured": int(mem[2]),

@@ -304,7 +304,7 @@ def train(args) -> None:
         m = metrics.step_metrics(ranks, dims.sp, step_s, args.peak_tflops, device)
         m["pred_ms"] = list(plan_step.pred_ms)
         m["pred_wall_ms"] = plan_step.pred_wall_ms
-        m["pred_idle_fraction"] = max(0.0, 1 - sum(plan_step.pred_ms) / len(plan_step.pred_ms) / plan_step.pred_wall_ms)
+        m["pred_idle_fraction"] = metrics.idle_fraction(plan_step.pred_ms, plan_step.pred_wall_ms)
         rec = {**base, "lr": lr, **m, "rank_loss": counters["loss_sum"] / max(counters["samples"], 1)}
         if entry:
             rec["skipped"] = entry

@@ -227,6 +227,7 @@ def test_e2e_reduce_run_idle_throughput_and_simulator_error():
         return {"step": step, "compute_ms": compute, "step_ms": max(compute) + 100, "pred_ms": pred,
                 "samples": samples, "tokens": samples * 1000, "mfu": 0.4,
                 "idle_fraction": 1 - sum(compute) / 2 / max(compute),
+                "pred_idle_fraction": 1 - sum(pred) / 2 / max(pred),  # as the trainer logs it
                 "loss": 1.0, "mem_peak_gib": mem, "mem_capacity_gib": 100.0}
     warm = rec(1, [5000, 100], [900, 900], 1, 50)
     logs = [[warm, rec(2, [1000, 500], [1000, 400], 10, 40), rec(3, [800, 800], [900, 900], 6, 60)],

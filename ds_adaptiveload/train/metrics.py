@@ -23,10 +23,11 @@ def gather_counters(values: dict, device) -> list:
     return [dict(zip(FIELDS, row)) for row in out.view(-1, len(FIELDS)).tolist()]
 
 
-def idle_fraction(ms) -> float:
-    """1 - mean/max: the share of the step the average rank waits for the slowest."""
-    m = max(ms)
-    return 1 - sum(ms) / len(ms) / m if m > 0 else 0.0
+def idle_fraction(ms, wall=None) -> float:
+    """1 - mean/wall: the share of the step the average rank waits. wall defaults to the slowest rank's
+    time; under lockstep (ZeRO-2/3) the predicted step wall is longer than any rank's total (Plan.pred_wall_ms)."""
+    m = max(ms) if wall is None else wall
+    return max(0.0, 1 - sum(ms) / len(ms) / m) if m > 0 else 0.0
 
 
 def step_metrics(ranks: list, sp: int, step_s: float, peak_tflops: float, device) -> dict:
