@@ -334,8 +334,7 @@ def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(),
         if p.s in oom_at and p.tokens >= oom_at[p.s]:
             p.status, p.note = "skipped", f"a micro-batch of {oom_at[p.s]} tokens at this s ran out of memory"
         elif (sum(q.status == "ok" and q.role == "fit" for q in points) >= 3
-              and clock() + _guess_s(seen, _work(p)) * (1 + (1 if _guess_s(seen, _work(p)) > big_s else repeats))
-              > deadline):
+              and clock() + _point_s(seen, _work(p), repeats, big_s) > deadline):
             p.status, p.note = "skipped", "time budget"
         else:
             _measure_point(p, step_fn, clock, oom_types, repeats, big_s, warm)
@@ -349,14 +348,18 @@ def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(),
     return points
 
 
-def _guess_s(seen, work, safety=1.2):
-    """Seconds one call of a point of `work` will take: a non-negative fit a + b * work over the points so
-    far (a large fixed cost, as under ZeRO-3, would make a seconds-per-work ratio of the smallest point
-    overestimate every larger one), with a safety margin; the largest ratio while the fit is unidentified."""
+def _point_s(seen, work, repeats, big_s, safety=1.2):
+    """Seconds a point of `work` will take: its warm-up plus `repeats` timed calls (one when a call takes
+    over big_s, as _measure_point does). A call is predicted by a non-negative fit a + b * work over the
+    points so far (a large fixed cost, as under ZeRO-3, would make a seconds-per-work ratio of the smallest
+    point overestimate every larger one), with a safety margin; the largest ratio while the fit is
+    unidentified."""
     if len({w for w, _ in seen}) < 2:
-        return safety * max(t / w for w, t in seen) * work
-    a, b = nnls([[1.0, w] for w, _ in seen], [t for _, t in seen])
-    return safety * (a + b * work)
+        call = safety * max(t / w for w, t in seen) * work
+    else:
+        a, b = nnls([[1.0, w] for w, _ in seen], [t for _, t in seen])
+        call = safety * (a + b * work)
+    return call * (1 + (1 if call > big_s else repeats))
 
 
 def _work(p):
