@@ -442,13 +442,13 @@ def main(argv=None):
     if bad:
         print(f"error: unknown variant(s) {bad}; choose from {list(VARIANTS)}", file=sys.stderr)
         return 2
-    plans, costs, same_plan = {}, {}, {}
+    plans, costs, same_plan, profile_paths = {}, {}, {}, {}
     lockstep = lockstep_of(args.ds_base)
     for n in names:
         policy, fused, sp = VARIANTS[n]
-        variant_profile = CostProfile.load(profile_for(sp, run_profile, args.model_config))
-        per_step, plans[n], steps_key = plan_step_s(manifest, variant_profile, policy, sp, args.num_gpus,
-                                                    args.grad_accum, lockstep)
+        profile_paths[n] = profile_for(sp, run_profile, args.model_config)
+        per_step, plans[n], steps_key = plan_step_s(manifest, CostProfile.load(profile_paths[n]), policy, sp,
+                                                    args.num_gpus, args.grad_accum, lockstep)
         # dual equals equal-tokens when the compute cap never binds harder than memory (profile.derive_dual:
         # the longest sample fills M_mem): the same micro-batches, so running it again measures nothing new.
         twin = next((m for m in costs if VARIANTS[m][1:] == (fused, sp) and plans[m]["_key"] == steps_key), None)
@@ -505,8 +505,7 @@ def main(argv=None):
             continue
         timeout = min(left, 3 * (args.launch_overhead + costs[n](steps)) + 60)
         print(f"[e2e] {n}: launching ({steps} steps, timeout {timeout:.0f} s)", flush=True)
-        r = run_variant(n, args, manifest, profile_for(VARIANTS[n][2], run_profile, args.model_config), steps,
-                        timeout, args.port + i)
+        r = run_variant(n, args, manifest, profile_paths[n], steps, timeout, args.port + i)
         r["plan_epoch"] = {k: v for k, v in plans[n].items() if not k.startswith("_")}
         runs.append(r)
         save()
