@@ -5,6 +5,7 @@
 #   one    1.3B, ZeRO-3, bf16, fused op: 20 steps on one GPU (GPU 1; beside calib when both are asked)
 #   sp2    the same on both GPUs with Ulysses sp = 2
 #   dp2    the same on both GPUs, data parallel 2
+#   ncu    bench/ncu_ln_modulate.sh: Nsight Compute sections of the op's kernels (if ncu is there)
 #   e2e    bench/train_e2e.py --epoch: balanced vs equal-tokens over the same samples (E2E_* knobs)
 #   run (kind nvidia-h200-x2, carry [".snap"]):  cd .snap && STAGES=calib,one,sp2 bash bench/device_session.sh
 #   (.snap: `git archive HEAD` plus .whl/ from ../shared/device/prepare-wheels.sh)
@@ -75,6 +76,7 @@ if want calib_sp2; then
     > "$L/calibrate_sp2.log" 2>&1
   el "calibrate sp2: exit $?"; grep -E "time_|memory_|budget_tokens|wrote" "$L/calibrate_sp2.log" | tail -8
 fi
+want ncu && { el "ncu"; NCU_CAP=$(cap 150) OUT=$OUT bash bench/ncu_ln_modulate.sh 2>&1 | tee -a "$L/ncu.log" | tail -40; }
 want sp2 && { el "1.3B, 2 GPUs, Ulysses sp=2, 20 steps"; train sp2 "--num_gpus 2 --master_port 29612" 160; }
 want dp2 && { el "1.3B, 2 GPUs, data parallel 2, 20 steps"; train dp2 "--num_gpus 2 --master_port 29613" 160; }
 if want e2e; then
