@@ -26,7 +26,7 @@ def refit(doc, safety=0.9):
                                   note["train_world_size"], note.get("zero_bytes_per_param", cal.ZERO_BYTES_PER_PARAM))
     oom = doc["fit"].get("oom_bound_tokens")
     return {
-        "source": doc["meta"].get("date"), "time_coef": dict(zip(("fixed", "per_token", "per_token_sq"), coef)),
+        "source": doc["meta"].get("date"), "time_coef": dict(zip(("fixed", "per_token", "per_token_sq", "floor"), coef)),
         "time_fit": cal.err_summary(rows, "fit"), "time_heldout": cal.err_summary(rows, "heldout"),
         "memory": {"fixed_bytes": mem[0], "bytes_per_token": mem[1], "floor_bytes": mem[2],
                    "capacity_bytes": capacity, "train_fixed_bytes": fixed},

@@ -69,12 +69,19 @@ fi
 want one && { el "1.3B, 1 GPU (GPU 1), 20 steps"; train one "--include localhost:1 --master_port 29611" 150; }
 if want calib; then wait $CAL; el "calibrate: $(tail -1 "$L/calibrate.log")"; tail -25 "$L/calibrate.log" | cut -c1-200; fi
 if want calib_sp2; then
-  el "calibrate on 2 GPUs, sp=2 (time budget ${CAL_BUDGET:-240} s)"
-  timeout "$(cap $(( ${CAL_BUDGET:-240} + 90 )))" deepspeed --num_gpus 2 --master_port 29632 --module ds_adaptiveload \
+  # --no_local_rank: the launcher would put --local_rank=N before the subcommand, which the CLI rejects.
+  # The time budget shrinks to what this call has left (start-up and exit need ~90 s beyond it), so that
+  # the calibration ends by itself and writes its profile rather than being killed by `timeout`.
+  CB=$(( $(left) - 90 )); CB=$(( ${CAL_BUDGET:-240} < CB ? ${CAL_BUDGET:-240} : CB ))
+  if [ "$CB" -lt 60 ]; then el "calibrate sp2: skipped, ${CB} s of time budget left"; else
+  el "calibrate on 2 GPUs, sp=2 (time budget $CB s)"
+  timeout "$(cap $(( CB + 90 )))" deepspeed --num_gpus 2 --master_port 29632 --no_local_rank --module ds_adaptiveload \
     calibrate --model-config configs/wan_1_3b.yaml --deepspeed_config configs/ds_zero3_bf16_sp2.json \
-    --out "$OUT/h200x2-wan1.3b-sp2-calibrated.yaml" --json "$OUT/calibrate-sp2.json" --time-budget "${CAL_BUDGET:-240}" \
+    --out "$OUT/h200x2-wan1.3b-sp2-calibrated.yaml" --json "$OUT/calibrate-sp2.json" --time-budget "$CB" \
     > "$L/calibrate_sp2.log" 2>&1
-  el "calibrate sp2: exit $?"; grep -E "time_|memory_|budget_tokens|wrote" "$L/calibrate_sp2.log" | tail -8
+  el "calibrate sp2: exit $?"; grep -E "time_|memory_|budget_tokens|wrote|out of memory|^error|Error" \
+    "$L/calibrate_sp2.log" | cut -c1-300 | tail -12
+  fi
 fi
 want ncu && { el "ncu"; NCU_CAP=$(cap 150) OUT=$OUT bash bench/ncu_ln_modulate.sh 2>&1 | tee -a "$L/ncu.log" | tail -40; }
 want sp2 && { el "1.3B, 2 GPUs, Ulysses sp=2, 20 steps"; train sp2 "--num_gpus 2 --master_port 29612" 160; }

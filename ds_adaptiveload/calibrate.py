@@ -4,6 +4,9 @@
         --deepspeed_config configs/ds_zero3_bf16.json --out profile.yaml            # on a GPU
     python -m ds_adaptiveload calibrate --model-config configs/wan_1_3b.yaml \
         --deepspeed_config configs/ds_zero3_bf16.json --out profile.yaml --estimate  # no GPU: analytic
+    deepspeed --num_gpus 2 --no_local_rank --module ds_adaptiveload calibrate --model-config \
+        configs/wan_1_3b.yaml --deepspeed_config configs/ds_zero3_bf16_sp2.json --out profile.yaml  # Ulysses sp=2
+    (--no_local_rank: the launcher would put --local_rank=N before the subcommand, which the CLI rejects.)
 
 Measured mode runs the step exactly as the trainer does (deepspeed.initialize with the JSON: ZeRO stage,
 bf16, optimizer; per-block activation checkpointing; the fused LN-modulate op through the model; Ulysses
@@ -113,7 +116,7 @@ def run(args) -> int:
     from ds_adaptiveload.profile import CostProfile
 
     prof = CostProfile.load(args.out)  # what the planner will read: must load
-    print(f"wrote {args.out}: fixed {prof.fixed_ms:.2f} ms, per_token {prof.per_token_ms:.4g} ms, "
+    print(f"wrote {args.out}: fixed {prof.fixed_ms:.2f} ms, floor {prof.floor_ms:.1f} ms, per_token {prof.per_token_ms:.4g} ms, "
           f"per_token_sq {prof.per_token_sq_ms:.4g} ms, step_fixed {prof.step_fixed_ms:.1f} ms, "
           f"budget {prof.budget_tokens} tokens"
           + (f", dual p={prof.dual_p:.3f} m_comp={prof.dual_m_comp:.4g} (pinned)" if prof.dual_p else ""))
@@ -226,18 +229,49 @@ def nnls(rows, y, weights=None):
 
 
 def fit_time(points):
-    """(fixed, per_token, per_token_sq) in ms from the ok fitted points' medians, relative weighting
+    """(fixed, per_token, per_token_sq, floor) in ms from the ok fitted points' medians, relative weighting
     (each point's error counts as a fraction of its own time, so 2 ms image steps matter as much as
-    10 s clips)."""
+    10 s clips): time = max(floor, fixed + per_token * B*s + per_token_sq * B*s^2).
+
+    The floor: under ZeRO-3 the host gathers and releases every parameter each step, and on one H200 that
+    takes ~1 s for the 1.3B model however small the micro-batch; GPU work below it overlaps and does not add
+    (measured 2026-11-30: 1 to 16 images, 1,560 to 25k tokens, all 0.95-1.3 s). A line through those points
+    and the large ones has the wrong slope for both. So each measured time is tried as the floor, the line
+    is fitted to the points above it (at least 3), and the floor is kept when it lowers the mean relative
+    error over all fitted points by a fifth or more (and 0.1 point); otherwise floor = 0 (the plain line)."""
     pts = [p for p in points if p.role == "fit" and p.status == "ok"]
     if len(pts) < 3:
         raise UserError(f"calibrate: only {len(pts)} shape(s) measured, the time fit needs 3 "
                         f"(raise --time-budget or give cheaper --shapes)")
-    rows = [(1.0, p.B * p.s, p.B * p.s * p.s) for p in pts]
-    y = [p.median_ms for p in pts]
-    return nnls(rows, y, [1 / v for v in y])
+
+    def line(use):
+        y = [p.median_ms for p in use]
+        return nnls([(1.0, p.B * p.s, p.B * p.s * p.s) for p in use], y, [1 / v for v in y])
+
+    def mean_err(coef):
+        return statistics.fmean(abs(rel_err(predict_ms(coef, p.B, p.s), p.median_ms)) for p in pts)
+
+    best = (*line(pts), 0.0)
+    best_err = mean_err(best)
+    for floor in sorted({p.median_ms for p in pts}):
+        above = [p for p in pts if p.median_ms > floor * TIME_FLOOR_MARGIN]
+        if len({(p.B, p.s) for p in above}) < 3:
+            break
+        coef = (*line(above), floor)
+        err = mean_err(coef)
+        if (err < 0.8 * best_err - 1e-3) if best[3] == 0 else err < best_err:
+            best, best_err = coef, err
+    return best
 
 
+def predict_ms(coef, B, s):
+    """Predicted fwd+bwd ms of a micro-batch of B samples of s per-GPU tokens under fit_time's model."""
+    fixed, a, b, floor = coef
+    return max(floor, fixed + a * B * s + b * B * s * s)
+
+
+# A time this much above the floor is on the line (the floor's own jitter stays below it).
+TIME_FLOOR_MARGIN = 1.1
 # A peak this much above the smallest one is on the rising part of the memory curve.
 FLOOR_MARGIN = 1.02
 
@@ -316,7 +350,7 @@ def rel_err(pred, meas):
 
 
 def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(), repeats=3, big_s=5.0,
-                  on_point=None, deadline=None, first_warmup=2):
+                  on_point=None, deadline=None, first_warmup=2, mem_limit=None):
     """Measure `points` in order with step_fn(point) -> (fwd_bwd_ms, step_ms, peak_bytes or None).
 
     One warm-up call (`first_warmup` for the first point: the process's first steps are slow) then
@@ -325,7 +359,8 @@ def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(),
     longer fits the remaining budget is skipped, once 3 fitted points (what a fit needs) are measured. An
     exception in `oom_types` marks the point oom (the
     caller's step_fn cleans up), and larger micro-batches of the same per-GPU sequence are then skipped
-    as certain to fail."""
+    as certain to fail. With `mem_limit` (bytes; several ranks, where an OOM cannot be recovered) a point
+    whose peak the memory fit of the points so far puts above it is skipped instead of run."""
     deadline = deadline if deadline is not None else clock() + budget_s
     seen = []  # (work proxy, seconds per call) of the points measured so far
     oom_at = {}  # s -> smallest B*s that ran out of memory
@@ -336,6 +371,10 @@ def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(),
         elif (sum(q.status == "ok" and q.role == "fit" for q in points) >= 3
               and clock() + _point_s(seen, _work(p), repeats, big_s) > deadline):
             p.status, p.note = "skipped", "time budget"
+        elif mem_limit and (mem := fit_memory(points)) and predict_peak(mem, p.tokens) > mem_limit:
+            p.status = "skipped"
+            p.note = (f"predicted peak {predict_peak(mem, p.tokens) / 2**30:.1f} GiB over the "
+                      f"{mem_limit / 2**30:.1f} GiB limit of a multi-rank run")
         else:
             _measure_point(p, step_fn, clock, oom_types, repeats, big_s, warm)
             warm = 1
@@ -389,13 +428,12 @@ def _measure_point(p, step_fn, clock, oom_types, repeats, big_s, warmup=1):
 
 def report(points, coef, mem, capacity=None):
     """Per-point rows: measured, predicted and relative error of time (and memory when measured)."""
-    fixed, a, b = coef
     rows = []
     for p in points:
         r = {"role": p.role, "status": p.status, "B": p.B, "shape": "x".join(map(str, p.shape)), "S": p.S,
              "s": p.s}
         if p.status == "ok":
-            pred = fixed + a * p.B * p.s + b * p.B * p.s * p.s
+            pred = predict_ms(coef, p.B, p.s)
             r.update(ms=round(p.median_ms, 3), pred_ms=round(pred, 3), err=round(rel_err(pred, p.median_ms), 4),
                      step_ms=round(statistics.median(p.step_ms), 3), n=len(p.ms))
             if p.peak_bytes:
@@ -445,7 +483,7 @@ def profile_doc(geometry, coef, step_fixed, mem, capacity, safety, budget, meta,
     doc = {
         "geometry": {"vae_stride": list(geometry.vae_stride), "patch_size": list(geometry.patch_size)},
         "time_ms": {"fixed": _r(coef[0]), "per_token": _r(coef[1]), "per_token_sq": _r(coef[2]),
-                    "step_fixed": _r(step_fixed)},
+                    "step_fixed": _r(step_fixed), **({"floor": _r(coef[3])} if len(coef) > 3 and coef[3] else {})},
         "memory": {"budget_tokens": int(budget), "safety": safety},
     }
     if mem:
@@ -592,7 +630,8 @@ def measure_profile(cfg, ds, args, shapes, heldout):
 
     engine, dims, seq_shard, device, dtype = _init_engine(cfg, ds, args)
     init_s = time.monotonic() - t_start
-    clock = _Clock(t_start, device if dims.world > 1 else None)
+    multi = dims.world > 1
+    clock = _Clock(t_start, device if multi else None)
     deadline = args.time_budget  # on clock(): seconds since start, the same on every rank
     geometry = Geometry(patch_size=cfg.patch_size)
     ds_sp = int(ds.get("sequence_parallel_size", 1))
@@ -606,8 +645,11 @@ def measure_profile(cfg, ds, args, shapes, heldout):
     points = grid_points(shapes, heldout, geometry, sp=dims.sp,
                          batches=_batches(args.batches), probe_tokens=args.probe_tokens)
     oom_types = (torch.cuda.OutOfMemoryError,) if device.type == "cuda" else ()
-    step_fn = _StepFn(engine, cfg, geometry, seq_shard, device, dtype, args.seed)
+    # Several ranks: every step's times and peak are the maximum over ranks (the collectives make the
+    # slowest rank the step's time), so that every rank holds the same points, fits and decisions.
+    step_fn = _StepFn(engine, cfg, geometry, seq_shard, device, dtype, args.seed, dims)
     is_main = dims.rank == 0
+    capacity = _capacity(device)
     from tqdm import tqdm
 
     bar = tqdm(total=len(points), desc="calibrate", disable=not is_main, dynamic_ncols=True)
@@ -617,14 +659,18 @@ def measure_profile(cfg, ds, args, shapes, heldout):
         bar.set_postfix_str(f"B={p.B} S={p.S}: {p.status}"
                             + (f" {p.median_ms:.0f} ms" if p.status == "ok" else ""))
 
+    # An OOM on one of several ranks leaves its peers inside a collective (_StepFn stops the job then): with
+    # several ranks, points the memory fit puts over the budget's memory are skipped instead of tried.
     time_schedule(points, step_fn, None, clock=clock, oom_types=oom_types, repeats=args.repeats,
-                  on_point=on_point, deadline=deadline)
+                  on_point=on_point, deadline=deadline,
+                  mem_limit=capacity * args.safety if multi and capacity else None)
     bar.close()
-    fixed, a, b = fit_time(points)
+    fixed, a, b, floor = fit_time(points)
+    if a <= 0 and b <= 0:
+        raise UserError("calibrate: the measured times do not grow with tokens (timing noise dominates the "
+                        "work): give larger --shapes or --batches")
     step_fixed = statistics.median([v for p in points if p.status == "ok" for v in p.step_ms])
     mem = fit_memory(points)
-    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    rows = report(points, (fixed, a, b), mem, capacity)
     oom_tokens = min((p.tokens for p in points if p.status == "oom"), default=None)
 
     # Per-GPU terms for the training run (a one-GPU measurement of a k-way SP config is converted).
@@ -644,6 +690,36 @@ def measure_profile(cfg, ds, args, shapes, heldout):
         # CPU (no peak memory): the largest micro-batch that ran is the only evidence.
         budget = max(p.tokens for p in points if p.status == "ok")
         mem_note = {"note": "no device memory statistics (CPU): budget = largest micro-batch measured"}
+    meta = {**_meta_common(cfg, ds, args, sp_eff, dims.world), "estimated": False,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "train_world_size": train_world, "time_budget_s": args.time_budget,
+            "ln_modulate_op": _op_state(device)}
+    sizes = [-(-p.S // sp_eff) for p in points if p.status == "ok" and p.role == "fit"]  # training run's s
+
+    def make_doc(budget):
+        rows = report(points, (fixed, a, b, floor), mem, capacity)
+        fit = {
+            "method": "NNLS, relative weighting; medians of timed steps after one warm-up"
+                      + ("; times and peaks are the maximum over ranks" if multi else ""),
+            "time_coef_measured": {"fixed": fixed, "per_token": a, "per_token_sq": b, "floor": floor},
+            "time_fit": err_summary(rows, "fit"),
+            "time_heldout": err_summary(rows, "heldout"),
+            "memory_fit": err_summary(rows, "fit", "mem_err"),
+            "memory_heldout": err_summary(rows, "heldout", "mem_err"),
+            "memory": mem_note,
+            "oom_bound_tokens": min((p.tokens for p in points if p.status == "oom"), default=None),
+            "points": rows,
+            "init_s": round(init_s, 1),
+            "elapsed_s": round(time.monotonic() - t_start, 1),
+        }
+        if emulate_sp > 1:
+            fit["sp_from_one_gpu"] = {"k": emulate_sp, "all_to_all_ms_per_token": a2a, "link_gbs": args.link_gbs,
+                                      "note": "per_token_sq x k, all-to-all added analytically (not measured)"}
+        doc, prof = profile_doc(geometry, (fixed, per_token, per_token_sq, floor), step_fixed, mem_doc, capacity,
+                                args.safety, budget, meta, fit, dual_range=(min(sizes), max(sizes)),
+                                dual_sizes=sizes, pin_dual=args.pin_dual)
+        return rows, doc, prof
+
     if mem and capacity and args.probe_budget:
         # Check the extrapolated budget where it matters: one micro-batch of the smallest shape filling it.
         small = min((p for p in points if p.status == "ok"), key=lambda p: p.s)
@@ -654,44 +730,43 @@ def measure_profile(cfg, ds, args, shapes, heldout):
         elif clock() + 2.2 * pred_s > deadline:
             probe.status, probe.note = "skipped", f"time budget (needs ~{2 * pred_s:.0f} s)"
         else:
+            if multi and is_main:
+                # An OOM in the probe stops a multi-rank run (_StepFn): the profile without it is on disk first.
+                _, doc, _ = make_doc(budget)
+                doc["fit"]["budget_probe"] = (f"not run yet: B={probe.B} x s={probe.s} ({probe.tokens} tokens) "
+                                              "is next; an out-of-memory there stops a multi-rank run")
+                write_profile(doc, args.out, header=_header(doc))
+                print(f"wrote {args.out} before the budget probe", flush=True)
+
+                def lower_budget(p):  # rank 0 ran out of memory in the probe: the bound goes in before the exit
+                    p.status, p.note = "oom", "out of memory on rank 0; the run stopped here"
+                    points.append(p)
+                    _, doc, _ = make_doc(budget_tokens(capacity, args.safety, mem_doc[0], mem[1], p.tokens))
+                    write_profile(doc, args.out, header=_header(doc))
+                    print(f"wrote {args.out} with the budget below the probe's {p.tokens} tokens", flush=True)
+
+                step_fn.before_exit = lower_budget
             _measure_point(probe, step_fn, clock, oom_types, repeats=1, big_s=0.0, warmup=1)
+            step_fn.before_exit = None
         if probe.status == "oom":
             budget = budget_tokens(capacity, args.safety, mem_doc[0], mem[1], probe.tokens)
         points.append(probe)
-        rows = report(points, (fixed, a, b), mem, capacity)
-    held = err_summary(rows, "heldout")
-    fit = {
-        "method": "NNLS, relative weighting; medians of timed steps after one warm-up",
-        "time_coef_measured": {"fixed": fixed, "per_token": a, "per_token_sq": b},
-        "time_fit": err_summary(rows, "fit"),
-        "time_heldout": held,
-        "memory_fit": err_summary(rows, "fit", "mem_err"),
-        "memory_heldout": err_summary(rows, "heldout", "mem_err"),
-        "memory": mem_note,
-        "oom_bound_tokens": min((p.tokens for p in points if p.status == "oom"), default=None),
-        "points": rows,
-        "init_s": round(init_s, 1),
-        "elapsed_s": round(time.monotonic() - t_start, 1),
-    }
-    if emulate_sp > 1:
-        fit["sp_from_one_gpu"] = {"k": emulate_sp, "all_to_all_ms_per_token": a2a, "link_gbs": args.link_gbs,
-                                  "note": "per_token_sq x k, all-to-all added analytically (not measured)"}
-    meta = {**_meta_common(cfg, ds, args, sp_eff, dims.world), "estimated": False,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "train_world_size": train_world, "time_budget_s": args.time_budget,
-            "ln_modulate_op": _op_state(device)}
-    sizes = [-(-p.S // sp_eff) for p in points if p.status == "ok" and p.role == "fit"]  # training run's s
-    doc, prof = profile_doc(geometry, (fixed, per_token, per_token_sq), step_fixed, mem_doc, capacity,
-                            args.safety, budget, meta, fit, dual_range=(min(sizes), max(sizes)), dual_sizes=sizes,
-                            pin_dual=args.pin_dual)
-    fit = doc["fit"]
+    rows, doc, prof = make_doc(budget)
     if not is_main:
         return None
-    print_report(rows, fit, prof)
+    print_report(rows, doc["fit"], prof)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "points": [asdict(p) for p in points], "fit": fit}, f, indent=1)
+            json.dump({"meta": meta, "points": [asdict(p) for p in points], "fit": doc["fit"]}, f, indent=1)
     return doc
+
+
+def _capacity(device):
+    """Device memory in bytes; None on CPU (no peak memory statistics there)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def _op_state(device):
@@ -757,6 +832,9 @@ def _init_engine(cfg, ds, args):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if accel.device_name() == "cpu":
         device = torch.device("cpu")
+        # Ranks share the host's cores (as launch/train_wan.py): not one thread per core each.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", 1))))
     else:
         accel.set_device(local_rank)
         device = torch.device(accel.device_name(local_rank))
@@ -788,15 +866,24 @@ def _init_engine(cfg, ds, args):
 
 class _StepFn:
     """One training step on random inputs of a point's shape: flow-matching loss (train/flow.py),
-    engine.backward, engine.step. Returns (fwd+bwd ms, step ms, peak bytes)."""
+    engine.backward, engine.step. Returns (fwd+bwd ms, step ms, peak bytes).
 
-    def __init__(self, engine, cfg, geometry, seq_shard, device, dtype, seed):
+    Several ranks (`dims.world` > 1): every rank draws the same inputs (SP peers must hold the same
+    samples), and the returned times and peak are the maximum over ranks, so that every rank schedules and
+    fits on the same numbers. An out-of-memory error there is not recoverable (the peers wait inside a
+    collective the failed rank will not join): the rank says so and exits, and the launcher stops the
+    others, instead of the job hanging until its timeout."""
+
+    def __init__(self, engine, cfg, geometry, seq_shard, device, dtype, seed, dims=None):
         from deepspeed.accelerator import get_accelerator
 
         self.engine, self.cfg, self.geo, self.seq_shard = engine, cfg, geometry, seq_shard
         self.device, self.dtype, self.seed = device, dtype, seed
+        self.world = dims.world if dims is not None else 1
+        self.rank = dims.rank if dims is not None else 0
         self.accel = get_accelerator()
         self.calls = 0
+        self.before_exit = None  # several ranks: called with the point before an out-of-memory exit
 
     def __call__(self, p):
         import torch
@@ -823,11 +910,33 @@ class _StepFn:
             self.engine.step()
             self.accel.synchronize()
             t2 = time.perf_counter()
-            peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
-            return (t1 - t0) * 1000, (t2 - t1) * 1000, peak
-        except torch.cuda.OutOfMemoryError:
+            peak = self._peak(p)
+        except torch.cuda.OutOfMemoryError as e:
+            if self.world > 1:
+                print(f"calibrate: rank {self.rank} ran out of memory at B={p.B} x s={p.s} ({p.tokens} tokens per "
+                      f"GPU, role {p.role}): not recoverable with {self.world} ranks, stopping. Lower "
+                      f"--probe-tokens/--batches, or --no-probe-budget. ({str(e).splitlines()[0][:200]})",
+                      file=sys.stderr, flush=True)
+                if self.before_exit:
+                    self.before_exit(p)
+                sys.stdout.flush()
+                os._exit(3)
             self._recover()
             raise
+        ms = ((t1 - t0) * 1000, (t2 - t1) * 1000, peak)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            v = torch.tensor([ms[0], ms[1], float(peak or 0)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX)
+            ms = (float(v[0]), float(v[1]), int(v[2]) if peak is not None else None)
+        return ms
+
+    def _peak(self, p):
+        """This rank's peak allocated bytes over the step just run (None on CPU)."""
+        import torch
+
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
     def _recover(self):
         """After an OOM mid-step: drop gradients and cached blocks so the next point starts clean."""

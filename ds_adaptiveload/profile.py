@@ -1,8 +1,11 @@
 """Cost profile: what a micro-batch costs on one GPU, read from YAML.
 
-    time_ms(micro-batch of samples with S_i tokens) = fixed + per_token * sum(S_i) + per_token_sq * sum(S_i^2)
+    time_ms(micro-batch of samples with S_i tokens)
+        = max(floor, fixed + per_token * sum(S_i) + per_token_sq * sum(S_i^2))
 
-The quadratic term is attention; it is why equal-token batches are not equal-time batches. Memory is a
+The quadratic term is attention; it is why equal-token batches are not equal-time batches. The floor (default
+0) is a step time that small micro-batches do not go below: under ZeRO-3 the host-side parameter
+gathering of every step can take longer than the GPU work of a small micro-batch, and then the two overlap. Memory is a
 token budget (M_mem) per micro-batch on one GPU. The paper's compute constraint B * S^p <= M_comp is kept
 for the `dual` policy; when a profile has no `dual` section the planner derives it from the time model and
 the data's token range (see `derive_dual`). Pure Python: no torch.
@@ -19,7 +22,7 @@ from ds_adaptiveload.geometry import Geometry
 # Allowed keys per section; anything else is a typo we refuse rather than ignore.
 _SCHEMA = {
     "geometry": {"vae_stride", "patch_size"},
-    "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed"},
+    "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed", "floor"},
     "memory": {"budget_tokens", "fixed_bytes", "bytes_per_token", "capacity_bytes", "safety"},
     "dual": {"p", "m_comp"},
     "meta": None,  # free-form provenance: model, device, versions, date, estimated
@@ -39,6 +42,8 @@ class CostProfile:
     """M_mem: the most tokens one micro-batch may hold on one GPU."""
     step_fixed_ms: float = 0.0
     """Once per optimizer step (optimizer, gradient reduction); equal on every rank."""
+    floor_ms: float = 0.0
+    """A micro-batch takes at least this long (host-bound ZeRO-3 steps; 0 = no floor)."""
     dual_p: float = None
     """Exponent p of the paper's compute constraint B * S^p <= M_comp (None: derived per dataset)."""
     dual_m_comp: float = None
@@ -49,7 +54,7 @@ class CostProfile:
     fit: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("fixed_ms", "per_token_ms", "per_token_sq_ms", "step_fixed_ms"):
+        for name in ("fixed_ms", "per_token_ms", "per_token_sq_ms", "step_fixed_ms", "floor_ms"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise UserError(f"profile: {name} must be a finite number >= 0, got {v!r}")
@@ -69,7 +74,7 @@ class CostProfile:
 
     def micro_ms(self, batch: int, tokens: int) -> float:
         """Predicted forward+backward ms of a micro-batch of `batch` samples of `tokens` tokens each."""
-        return self.fixed_ms + batch * self.sample_ms(tokens)
+        return max(self.floor_ms, self.fixed_ms + batch * self.sample_ms(tokens))
 
     def mem_batch(self, tokens: int) -> int:
         """Largest B with B * S <= M_mem (0 when one sample does not fit)."""
@@ -124,7 +129,8 @@ class CostProfile:
                for v in (geometry.vae_stride, geometry.patch_size)):
             raise UserError("profile: geometry.vae_stride and geometry.patch_size must be lists of 3 positive integers")
         return cls(fixed_ms=t["fixed"], per_token_ms=t["per_token"], per_token_sq_ms=t["per_token_sq"],
-                   step_fixed_ms=t.get("step_fixed", 0.0), budget_tokens=mem["budget_tokens"],
+                   step_fixed_ms=t.get("step_fixed", 0.0), floor_ms=t.get("floor", 0.0),
+                   budget_tokens=mem["budget_tokens"],
                    dual_p=dual.get("p"), dual_m_comp=dual.get("m_comp"), geometry=geometry,
                    memory=dict(mem), meta=dict(doc.get("meta") or {}), fit=dict(doc.get("fit") or {}))
 
@@ -132,7 +138,8 @@ class CostProfile:
         doc = {
             "geometry": {"vae_stride": list(self.geometry.vae_stride), "patch_size": list(self.geometry.patch_size)},
             "time_ms": {"fixed": self.fixed_ms, "per_token": self.per_token_ms,
-                        "per_token_sq": self.per_token_sq_ms, "step_fixed": self.step_fixed_ms},
+                        "per_token_sq": self.per_token_sq_ms, "step_fixed": self.step_fixed_ms,
+                        **({"floor": self.floor_ms} if self.floor_ms else {})},
             "memory": {**self.memory, "budget_tokens": self.budget_tokens},
         }
         if self.dual_p is not None:

@@ -29,6 +29,7 @@ def scenarios(draw):
     max_tokens = max(GEO.tokens(*s) for s in SHAPES)
     profile = CostProfile(fixed_ms=draw(st.floats(0, 50)), per_token_ms=draw(st.floats(1e-4, 1e-1)),
                           per_token_sq_ms=draw(st.floats(0, 1e-4)),
+                          floor_ms=draw(st.sampled_from([0.0, 0.0, 200.0])),
                           budget_tokens=draw(st.integers(max_tokens // 4, 3 * max_tokens)))
     sp = draw(st.sampled_from([1, 1, 2, 4]))
     dp = draw(st.integers(1, 9))
@@ -260,6 +261,24 @@ def test_profile_roundtrip(tmp_path):
     q = CostProfile.load(tmp_path / "x.yaml")
     assert (q.fixed_ms, q.per_token_sq_ms, q.budget_tokens, q.dual_p) == (p.fixed_ms, p.per_token_sq_ms,
                                                                           p.budget_tokens, p.dual_p)
+
+
+def test_profile_time_floor(tmp_path):
+    """A micro-batch costs max(floor, fixed + B * sample_ms); the floor survives the YAML round trip and a
+    profile without one predicts as before."""
+    doc = {"time_ms": {"fixed": 100.0, "per_token": 0.01, "per_token_sq": 0.0, "floor": 900.0},
+           "memory": {"budget_tokens": 10**6}}
+    p = CostProfile.from_dict(doc)
+    assert p.micro_ms(1, 1000) == 900.0                            # 110 ms of work under the floor
+    assert p.micro_ms(10, 10000) == pytest.approx(100 + 1000)      # above it: the line
+    p.to_yaml(tmp_path / "f.yaml")
+    assert CostProfile.load(tmp_path / "f.yaml").floor_ms == 900.0
+    doc["time_ms"].pop("floor")
+    q = CostProfile.from_dict(doc)
+    assert q.floor_ms == 0 and q.micro_ms(1, 1000) == pytest.approx(110) and "floor" not in q.to_dict()["time_ms"]
+    doc["time_ms"]["floor"] = -1
+    with pytest.raises(UserError, match="floor_ms"):
+        CostProfile.from_dict(doc)
 
 
 # -- manifest --------------------------------------------------------------------------------------
