@@ -22,6 +22,8 @@ int dtype_code(const at::ScalarType t) {
 // Row-stream depth for the next launches (tuning / A-B comparison; -1 or 0 = register prefetch, the
 // default; n >= 2 = n rows staged ahead in shared memory by cp.async). Process-wide, set by set_stages().
 int g_fwd_stages = -1, g_bwd_stages = -1;
+// Kernel variant for the next launches (A-B comparison on the device; 0 = the default kernel).
+int g_fwd_variant = 0, g_bwd_variant = 0;
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
@@ -81,6 +83,7 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& scale, co
   p.vectorized = vec_ok(D, x, scale, sc_sb, sc_ss, shift, sh_sb, sh_ss) && aligned16(y.data_ptr());
   p.vpt = int(vpt); p.rpc = int(rpc);
   p.stages = g_fwd_stages;
+  p.variant = g_fwd_variant;
   const char* err = lnmod::fwd_launch(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, err ? err : "");
   return {y, mean, rstd};
@@ -139,6 +142,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
                  (sc_ss * scale.element_size()) % 16 == 0;
   p.vpt = int(vpt); p.rpc = int(rpc);
   p.stages = g_bwd_stages;
+  p.variant = g_bwd_variant;
   const int64_t ws_floats = lnmod::bwd_plan(p);
   auto ws = at::empty({ws_floats}, f32);
   p.workspace = ws.data_ptr<float>();
@@ -158,6 +162,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_fwd_stages = int(fwd);
     g_bwd_stages = int(bwd);
   }, "rows staged ahead in shared memory by the forward / backward (-1 / 0: off, the default); for tuning");
+  m.def("set_variant", [](int64_t fwd, int64_t bwd) {
+    TORCH_CHECK(fwd >= 0 && bwd >= 0, "ln_modulate.set_variant: variants are >= 0");
+    g_fwd_variant = int(fwd);
+    g_bwd_variant = int(bwd);
+  }, "kernel variant of the forward / backward (0: the default); for A-B comparison");
+  m.def("get_variant", []() { return pybind11::make_tuple(g_fwd_variant, g_bwd_variant); });
   m.def("get_stages", []() { return pybind11::make_tuple(g_fwd_stages, g_bwd_stages); });
   // The torch this module was compiled against: a prebuilt module is only used with the same torch.
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);

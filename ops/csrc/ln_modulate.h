@@ -30,6 +30,7 @@ struct FwdParams {
   bool vectorized;      // caller checked 16-byte alignment of every row base and D % 8 == 0
   int vpt, rpc;         // launch overrides for tuning (-1 = heuristic)
   int stages;           // rows of x staged ahead in shared memory by cp.async (<= 0: off, the default)
+  int variant;          // kernel variant (0 = default), set by set_variant() for A-B comparison
 };
 
 struct BwdParams {
@@ -58,6 +59,7 @@ struct BwdParams {
   bool vectorized;
   int vpt, rpc;
   int stages;           // rows of x and dy staged ahead in shared memory (<= 0: off, the default)
+  int variant;          // kernel variant (0 = default), set by set_variant() for A-B comparison
   int ctas_per_sample;  // filled by bwd_plan()
 };
 
