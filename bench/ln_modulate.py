@@ -62,8 +62,18 @@ def affine_trick(x, scale, shift):
     return F.layer_norm(x, (D,), (1 + scale).reshape(D).to(x.dtype), shift.reshape(D).to(x.dtype), EPS)
 
 
-def providers(B):
-    out = {"ours": ln_modulate, "wan_eager": wan_chain, "wan_compile": torch.compile(wan_chain)}
+def with_variant(op, v):
+    """ln_modulate with kernel variant v (op.set_variant(v, v)) for its forward and backward."""
+    def fn(x, sc, sh):
+        op.set_variant(v, v)
+        return ln_modulate(x, sc, sh)
+    return fn
+
+
+def providers(B, op=None, variants=()):
+    out = {"ours": with_variant(op, 0) if op is not None else ln_modulate}
+    out.update({f"ours_v{v}": with_variant(op, v) for v in variants if v != 0})
+    out.update({"wan_eager": wan_chain, "wan_compile": torch.compile(wan_chain)})
     try:
         from apex.normalization import FusedLayerNorm  # noqa: F401
         from apex.normalization.fused_layer_norm import fused_layer_norm
@@ -113,13 +123,14 @@ def measure(fn, xs, scs, shs, dys, mode):
 
 def tuning_sweep(op, B, S, D, dtype, bw):
     """Row-stream variants (stages: rows staged ahead in shared memory; 0 = register prefetch only, the
-    default), launch shapes (vpt) and saved vs recomputed statistics."""
+    default), launch shapes (vpt), saved vs recomputed statistics, and the forward kernel variants
+    (set_variant; rows with "variant" > 0 time the forward only)."""
     x = torch.randn(B * S, D, device="cuda").to(dtype)
     sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(B, 1, D, device="cuda")
     dy = torch.randn(B * S, D, device="cuda").to(dtype)
     fb, fbb = floor_bytes(B, S, D, x.element_size())
     rows = []
-    variants = [(st, -1) for st in (0, 2, 3, 4, 6)] + [(st, v) for st in (0, 3) for v in ((2,) if D > 2048 else (4,))]
+    variants = [(st, -1) for st in (0, 3)] + [(0, v) for v in ((2,) if D > 2048 else (4,))]
     for stages, vpt in variants:
         rpc = -1
         op.set_stages(stages, stages)
@@ -129,13 +140,41 @@ def tuning_sweep(op, B, S, D, dtype, bw):
                                                EPS, vpt, rpc))
         b_rec = bench_ms(lambda: op.backward(dy, x, sc, None, None, None, None, B, S, D, 0, 1, 1, False, False,
                                              EPS, vpt, rpc))
-        rows.append({"shape": [B, S, D], "dtype": str(dtype), "stages": stages, "vpt": vpt, "rpc": rpc, "fwd_ms": f,
+        rows.append({"shape": [B, S, D], "dtype": str(dtype), "variant": 0, "stages": stages, "vpt": vpt, "rpc": rpc,
+                     "fwd_ms": f,
                      "bwd_saved_ms": b_saved, "bwd_recompute_ms": b_rec,
                      "fwd_bw%": round(100 * fb / (f * 1e-3) / bw, 1),
                      "bwd_saved_bw%": round(100 * (fbb - fb) / (b_saved * 1e-3) / bw, 1),
                      "fwdbwd_saved_bw%": round(100 * fbb / ((f + b_saved) * 1e-3) / bw, 1)})
         print("sweep", rows[-1], flush=True)
     op.set_stages(-1, -1)
+    # Kernel variants (op.set_variant(v, v)): 1 = one barrier per row (forward) / next row prefetched
+    # (backward), 2 = forward 1 with the modulation in registers (vpt <= 2), 3 = compile-time tiles
+    # (ln_modulate_fast.cu; vpt picks the tile), 4 = forward 1 under the tighter vpt-4 register cap.
+    # Forward and backward are timed separately over their own vpt lists (None where not timed).
+    before = tuple(op.get_variant())
+    tiles = {1536: ((3, 6, 2), (2, 1)), 2048: ((4, 2), (2, 1)), 3072: ((3, 6), (2, 1)), 4096: ((4, 2), (2, 1)),
+             5120: ((5, 4, 2), (2, 1)), 8192: ((4, 8), (2,))}
+    other = (2, 4) if D > 2048 else (4, 8)
+    for variant in (1, 2, 3, 4):
+        op.set_variant(variant, variant)
+        fv, bv = tiles.get(D, ((-1,), (-1,))) if variant == 3 else ((-1,) + other, (-1,) if variant == 1 else ())
+        for kind, vpts in (("fwd", fv), ("bwd", bv)):
+            for vpt in vpts:
+                y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS, lnm._DTYPE_CODE[dtype], True,
+                                           vpt, -1)
+                if kind == "fwd":
+                    ms = bench_ms(lambda: op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS,
+                                                     lnm._DTYPE_CODE[dtype], True, vpt, -1))
+                    row = {"fwd_ms": ms, "fwd_bw%": round(100 * fb / (ms * 1e-3) / bw, 1)}
+                else:
+                    ms = bench_ms(lambda: op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False,
+                                                      False, EPS, vpt, -1))
+                    row = {"bwd_saved_ms": ms, "bwd_saved_bw%": round(100 * (fbb - fb) / (ms * 1e-3) / bw, 1)}
+                rows.append({"shape": [B, S, D], "dtype": str(dtype), "variant": variant, "stages": 0, "vpt": vpt,
+                             "rpc": -1, "kind": kind, **row})
+                print("sweep", rows[-1], flush=True)
+    op.set_variant(*before)
     return rows
 
 
@@ -145,6 +184,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip remaining baselines after this many seconds")
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 1x75600x5120,8x4680x1536")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--variants", default="0", help="kernel variants timed as ours (0) and ours_vN columns, e.g. 0,1,3")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--baseline-dtypes", default="bfloat16", help="dtypes timed against the baselines too "
                     "(others: ours only, to save device time)")
@@ -180,13 +220,16 @@ def main():
             fb, fbb = floor_bytes(B, S, D, esize)
             row = {"B": B, "S": S, "D": D, "dtype": str(dtype).replace("torch.", ""),
                    "floor_fwd_ms": fb / bw * 1e3, "floor_fwdbwd_ms": fbb / bw * 1e3}
-            for name, fn in providers(B).items():
+            variants = [int(v) for v in args.variants.split(",")]
+            provs = providers(B, op, variants)
+            for name, fn in provs.items():
                 for mode in ("fwd", "fwdbwd"):
                     key = f"{name}_{mode}_ms"
-                    if name != "ours" and str(dtype).replace("torch.", "") not in args.baseline_dtypes.split(","):
+                    ours = name.startswith("ours")
+                    if not ours and str(dtype).replace("torch.", "") not in args.baseline_dtypes.split(","):
                         row[key] = "skipped: ours only for this dtype"
                         continue
-                    if time.time() - t0 > args.budget_s and name != "ours":
+                    if time.time() - t0 > args.budget_s and not ours:
                         row[key] = "skipped: time budget"
                         continue
                     try:
@@ -194,20 +237,23 @@ def main():
                     except Exception as err:  # noqa: BLE001 - a crashing baseline is a result
                         row[key] = f"error: {type(err).__name__}: {str(err)[:160]}"
                     torch.cuda.empty_cache()
-            for mode, floor in (("fwd", fb), ("fwdbwd", fbb)):
-                t = row.get(f"ours_{mode}_ms")
-                if isinstance(t, float):
-                    row[f"ours_{mode}_bw%"] = round(100 * floor / (t * 1e-3) / bw, 1)
+            for name in [n for n in provs if n.startswith("ours")]:
+                for mode, floor in (("fwd", fb), ("fwdbwd", fbb)):
+                    t = row.get(f"{name}_{mode}_ms")
+                    if isinstance(t, float):
+                        row[f"{name}_{mode}_bw%"] = round(100 * floor / (t * 1e-3) / bw, 1)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
             save()
             del xs, scs, shs, dys
             torch.cuda.empty_cache()
+    op.set_variant(0, 0)
     print(markdown(res))
 
 
 def markdown(res):
-    cols = ["ours", "wan_eager", "wan_compile", "apex_fused", "torch_ln_affine", "liger_affine"]
+    ours = sorted({k[:-len("_fwd_ms")] for r in res["rows"] for k in r if k.startswith("ours") and k.endswith("_fwd_ms")})
+    cols = ours + ["wan_eager", "wan_compile", "apex_fused", "torch_ln_affine", "liger_affine"]
     lines = [f"Copy bandwidth {res['copy_TBps']:.2f} TB/s, {res['device']}, torch {res['torch']}, {res['date']}. "
              "Times in ms (median); bw% = byte floor / time / copy bandwidth.", "",
              "| shape | dtype | pass | floor | " + " | ".join(cols) + " | ours bw% |",

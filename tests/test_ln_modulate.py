@@ -159,43 +159,89 @@ def cuda_op(monkeypatch):
     _require_op()
 
 
+# Kernel variants (op.set_variant(fwd, bwd); 0 = the default kernels), set for the forward and the backward
+# alike: 1 = one barrier per row (forward: per-warp statistics merged once; backward: next row prefetched),
+# 2 = forward 1 with staged modulation in registers (vpt <= 2), 3 = the compile-time-tiled fast paths
+# (ln_modulate_fast.cu: D in full tiles, per-sample / global fp32 modulation, no affine), 4 = forward 1
+# under a tighter register cap at vpt 4. Where a variant does not cover a case it runs the default kernel.
+FWD_VARIANTS = [0, 1, 2, 3, 4]
+
+
+@pytest.fixture
+def fwd_variant(cuda_op):
+    """set(v) selects variant v (forward and backward) for the test; the previous variants are restored."""
+    op = lnm_mod.load_op()
+    before = tuple(op.get_variant())
+
+    def set_(v):
+        op.set_variant(v, v)
+        assert tuple(op.get_variant()) == (v, v)
+        return op
+
+    yield set_
+    op.set_variant(*before)
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
 @pytest.mark.parametrize("D", [64, 100, 1536, 3072, 5120, 8192])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cuda_matches_reference(cuda_op, dtype, layout, D):
+def test_cuda_matches_reference(cuda_op, fwd_variant, dtype, layout, D, variant):
+    fwd_variant(variant)
     check(layout, 2, 37, D, dtype, torch.float32, "cuda")
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
 @pytest.mark.parametrize("D", [64, 100, 1536, 16384, 16000])
 @pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.float16])
-def test_cuda_affine_out_dtype(cuda_op, D, out_dtype):
+def test_cuda_affine_out_dtype(cuda_op, fwd_variant, D, out_dtype, variant):
+    fwd_variant(variant)
     check("sample", 3, 19, D, torch.bfloat16, torch.float32, "cuda", affine=True, out_dtype=out_dtype)
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("D,dtype,layout", [(1536, torch.bfloat16, "token"), (1536, torch.float32, "mixed2"),
+                                            (5120, torch.float16, "global"), (3072, torch.bfloat16, "chunk6"),
+                                            (64, torch.float32, "mixed")])
+def test_cuda_affine_layouts(cuda_op, fwd_variant, D, dtype, layout, variant):
+    """Affine with staged (folded once per CTA) and per-token modulation."""
+    fwd_variant(variant)
+    check(layout, 2, 37, D, dtype, torch.float32, "cuda", affine=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["chunk6", "sample", "global"])
-def test_cuda_modulation_in_x_dtype(cuda_op, dtype, layout):
+def test_cuda_modulation_in_x_dtype(cuda_op, fwd_variant, dtype, layout, variant):
+    fwd_variant(variant)
     check(layout, 2, 50, 1536, dtype, dtype, "cuda")
 
 
 @pytest.mark.cuda
-def test_cuda_two_d(cuda_op):
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
+def test_cuda_two_d(cuda_op, fwd_variant, variant):
+    fwd_variant(variant)
     check("global", 1, 300, 1536, torch.bfloat16, torch.float32, "cuda", two_d=True)
     check("token", 1, 300, 1000, torch.bfloat16, torch.float32, "cuda", two_d=True)
 
 
 @pytest.mark.cuda
-def test_cuda_long_sequence(cuda_op):
+@pytest.mark.parametrize("variant", [0, 3])
+def test_cuda_long_sequence(cuda_op, fwd_variant, variant):
     """Wan 2.1 14B at 720p x 129 frames: S = 176,400, one case."""
+    fwd_variant(variant)
     check("sample", 1, 176400, 5120, torch.bfloat16, torch.float32, "cuda")
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
 @pytest.mark.parametrize("layout", ["sample", "global", "mixed2"])
-def test_cuda_deterministic_reductions(cuda_op, layout):
+def test_cuda_deterministic_reductions(cuda_op, fwd_variant, layout, variant):
+    fwd_variant(variant)
     leaves, view = make(layout, 2, 4000, 1536, torch.bfloat16, torch.float32, "cuda", affine=True)
     dy = torch.randn(leaves[0].shape, device="cuda").bfloat16()
     runs = [torch.autograd.grad(ln_modulate(*view(leaves)[:3], weight=leaves[3], bias=leaves[4]), leaves[1:], dy)
@@ -219,10 +265,11 @@ def test_cuda_saved_vs_recomputed_stats(cuda_op):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
 @pytest.mark.parametrize("vpt,rpc", [(1, 1), (2, 3), (4, 1)])
-def test_cuda_launch_overrides(cuda_op, vpt, rpc):
+def test_cuda_launch_overrides(cuda_op, fwd_variant, vpt, rpc, variant):
     """The tuning overrides the benchmark sweeps compute the same function."""
-    op = lnm_mod.load_op()
+    op = fwd_variant(variant)
     B, S, D = 3, 71, 3072
     x = torch.randn(B * S, D, device="cuda").bfloat16()
     sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(D, device="cuda")
@@ -257,8 +304,10 @@ def test_cuda_row_stream_variants(cuda_op, stages_reset, stages, D, dtype, layou
 
 
 @pytest.mark.cuda
-def test_cuda_staged_deterministic(cuda_op):
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
+def test_cuda_staged_deterministic(cuda_op, fwd_variant, variant):
     """Staged (default) backward: reduced gradients bitwise equal across runs at the benchmark shape."""
+    fwd_variant(variant)
     leaves, view = make("sample", 1, 20000, 5120, torch.bfloat16, torch.float32, "cuda")
     dy = torch.randn(leaves[0].shape, device="cuda").bfloat16()
     runs = [torch.autograd.grad(ln_modulate(*view(leaves)[:3]), leaves, dy) for _ in range(2)]
@@ -282,3 +331,95 @@ def test_cuda_over_2_31_elements(cuda_op):
     assert rel(y[0, rows], ref) < 1e-2
     assert not torch.isnan(y[0, -1000:]).any() and not torch.isnan(y[0, :1000]).any()
     assert not math.isnan(y.float().sum().item())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("D,vpt,rpc", [(5120, -1, -1), (5120, 2, -1), (1536, 4, -1), (1536, 8, -1),
+                                       (512, 1, 16), (256, 1, 13), (1536, 1, 5)])
+@pytest.mark.parametrize("layout", ["sample", "token"])
+def test_cuda_fwd_variant_shapes(cuda_op, fwd_variant, variant, D, vpt, rpc, layout):
+    """Forward variants over the launch shapes the sweep times (vpt overrides; rows per CTA past the 15 named
+    barriers: 16 x 2 warps), many rows per row group (S odd, not a multiple of the grid), saved statistics
+    against float64. Output and statistics poisoned first."""
+    op = fwd_variant(variant)
+    B, S = 2, 2999
+    x = (torch.randn(B * S, D, device="cuda") * 2 + 0.5).bfloat16()
+    shp = (B, 1, D) if layout == "sample" else (B, S, D)
+    sc, sh = 0.5 * torch.randn(*shp, device="cuda"), 0.5 * torch.randn(*shp, device="cuda")
+    ss = 0 if layout == "sample" else D
+    poison("cuda", B * S * D * 2)
+    poison("cuda", B * S * 4)
+    y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, shp[1] * D, ss, shp[1] * D, ss, 1e-6, 2, True, vpt, rpc)
+    assert torch.isfinite(y).all() and torch.isfinite(mean).all() and torch.isfinite(rstd).all()
+    ref = ref64(x.view(B, S, D), sc, sh, None, None)
+    assert rel(y.view(B, S, D), ref) < TOL[torch.bfloat16][0]
+    x64 = x.double()
+    assert (mean.double() - x64.mean(-1)).abs().max().item() < 1e-4
+    rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt()
+    assert ((rstd.double() - rstd64) / rstd64).abs().max().item() < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("D", [64, 1536, 3072, 5120, 8192])
+def test_cuda_large_mean_stable_variance(cuda_op, fwd_variant, variant, D):
+    """x = 1000 + randn in fp32: a sum-of-squares variance would lose ~all digits (E[x^2] - E[x]^2 at 1e6 in
+    fp32); the two-pass / merged per-warp statistics keep rstd well within 1e-4."""
+    op = fwd_variant(variant)
+    B, S = 2, 301
+    x = 1000 + torch.randn(B * S, D, device="cuda", dtype=torch.float64)
+    x = x.float()
+    sc, sh = 0.5 * torch.randn(B, 1, D, device="cuda"), 0.5 * torch.randn(B, 1, D, device="cuda")
+    poison("cuda", B * S * D * 4)
+    y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, D, 0, 1e-6, 0, True, -1, -1)
+    x64 = x.double()
+    rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt()
+    assert ((rstd.double() - rstd64) / rstd64).abs().max().item() < 1e-4
+    assert (mean.double() - x64.mean(-1)).abs().max().item() < 2e-3
+    # The output error is dominated by the fp32 rounding of the mean (~1e-4 of a unit-variance row).
+    assert rel(y.view(B, S, D), ref64(x.view(B, S, D), sc, sh, None, None)) < 1e-3
+
+
+# (D, forward vpts, backward vpts) of ln_modulate_fast.cu's tile tables: every tile is checked.
+FAST_TILES = [(1536, (3, 6, 2), (2, 1)), (2048, (4, 2), (2, 1)), (3072, (3, 6), (2, 1)), (4096, (4, 2), (2, 1)),
+              (5120, (5, 4, 2), (2, 1)), (8192, (4, 8), (2,))]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("D,fvpts,bvpts", FAST_TILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["sample", "global"])
+def test_cuda_fast_tiles(cuda_op, fwd_variant, D, fvpts, bvpts, dtype, layout):
+    """Variant 3 (compile-time tiles) at every tile of the table: forward and saved statistics against float64
+    (outputs poisoned), gradients against the default kernels' (float64-checked elsewhere), rows not a
+    multiple of the grid and B = 3 (several samples share the grid)."""
+    B, S = 3, 1237
+    x = (torch.randn(B * S, D, device="cuda") * 2 + 0.5).to(dtype)
+    shp = (B, 1, D) if layout == "sample" else (D,)
+    sc, sh = 0.5 * torch.randn(*shp, device="cuda"), 0.5 * torch.randn(*shp, device="cuda")
+    sb = D if layout == "sample" else 0
+    mode = 1 if layout == "sample" else 0
+    code = lnm_mod._DTYPE_CODE[dtype]
+    ref = ref64(x.view(B, S, D), sc, sh, None, None)
+    dy = torch.randn(B * S, D, device="cuda").to(dtype)
+    op = fwd_variant(0)
+    stats = op.forward(x, sc, sh, None, None, B, S, sb, 0, sb, 0, 1e-6, code, True, -1, -1)[1:]
+    base = op.backward(dy, x, sc, None, None, *stats, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1)
+    op = fwd_variant(3)
+    x64 = x.double()
+    for vpt in fvpts:
+        poison("cuda", B * S * D * x.element_size())
+        y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, sb, 0, sb, 0, 1e-6, code, True, vpt, -1)
+        assert rel(y.view(B, S, D), ref) < TOL[dtype][0], f"forward vpt {vpt}"
+        assert (mean.double() - x64.mean(-1)).abs().max().item() < 1e-4
+        rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt()
+        assert ((rstd.double() - rstd64) / rstd64).abs().max().item() < 1e-5
+    for vpt in bvpts:
+        poison("cuda", B * S * D * x.element_size())
+        got = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, vpt, -1)
+        assert rel(got[0], base[0]) < (1e-5 if dtype == torch.float32 else 4e-3), f"dx, backward vpt {vpt}"
+        for a, c in zip(got[1:3], base[1:3]):
+            assert rel(a, c) < 1e-5, f"dscale/dshift, backward vpt {vpt}"
+        again = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, vpt, -1)
+        assert all(torch.equal(a, c) for a, c in zip(got[:3], again[:3])), "not bitwise reproducible"

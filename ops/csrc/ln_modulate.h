@@ -63,6 +63,13 @@ struct BwdParams {
   int ctas_per_sample;  // filled by bwd_plan()
 };
 
+// Fast paths (ln_modulate_fast.cu): D in full tiles of a compile-time shape, per-sample / global fp32
+// modulation, no affine, outputs in x's dtype. Each returns false when the launch is not its case.
+constexpr int kFastVariant = 3;  // p.variant that selects them (A-B comparison)
+bool fast_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err);
+bool fast_bwd_occupancy(const BwdParams& p, int* per_sm, int* rpc);
+bool fast_bwd_launch(const BwdParams& p, cudaStream_t stream, cudaError_t* err);
+
 // Returns an error string (nullptr on success).
 const char* fwd_launch(const FwdParams& p, cudaStream_t stream);
 // Chooses the persistent grid; returns the fp32 workspace size the caller must allocate.

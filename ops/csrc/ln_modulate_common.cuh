@@ -206,6 +206,38 @@ __device__ __forceinline__ float2 group_sum2(float2 v, float2* slot, int wpr) {
   return s;
 }
 
+// --- helpers of the forward variants 1 and 2 (fwd_v1_kernel) -----------------------------------------
+// Barrier over the `nthreads` threads of one row group only: named barrier 1 + group (0 is __syncthreads,
+// used once for the shared-memory staging). Row groups of a CTA then do not wait for each other. ids 1..15,
+// nthreads a multiple of 32; "memory": no shared-memory access may be moved across it.
+__device__ __forceinline__ void group_barrier(int group, int nthreads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "r"(nthreads) : "memory");
+}
+// Sums as trees, not as dependent chains: the compiler may not reassociate float adds, and a chain of 8-32
+// FADDs per thread sits on the per-row critical path (its latency, not its issue cost, is what the row waits on).
+__device__ __forceinline__ float sum8(const float* f) {
+  return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+}
+// sum_k (f[k] - m)^2 over 8 elements with four independent accumulators (depth 4 instead of 8).
+__device__ __forceinline__ float sqdev8(const float* f, float m) {
+  float d[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) d[k] = f[k] - m;
+  float a0 = d[0] * d[0], a1 = d[1] * d[1], a2 = d[2] * d[2], a3 = d[3] * d[3];
+  a0 = fmaf(d[4], d[4], a0); a1 = fmaf(d[5], d[5], a1); a2 = fmaf(d[6], d[6], a2); a3 = fmaf(d[7], d[7], a3);
+  return (a0 + a1) + (a2 + a3);
+}
+// Pairwise sum of N (a power of two) values; v is overwritten.
+template <int N>
+__device__ __forceinline__ float tree_sum(float* v) {
+#pragma unroll
+  for (int h = N / 2; h >= 1; h /= 2) {
+#pragma unroll
+    for (int i = 0; i < h; ++i) v[i] += v[i + h];
+  }
+  return v[0];
+}
+
 // Block-wide sum for the generic (one row per CTA) kernels; blockDim.x is a multiple of 32, <= 1024.
 __device__ __forceinline__ float block_sum(float v, float* red /* 32 floats */) {
   v = warp_sum(v);

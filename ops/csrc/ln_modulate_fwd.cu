@@ -155,6 +155,216 @@ __maxnreg__(PIPE ? (VPT == 1 ? 64 : VPT == 2 ? 72 : VPT == 4 ? 96 : 168) : (VPT 
   if (PIPE) cp_async_wait(0);  // no copy may still target this CTA's shared memory when it exits
 }
 
+// --- Forward variants 1, 2, 4 (set_variant(v, .); variant 0 is fwd_vec_kernel above, 3 is kFastVariant) ---
+// Same row-in-registers scheme as fwd_vec_kernel (row unpacked once to fp32, next row prefetched into packed
+// registers, persistent grid (C, B)), aimed at the per-row latency that the H200 measurements point to
+// (docs/kernel.md, "Where the time goes") rather than at bytes in flight:
+//  - ONE barrier per row instead of two: each warp computes exact two-pass statistics of its own elements
+//    (warp sum -> warp mean, then M2 = sum (x - warp mean)^2, both by shuffles), lane 0 publishes
+//    (sum, mean, M2, count) of its warp, one barrier, then every thread merges the wpr warp results in the
+//    same fixed order: mean = (sum of the warp sums) / D, M2 = sum_w [M2_w + n_w (mean_w - mean)^2] (the
+//    k-way form of Chan et al.'s pairwise merge, evaluated in one pass over the slots, see below; no
+//    division per warp, and no sum of squares of raw x, so a large common offset of x does not cancel
+//    catastrophically). Identical order in every thread -> identical mean/rstd in all of them.
+//  - That barrier is a named barrier of the row group (bar.sync 1 + group, tpr threads) when rpc <= 15, so
+//    the row groups of a CTA do not wait for each other; the slots alternate between two buffers so that one
+//    barrier per row suffices (a buffer is rewritten only after the next row's barrier, which every reader
+//    of it has passed).
+//  - Sums as trees / independent accumulators (sum8, sqdev8, tree_sum) instead of dependent FADD chains.
+//  - Modulation, by MOD (a template flag, so the register demand of one path does not lower the occupancy of
+//    another; affine weight/bias are folded in once per CTA where the modulation is staged:
+//    A = (1 + scale) * w, T = (1 + scale) * b + shift, so y = xhat * A + T):
+//      kModSmem: per-sample / global modulation staged in shared memory once per CTA (as variant 0);
+//      kModReg (variant 2, VPT <= 2): the same, held in fp32 registers: each thread owns fixed columns for
+//        all its rows, so it loads them once per CTA (no shared-memory reads per row, no staging smem, so
+//        occupancy is not limited by 2 * D * 4 bytes of shared memory per CTA);
+//      kModRow: per-token modulation read from global per row; for VPT <= 4 the reads are issued at the
+//        start of the row (packed registers) so their latency hides behind the reduction;
+//      kModSmemTight (variant 4): kModSmem under a lower register cap (fwd_v1_maxreg).
+// The cp.async row stream (stages, PIPE) is not implemented here: set_stages is ignored by variants 1, 2, 4.
+enum FwdMod : int { kModSmem = 0, kModReg = 1, kModRow = 2, kModSmemTight = 3 };
+
+// Register caps. Without them ptxas hoists the output pass's loads (modulation, weight) above the
+// reduction when the launch bound allows 255 registers (VPT 4: ~110 registers where ~85 suffice), which
+// costs resident CTAs. VPT 4 with staged modulation (D = 2048..8192): 88 registers are spill-free for
+// 2-byte x (fp32 x: 96); at D = 5120 (160 threads, 40 KB of staged modulation per CTA) that is 4 CTAs per
+// SM, where shared memory would allow 5 at <= 80 registers. kModSmemTight (variant 4) is that 80-register
+// build: one more CTA per SM (more bytes in flight) against a small spill (bf16: 48 / 36 bytes).
+__host__ __device__ constexpr int fwd_v1_maxreg(int vpt, int mod, int xbytes) {
+  return vpt <= 1   ? 64
+         : vpt == 2 ? (mod == kModSmem || mod == kModSmemTight ? 64 : mod == kModReg ? 96 : 128)
+         : vpt == 4 ? (mod == kModSmemTight ? 80 : mod == kModSmem ? (xbytes == 4 ? 96 : 88) : 168)
+                    : 255;
+}
+
+template <typename TX, typename TM, typename TY, int VPT, int MOD>
+__global__ void __launch_bounds__(fwd_max_threads(VPT)) __maxnreg__(fwd_v1_maxreg(VPT, MOD, int(sizeof(TX))))
+fwd_v1_kernel(FwdParams p, int wpr) {
+  extern __shared__ float4 smem_v1[];
+  const int tpr = wpr * 32;
+  const int rpc = blockDim.x / tpr;
+  const int group = threadIdx.x / tpr, tid = threadIdx.x % tpr;
+  const int lane = tid & 31, wig = tid >> 5;  // warp in its row group
+  // Per-warp statistics (sum, mean, M2, count), two buffers [2][rpc][wpr]; then (kModSmem) A[D], T[D].
+  float4* slot0 = smem_v1 + group * wpr;
+  float4* slot1 = smem_v1 + (rpc + group) * wpr;
+  float* mod_a = reinterpret_cast<float*>(smem_v1 + 2 * rpc * wpr);
+  float* mod_t = mod_a + p.D;
+  const bool named = rpc <= 15;  // named barrier ids 1..15; else __syncthreads (same effect, all groups)
+  const int nvec = p.D / 8;
+  const float inv_d = 1.f / p.D;
+  const int64_t b = blockIdx.y;
+  const int64_t step = int64_t(gridDim.x) * rpc;
+  const TX* x = static_cast<const TX*>(p.x);
+  const TM* sc = static_cast<const TM*>(p.scale);
+  const TM* sh = static_cast<const TM*>(p.shift);
+  TY* y = static_cast<TY*>(p.y);
+  const bool affine = p.weight != nullptr || p.bias != nullptr;
+  constexpr bool kSmem = MOD == kModSmem || MOD == kModSmemTight;
+
+  // Elements of this thread's warp (row-invariant): vectors c = tid + i * tpr < nvec over the warp's lanes.
+  int wvec = 0;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) wvec += min(max(nvec - i * tpr - 32 * wig, 0), 32);
+  const float n_w = 8.f * wvec;
+  const float inv_nw = wvec > 0 ? 1.f / n_w : 0.f;  // a warp without elements publishes (0, 0, 0, 0)
+
+  // Folded modulation A = (1 + scale) [* w], T = shift [+ (1 + scale) * b] of column col (staged modes).
+  auto folded = [&](int col, float& A, float& T) {
+    const float a = 1.f + to_f(sc[b * p.sc_sb + col]);
+    A = p.weight != nullptr ? a * p.weight[col] : a;
+    T = p.bias != nullptr ? fmaf(a, p.bias[col], to_f(sh[b * p.sh_sb + col])) : to_f(sh[b * p.sh_sb + col]);
+  };
+  if constexpr (kSmem) {
+    for (int col = threadIdx.x; col < p.D; col += blockDim.x) folded(col, mod_a[col], mod_t[col]);
+    __syncthreads();
+  }
+  float ra[MOD == kModReg ? VPT : 1][8], rt[MOD == kModReg ? VPT : 1][8];
+  if constexpr (MOD == kModReg) {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c = tid + i * tpr;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        if (c < nvec) folded(c * 8 + k, ra[i][k], rt[i][k]);
+        else ra[i][k] = rt[i][k] = 0.f;
+      }
+    }
+  }
+  // kModRow: this row's scale / shift vectors, read at the start of the row (packed).
+  constexpr bool kEarlyMod = MOD == kModRow && VPT <= 4;
+  Pack8<TM> psc[kEarlyMod ? VPT : 1], psh[kEarlyMod ? VPT : 1];
+
+  // This thread's first element of its group's current row in x and y, advanced by whole rows (64-bit
+  // offsets; pointers rather than row indices keep the loop's integer registers few).
+  const int64_t rstep = step * p.D;
+  const int vs = tpr * 8;  // elements between a thread's vectors
+  int64_t si = int64_t(blockIdx.x) * rpc + group;
+  const TX* xr = x + (b * p.S + si) * p.D + tid * 8;
+  TY* yr = y + (b * p.S + si) * p.D + tid * 8;
+  Pack8<TX> cur[VPT], nxt[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    if (si < p.S && tid + i * tpr < nvec) cur[i].load(xr + i * vs);
+    else cur[i].zero();
+  }
+  int buf = 0;
+  for (int64_t s0 = int64_t(blockIdx.x) * rpc; s0 < p.S; s0 += step, buf ^= 1, xr += rstep, yr += rstep) {
+    si = s0 + group;
+    const bool valid = si < p.S;
+    const bool next_valid = si + step < p.S;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {  // prefetch the next row
+      if (next_valid && tid + i * tpr < nvec) nxt[i].load(xr + rstep + i * vs);
+      else nxt[i].zero();
+    }
+    const TM* scr = sc + b * p.sc_sb + si * p.sc_ss;
+    const TM* shr = sh + b * p.sh_sb + si * p.sh_ss;
+    if constexpr (kEarlyMod) {
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int c = tid + i * tpr;
+        if (valid && c < nvec) { psc[i].load(scr + c * 8); psh[i].load(shr + c * 8); }
+        else { psc[i].zero(); psh[i].zero(); }
+      }
+    }
+    // Row unpacked once; zeros where c >= nvec or the row is past S.
+    float xf[VPT][8], part[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      cur[i].get(xf[i]);
+      part[i] = sum8(xf[i]);
+    }
+    const float s_w = warp_sum(tree_sum<VPT>(part));
+    const float mean_w = s_w * inv_nw;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) part[i] = tid + i * tpr < nvec ? sqdev8(xf[i], mean_w) : 0.f;
+    const float m2_w = warp_sum(tree_sum<VPT>(part));
+    float mean = mean_w, m2 = m2_w;  // wpr == 1: the warp is the row
+    if (wpr > 1) {
+      float4* slot = buf ? slot1 : slot0;
+      if (lane == 0) slot[wig] = make_float4(s_w, mean_w, m2_w, n_w);
+      if (named) group_barrier(group, tpr);
+      else __syncthreads();
+      // One pass over the wpr slots (mean is not known before the pass): deviations of the warp means are
+      // taken from K = warp 0's mean and re-centred at the end,
+      //   sum_w n_w (mean_w - mean)^2 = sum_w n_w (mean_w - K)^2 - D (mean - K)^2,
+      // exact algebra; K is within a few sigma / sqrt(n_w) of the mean, so both terms are small next to
+      // sum_w M2_w and the subtraction loses nothing (a large common offset of x cancels in mean_w - K).
+      const float K = slot[0].y;
+      float sum = 0.f, dev = 0.f, m2w = 0.f;
+#pragma unroll 1
+      for (int w = 0; w < wpr; ++w) {  // fixed order in every thread
+        const float4 v = slot[w];
+        const float d = v.y - K;
+        sum += v.x;
+        dev = fmaf(v.w * d, d, dev);
+        m2w += v.z;
+      }
+      mean = sum * inv_d;
+      const float e = mean - K;
+      m2 = m2w + fmaxf(dev - p.D * e * e, 0.f);
+    }
+    const float rstd = rsqrtf(m2 * inv_d + p.eps);
+    if (valid) {
+      if (tid == 0 && p.mean != nullptr) { p.mean[b * p.S + si] = mean; p.rstd[b * p.S + si] = rstd; }
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int c = tid + i * tpr;
+        if (c < nvec) {
+          float A[8], T[8], o[8];
+          if constexpr (kSmem) {
+            lds8(mod_a + c * 8, A);
+            lds8(mod_t + c * 8, T);
+          } else if constexpr (MOD == kModReg) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) { A[k] = ra[i][k]; T[k] = rt[i][k]; }
+          } else {
+            if constexpr (kEarlyMod) { psc[i].get(A); psh[i].get(T); }
+            else { load8(scr + c * 8, A); load8(shr + c * 8, T); }
+#pragma unroll
+            for (int k = 0; k < 8; ++k) A[k] += 1.f;
+            if (affine) {  // uniform branch; per-token modulation cannot be folded once per CTA
+              float w[8], bb[8];
+#pragma unroll
+              for (int k = 0; k < 8; ++k) { w[k] = 1.f; bb[k] = 0.f; }
+              if (p.weight != nullptr) load8(p.weight + c * 8, w);
+              if (p.bias != nullptr) load8(p.bias + c * 8, bb);
+#pragma unroll
+              for (int k = 0; k < 8; ++k) { T[k] = fmaf(A[k], bb[k], T[k]); A[k] *= w[k]; }
+            }
+          }
+#pragma unroll
+          for (int k = 0; k < 8; ++k) o[k] = fmaf((xf[i][k] - mean) * rstd, A[k], T[k]);
+          store8(yr + i * vs, o);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) cur[i] = nxt[i];
+  }
+}
+
 // Generic path (any D, any alignment): one row per CTA, x re-read from L1/L2 for each pass.
 template <typename TX, typename TM, typename TY>
 __global__ void __launch_bounds__(256) fwd_generic_kernel(FwdParams p) {
@@ -234,12 +444,52 @@ static cudaError_t launch_vec(const FwdParams& p, Shape sh, cudaStream_t stream)
   return cudaLaunchKernel(kernel, dim3(unsigned(c), unsigned(p.B)), dim3(threads), args, smem, stream);
 }
 
+template <typename TX, typename TM, typename TY, int VPT>
+static cudaError_t launch_v1(const FwdParams& p, const Shape& sh, cudaStream_t stream) {
+  const bool stage = p.sc_ss == 0 && p.sh_ss == 0;  // per-sample or global modulation
+  // Variant 2 holds staged modulation in registers (VPT <= 2 only); variant 4 is variant 1 under the tighter
+  // VPT 4 register cap; otherwise the variants coincide.
+  const int mod = !stage                          ? kModRow
+                  : (p.variant == 2 && VPT <= 2)  ? kModReg
+                  : (p.variant == 4 && VPT == 4)  ? kModSmemTight
+                                                  : kModSmem;
+  constexpr int kReg = VPT <= 2 ? kModReg : kModSmem, kTight = VPT == 4 ? kModSmemTight : kModSmem;
+  const void* kernel = mod == kModRow          ? reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kModRow>)
+                       : mod == kModReg        ? reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kReg>)
+                       : mod == kModSmemTight  ? reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kTight>)
+                                               : reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kModSmem>);
+  const int threads = sh.wpr * 32 * sh.rpc;
+  const bool staged_smem = mod == kModSmem || mod == kModSmemTight;
+  const size_t smem = sizeof(float4) * 2 * sh.rpc * sh.wpr + (staged_smem ? 2 * sizeof(float) * p.D : 0);
+  cudaError_t e = ensure_smem(kernel, smem);
+  if (e != cudaSuccess) return e;
+  const int per_sm = cached_occupancy(kernel, threads, smem);
+  int64_t c = int64_t(cached_num_sms()) * per_sm / p.B;  // one wave of resident CTAs, as launch_vec
+  const int64_t most = (p.S + sh.rpc - 1) / sh.rpc;
+  if (c > most) c = most;
+  if (c < 1) c = 1;
+  if (c > 65535) c = 65535;
+  int wpr = sh.wpr;
+  void* args[] = {const_cast<FwdParams*>(&p), &wpr};
+  return cudaLaunchKernel(kernel, dim3(unsigned(c), unsigned(p.B)), dim3(threads), args, smem, stream);
+}
+
 template <typename TX, typename TM, typename TY>
 static cudaError_t launch_typed(const FwdParams& p, cudaStream_t stream) {
   const int64_t rows = p.B * p.S;
   if (rows == 0) return cudaSuccess;
   if (p.vectorized) {
     const Shape sh = choose_shape(p.D, p.vpt, p.rpc, false);
+    // Variants 1, 2, 4: fwd_v1_kernel; any other (0, and 3 = kFastVariant when not its case) the default.
+    if (p.variant == 1 || p.variant == 2 || p.variant == 4) {
+      switch (sh.vpt) {
+        case 1: return launch_v1<TX, TM, TY, 1>(p, sh, stream);
+        case 2: return launch_v1<TX, TM, TY, 2>(p, sh, stream);
+        case 4: return launch_v1<TX, TM, TY, 4>(p, sh, stream);
+        case 8: return launch_v1<TX, TM, TY, 8>(p, sh, stream);
+        default: return cudaErrorInvalidValue;
+      }
+    }
     switch (sh.vpt) {
       case 1: return launch_vec<TX, TM, TY, 1>(p, sh, stream);
       case 2: return launch_vec<TX, TM, TY, 2>(p, sh, stream);
@@ -262,6 +512,8 @@ const char* fwd_launch(const FwdParams& p, cudaStream_t stream) {
   if (!yf && p.y_dtype != p.x_dtype) return "ln_modulate: output dtype must be fp32 or x's dtype";
   if (p.vectorized && (p.D % 8 != 0 || p.D > 16384)) return "ln_modulate: bad vectorized D";
   if (p.B > 65535) return "ln_modulate: batch over 65535";
+  if (p.B * p.S == 0) return nullptr;
+  if (fast_fwd_launch(p, stream, &e)) return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
   switch (p.x_dtype) {
     case kF32: e = launch_typed<float, float, float>(p, stream); break;
     case kF16:

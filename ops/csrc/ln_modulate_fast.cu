@@ -1,0 +1,379 @@
+// Fast paths of the fused LayerNorm-Modulate op for the common case: a model width D that splits into full
+// tiles of 8-element vectors (D = 256 * VPT * WPR), per-sample or global fp32 modulation, no affine, saved
+// statistics, y / dy in x's dtype. Everything that shapes the row is a compile-time constant, so the kernels
+// carry no bounds checks, no run-time loops over warps and no per-vector address arithmetic; Nsight Compute
+// showed the general kernels spending ~25 (forward) and ~42 (backward) instructions per element on exactly
+// that, issue-bound at low occupancy. Inputs outside this case go to the general kernels (ln_modulate_fwd.cu,
+// ln_modulate_bwd.cu).
+#include "ln_modulate_common.cuh"
+
+namespace lnmod {
+namespace {
+
+// Barrier among the TPR threads of one row group: named barrier 1 + group (0 is __syncthreads), so the row
+// groups of a CTA do not wait for each other.
+template <int TPR>
+__device__ __forceinline__ void row_bar(int group) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(group + 1), "r"(TPR) : "memory");
+}
+
+// Fixed-order sums of 8 and of VPT values: short dependency chains, identical in every thread.
+__device__ __forceinline__ float sum8(const float* f) {
+  return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+}
+template <int N>
+__device__ __forceinline__ float sumn(const float* f) {
+  float s = f[0];
+#pragma unroll
+  for (int i = 1; i < N; ++i) s += f[i];
+  return s;
+}
+
+// Rows per CTA: about 256 threads, at most 8 row groups (named barriers 1..8).
+constexpr int fast_rpc(int tpr) { return tpr >= 256 ? 1 : (256 / tpr > 8 ? 8 : 256 / tpr); }
+// Resident CTAs per SM asked of the compiler (__launch_bounds__' second argument): `threads` warps' worth.
+constexpr int min_ctas(int cta_threads, int threads) { return threads / cta_threads > 1 ? threads / cta_threads : 1; }
+
+// Sum over the WPR warps of a row group of each warp's value v (lane 0's is used): through shared memory
+// `slot` (WPR entries), after the row barrier. Few warps: every thread adds the slots in order; many: lane w
+// takes slot w and a butterfly adds them (commutative steps, so every lane and warp gets the same bits).
+template <int WPR, int TPR>
+__device__ __forceinline__ float2 rows_sum2(float2 v, float2* slot, int group, int warp, int lane) {
+  if (WPR == 1) return v;
+  if (lane == 0) slot[warp] = v;
+  row_bar<TPR>(group);
+  if constexpr (WPR <= 6) {
+    float2 s = slot[0];
+#pragma unroll
+    for (int w = 1; w < WPR; ++w) { const float2 t = slot[w]; s.x += t.x; s.y += t.y; }
+    return s;
+  } else {
+    return warp_sum2(lane < WPR ? slot[lane] : make_float2(0.f, 0.f));
+  }
+}
+
+
+// At least 24 warps per SM (16 for long rows per thread): register caps that hold the row unspilled.
+template <typename TX, int VPT, int WPR>
+__global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * WPR * fast_rpc(32 * WPR), VPT * sizeof(TX) >= 10 ? 512 : 768)) fwd_fast_kernel(FwdParams p) {
+  constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;
+  constexpr float kInvD = 1.f / D, kWarpN = 8.f * VPT * 32;
+  extern __shared__ float smem[];
+  float* mod_a = smem;      // [D] 1 + scale
+  float* mod_t = smem + D;  // [D] shift
+  float2* slots = reinterpret_cast<float2*>(smem + 2 * D);  // [2 parities][rpc][WPR] (warp mean, warp M2)
+  const int rpc = blockDim.x / TPR;
+  const int group = threadIdx.x / TPR, tid = threadIdx.x % TPR, warp = tid / 32, lane = tid % 32;
+  const int64_t b = blockIdx.y;
+  const float* sc = static_cast<const float*>(p.scale) + b * p.sc_sb;
+  const float* sh = static_cast<const float*>(p.shift) + b * p.sh_sb;
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    mod_a[c] = 1.f + sc[c];
+    mod_t[c] = sh[c];
+  }
+  __syncthreads();
+  // This thread's vectors of a row are at tid * 8 + i * TPR * 8: one base pointer, immediate offsets.
+  const TX* x = static_cast<const TX*>(p.x) + b * p.S * D + tid * 8;
+  TX* y = static_cast<TX*>(p.y) + b * p.S * D + tid * 8;
+  const int64_t step = int64_t(gridDim.x) * rpc;
+  int64_t si = int64_t(blockIdx.x) * rpc + group;
+  Pack8<TX> nxt[VPT];
+  if (si < p.S) {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) nxt[i].load(x + si * D + i * TPR * 8);
+  }
+  int parity = 0;
+  for (; si < p.S; si += step) {
+    float xf[VPT][8];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) nxt[i].get(xf[i]);
+    if (si + step < p.S) {  // prefetch the next row while this one is reduced and written
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) nxt[i].load(x + (si + step) * D + i * TPR * 8);
+    }
+    // Exact two-pass statistics per warp, then one barrier to merge the warps (equal counts: Chan's formula
+    // reduces to the mean of the warp means plus the spread of the warp means).
+    float part[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) part[i] = sum8(xf[i]);
+    const float wmean = warp_sum(sumn<VPT>(part)) * (1.f / kWarpN);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      float q = 0.f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float d = xf[i][k] - wmean;
+        q = fmaf(d, d, q);
+      }
+      part[i] = q;
+    }
+    const float wm2 = warp_sum(sumn<VPT>(part));
+    float mean = wmean, m2 = wm2;
+    if (WPR > 1) {
+      float2* slot = slots + (parity * rpc + group) * WPR;
+      const float2 tot = rows_sum2<WPR, TPR>(make_float2(wmean, wm2), slot, group, warp, lane);
+      mean = tot.x * (1.f / WPR);
+      float spread = 0.f;  // the warp means' spread about the row mean (read back after the barrier)
+      if constexpr (WPR <= 6) {
+#pragma unroll
+        for (int w = 0; w < WPR; ++w) { const float d = slot[w].x - mean; spread = fmaf(d, d, spread); }
+      } else {
+        const float d = lane < WPR ? slot[lane].x - mean : 0.f;
+        spread = warp_sum(d * d);
+      }
+      m2 = fmaf(kWarpN, spread, tot.y);
+      parity ^= 1;  // the next row writes the other buffer: one barrier per row suffices
+    }
+    const float rstd = rsqrtf(m2 * kInvD + p.eps);
+    if (tid == 0 && p.mean != nullptr) {
+      p.mean[b * p.S + si] = mean;
+      p.rstd[b * p.S + si] = rstd;
+    }
+    // (x - mean) * rstd, not one FFMA with -mean * rstd: exact also when |mean| >> std.
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c = tid * 8 + i * TPR * 8;
+      float a[8], t[8], o[8];
+      lds8(mod_a + c, a);
+      lds8(mod_t + c, t);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] = fmaf((xf[i][k] - mean) * rstd, a[k], t[k]);
+      store8(y + si * D + i * TPR * 8, o);
+    }
+  }
+}
+
+// Backward: dshift = dy, dscale = dy * xhat, dz = dy * (1 + scale), dx = rstd * (dz - mean(dz) - xhat *
+// mean(dz * xhat)). Each thread owns fixed columns and accumulates dscale / dshift over its rows in registers
+// (2 * 8 * VPT of them, which is why the backward prefers few vectors per thread); the next row's x, dy and
+// statistics are prefetched; one barrier per row merges the two row sums. Partial sums go to the workspace
+// exactly as the general kernel writes them (the same reduce kernel finishes them).
+// At least 20 warps per SM (10 for fp32 at VPT 2): the register cap this implies (e.g. 102 at 320 threads).
+template <typename TX, int VPT, int WPR>
+__global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * WPR * fast_rpc(32 * WPR), VPT * sizeof(TX) >= 8 ? 320 : 640)) bwd_fast_kernel(BwdParams p) {
+  constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;
+  constexpr float kInvD = 1.f / D;
+  extern __shared__ float smem[];
+  float* mod_a = smem;                                      // [D] 1 + scale
+  float2* slots = reinterpret_cast<float2*>(smem + D);      // [2][rpc][WPR]
+  const int rpc = blockDim.x / TPR;
+  float* combine = smem + D + 4 * rpc * WPR;                // [rpc][D] (rpc > 1), 16-byte aligned
+  const int group = threadIdx.x / TPR, tid = threadIdx.x % TPR, warp = tid / 32, lane = tid % 32;
+  const int64_t b = blockIdx.y;
+  const float* sc = static_cast<const float*>(p.scale) + b * p.sc_sb;
+  for (int c = threadIdx.x; c < D; c += blockDim.x) mod_a[c] = 1.f + sc[c];
+  __syncthreads();
+  const int64_t off = b * p.S * D + tid * 8;
+  const TX* x = static_cast<const TX*>(p.x) + off;
+  const TX* dy = static_cast<const TX*>(p.dy) + off;
+  TX* dx = static_cast<TX*>(p.dx) + off;
+  const float* mean_p = p.mean + b * p.S;
+  const float* rstd_p = p.rstd + b * p.S;
+  float acc_sc[VPT][8], acc_sh[VPT][8];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc_sc[i][k] = acc_sh[i][k] = 0.f;
+  const int64_t step = int64_t(gridDim.x) * rpc;
+  int64_t si = int64_t(blockIdx.x) * rpc + group;
+  Pack8<TX> xn[VPT], gn[VPT];
+  float mean_n = 0.f, rstd_n = 0.f;
+  if (si < p.S) {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      xn[i].load(x + si * D + i * TPR * 8);
+      gn[i].load(dy + si * D + i * TPR * 8);
+    }
+    mean_n = mean_p[si];
+    rstd_n = rstd_p[si];
+  }
+  int parity = 0;
+  for (; si < p.S; si += step) {
+    // xhat stays in registers for the second pass; dz is recomputed there from the packed dy (fewer registers
+    // than keeping it: the row, the next row and the accumulators must fit the cap without spills).
+    float xh[VPT][8], s1[VPT], s2[VPT];
+    Pack8<TX> gc[VPT];
+    const float rstd = rstd_n, mean = mean_n;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      float xf[8], g[8], a[8];
+      xn[i].get(xf);
+      gc[i] = gn[i];
+      gc[i].get(g);
+      lds8(mod_a + tid * 8 + i * TPR * 8, a);
+      float u = 0.f, v = 0.f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        xh[i][k] = (xf[k] - mean) * rstd;  // exact also when |mean| >> std
+        acc_sc[i][k] = fmaf(g[k], xh[i][k], acc_sc[i][k]);
+        acc_sh[i][k] += g[k];
+        const float dz = g[k] * a[k];
+        u += dz;
+        v = fmaf(dz, xh[i][k], v);
+      }
+      s1[i] = u;
+      s2[i] = v;
+    }
+    if (si + step < p.S) {  // prefetch the next row (x, dy, statistics)
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        xn[i].load(x + (si + step) * D + i * TPR * 8);
+        gn[i].load(dy + (si + step) * D + i * TPR * 8);
+      }
+      mean_n = mean_p[si + step];
+      rstd_n = rstd_p[si + step];
+    }
+    const float2 sums = rows_sum2<WPR, TPR>(warp_sum2(make_float2(sumn<VPT>(s1), sumn<VPT>(s2))),
+                                            slots + (parity * rpc + group) * WPR, group, warp, lane);
+    parity ^= 1;
+    const float c1 = -rstd * sums.x * kInvD, c2 = -rstd * sums.y * kInvD;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      float g[8], a[8], o[8];
+      gc[i].get(g);
+      lds8(mod_a + tid * 8 + i * TPR * 8, a);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] = fmaf(g[k] * a[k], rstd, fmaf(xh[i][k], c2, c1));
+      store8(dx + si * D + i * TPR * 8, o);
+    }
+  }
+  // Partial sums of this CTA, its row groups combined in shared memory in a fixed order.
+  const int C = gridDim.x;
+  auto flush = [&](const float (&acc)[VPT][8], int q) {
+    float* out = p.workspace + (int64_t(q) * p.B * C + b * C + blockIdx.x) * D;
+    if (rpc == 1) {
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) store8(out + tid * 8 + i * TPR * 8, acc[i]);
+      return;
+    }
+    __syncthreads();  // combine may still be read by the previous quantity
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) store8(combine + group * D + tid * 8 + i * TPR * 8, acc[i]);
+    __syncthreads();
+    for (int col = threadIdx.x; col < D; col += blockDim.x) {
+      float s = 0.f;
+      for (int r = 0; r < rpc; ++r) s += combine[r * D + col];
+      out[col] = s;
+    }
+  };
+  if (p.sc_mode == kGlobal || p.sc_mode == kPerSample) flush(acc_sc, 0);
+  if (p.sh_mode == kGlobal || p.sh_mode == kPerSample) flush(acc_sh, 1);
+}
+
+// (VPT, WPR) tilings per D, the first being the default; p.vpt picks another one for tuning.
+struct Tile { int D, vpt, wpr; };
+// The forward holds a row as 8 * VPT fp32 registers plus the next row packed; the backward holds 4 * 8 * VPT
+// fp32 registers (xhat, dz and the two accumulators), so it only takes VPT <= 2.
+constexpr Tile kTiles[] = {{1536, 3, 2}, {1536, 6, 1}, {1536, 2, 3}, {2048, 4, 2}, {2048, 2, 4},
+                           {3072, 3, 4}, {3072, 6, 2}, {4096, 4, 4}, {4096, 2, 8}, {5120, 5, 4},
+                           {5120, 4, 5}, {5120, 2, 10}, {8192, 4, 8}, {8192, 8, 4}};
+constexpr Tile kBwdTiles[] = {{1536, 2, 3}, {1536, 1, 6}, {2048, 2, 4}, {2048, 1, 8}, {3072, 2, 6},
+                              {3072, 1, 12}, {4096, 2, 8}, {4096, 1, 16}, {5120, 2, 10}, {5120, 1, 20},
+                              {8192, 2, 16}};
+
+template <size_t N>
+int find_tile(const Tile (&tiles)[N], int D, int vpt) {
+  int first = -1;
+  for (int i = 0; i < int(N); ++i)
+    if (tiles[i].D == D) {
+      if (first < 0) first = i;
+      if (vpt <= 0 || tiles[i].vpt == vpt) return i;
+    }
+  return vpt <= 0 ? first : -1;
+}
+
+// Kernel pointer for tile index t (a compile-time table walk: one instantiation per tile and dtype).
+template <typename TX, bool BWD, int I = 0>
+const void* tile_kernel(int t) {
+  constexpr int n = BWD ? int(sizeof(kBwdTiles) / sizeof(Tile)) : int(sizeof(kTiles) / sizeof(Tile));
+  if constexpr (I >= n) {
+    return nullptr;
+  } else {
+    constexpr Tile tl = BWD ? kBwdTiles[I] : kTiles[I];
+    if (t == I) {
+      if constexpr (BWD) return reinterpret_cast<const void*>(bwd_fast_kernel<TX, tl.vpt, tl.wpr>);
+      else return reinterpret_cast<const void*>(fwd_fast_kernel<TX, tl.vpt, tl.wpr>);
+    }
+    return tile_kernel<TX, BWD, I + 1>(t);
+  }
+}
+
+template <bool BWD>
+const void* kernel_for(int x_dtype, int t) {
+  switch (x_dtype) {
+    case kBF16: return tile_kernel<__nv_bfloat16, BWD>(t);
+    case kF16: return tile_kernel<__half, BWD>(t);
+    case kF32: return tile_kernel<float, BWD>(t);
+    default: return nullptr;
+  }
+}
+
+struct FastCfg { const void* k; int threads, rpc; size_t smem; };
+
+FastCfg fwd_cfg(const FwdParams& p) {
+  FastCfg c{};
+  const bool ok = p.variant == kFastVariant && p.vectorized && p.m_dtype == kF32 && p.y_dtype == p.x_dtype &&
+                  p.weight == nullptr && p.bias == nullptr && p.sc_ss == 0 && p.sh_ss == 0 && p.stages <= 0;
+  const int t = ok ? find_tile(kTiles, p.D, p.vpt) : -1;
+  if (t < 0) return c;
+  const int tpr = 32 * kTiles[t].wpr;
+  c.rpc = fast_rpc(tpr);
+  c.threads = tpr * c.rpc;
+  c.smem = sizeof(float) * (2 * size_t(p.D) + 4 * size_t(c.rpc) * kTiles[t].wpr);
+  c.k = kernel_for<false>(p.x_dtype, t);
+  return c;
+}
+
+FastCfg bwd_cfg(const BwdParams& p) {
+  FastCfg c{};
+  const bool ok = p.variant == kFastVariant && p.vectorized && p.m_dtype == kF32 && p.y_dtype == p.x_dtype &&
+                  p.weight == nullptr && p.bias == nullptr && p.sc_ss == 0 && !p.recompute &&
+                  p.mean != nullptr && p.stages <= 0 && p.sc_mode != kPerToken && p.sh_mode != kPerToken &&
+                  p.dweight == nullptr && p.dbias == nullptr;
+  const int t = ok ? find_tile(kBwdTiles, p.D, p.vpt) : -1;
+  if (t < 0) return c;
+  const int tpr = 32 * kBwdTiles[t].wpr;
+  c.rpc = fast_rpc(tpr);
+  c.threads = tpr * c.rpc;
+  c.smem = sizeof(float) * (size_t(p.D) + 4 * size_t(c.rpc) * kBwdTiles[t].wpr + (c.rpc > 1 ? size_t(c.rpc) * p.D : 0));
+  c.k = kernel_for<true>(p.x_dtype, t);
+  return c;
+}
+
+}  // namespace
+
+bool fast_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err) {
+  const FastCfg c = fwd_cfg(p);
+  if (c.k == nullptr) return false;
+  *err = ensure_smem(c.k, c.smem);
+  if (*err != cudaSuccess) return true;
+  const int per_sm = cached_occupancy(c.k, c.threads, c.smem);
+  int64_t ctas = int64_t(cached_num_sms()) * per_sm / p.B;  // one wave shared among the samples
+  const int64_t most = (p.S + c.rpc - 1) / c.rpc;
+  if (ctas > most) ctas = most;
+  if (ctas < 1) ctas = 1;
+  if (ctas > 65535) ctas = 65535;
+  void* args[] = {const_cast<FwdParams*>(&p)};
+  *err = cudaLaunchKernel(c.k, dim3(unsigned(ctas), unsigned(p.B)), dim3(c.threads), args, c.smem, stream);
+  return true;
+}
+
+bool fast_bwd_occupancy(const BwdParams& p, int* per_sm, int* rpc) {
+  const FastCfg c = bwd_cfg(p);
+  if (c.k == nullptr) return false;
+  *per_sm = cached_occupancy(c.k, c.threads, c.smem);
+  *rpc = c.rpc;
+  return true;
+}
+
+bool fast_bwd_launch(const BwdParams& p, cudaStream_t stream, cudaError_t* err) {
+  const FastCfg c = bwd_cfg(p);
+  if (c.k == nullptr) return false;
+  *err = ensure_smem(c.k, c.smem);
+  if (*err != cudaSuccess) return true;
+  void* args[] = {const_cast<BwdParams*>(&p)};
+  *err = cudaLaunchKernel(c.k, dim3(unsigned(p.ctas_per_sample), unsigned(p.B)), dim3(c.threads), args, c.smem, stream);
+  return true;
+}
+
+}  // namespace lnmod
