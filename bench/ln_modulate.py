@@ -63,7 +63,7 @@ def affine_trick(x, scale, shift):
 
 
 def with_variant(op, v):
-    """ln_modulate with kernel variant v (op.set_variant(v, v)) for its forward and backward."""
+    """ln_modulate with kernel choice v (op.set_variant(v, v)) for its forward and backward."""
     def fn(x, sc, sh):
         op.set_variant(v, v)
         return ln_modulate(x, sc, sh)
@@ -121,59 +121,60 @@ def measure(fn, xs, scs, shs, dys, mode):
     return bench_ms(fwd if mode == "fwd" else fwdbwd)
 
 
+# (forward vpts, backward vpts) of ln_modulate_fast.cu's tiles; the first of each is the default.
+TILES = {1536: ((2, 3, 6), (1,)), 2048: ((4, 2), (1,)), 3072: ((3, 6), (1, 2)), 4096: ((4, 2), (1, 2)),
+         5120: ((4, 5, 2), (1, 2)), 8192: ((4, 8), (2,))}
+
+
 def tuning_sweep(op, B, S, D, dtype, bw):
-    """Row-stream variants (stages: rows staged ahead in shared memory; 0 = register prefetch only, the
-    default), launch shapes (vpt), saved vs recomputed statistics, and the forward kernel variants
-    (set_variant; rows with "variant" > 0 time the forward only)."""
+    """Kernel times per kernel choice (op.set_variant(v, v)): 2 = the baseline kernels (with the cp.async
+    row stream, stages 3, and a vpt override; saved vs recomputed statistics), 1 = the general kernels
+    (forward fwd_v1_kernel; its backward is the baseline's), 0 = the default: the compile-time tiles, each
+    tile of the table timed (vpt picks it). Rows record what was timed (None elsewhere)."""
     x = torch.randn(B * S, D, device="cuda").to(dtype)
     sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(B, 1, D, device="cuda")
     dy = torch.randn(B * S, D, device="cuda").to(dtype)
     fb, fbb = floor_bytes(B, S, D, x.element_size())
-    rows = []
-    variants = [(st, -1) for st in (0, 3)] + [(0, v) for v in ((2,) if D > 2048 else (4,))]
-    for stages, vpt in variants:
-        rpc = -1
-        op.set_stages(stages, stages)
-        y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS, lnm._DTYPE_CODE[dtype], True, vpt, rpc)
-        f = bench_ms(lambda: op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS, lnm._DTYPE_CODE[dtype], True, vpt, rpc))
-        b_saved = bench_ms(lambda: op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False, False,
-                                               EPS, vpt, rpc))
-        b_rec = bench_ms(lambda: op.backward(dy, x, sc, None, None, None, None, B, S, D, 0, 1, 1, False, False,
-                                             EPS, vpt, rpc))
-        rows.append({"shape": [B, S, D], "dtype": str(dtype), "variant": 0, "stages": stages, "vpt": vpt, "rpc": rpc,
-                     "fwd_ms": f,
-                     "bwd_saved_ms": b_saved, "bwd_recompute_ms": b_rec,
-                     "fwd_bw%": round(100 * fb / (f * 1e-3) / bw, 1),
-                     "bwd_saved_bw%": round(100 * (fbb - fb) / (b_saved * 1e-3) / bw, 1),
-                     "fwdbwd_saved_bw%": round(100 * fbb / ((f + b_saved) * 1e-3) / bw, 1)})
-        print("sweep", rows[-1], flush=True)
-    op.set_stages(-1, -1)
-    # Kernel variants (op.set_variant(v, v)): 1 = one barrier per row (forward) / next row prefetched
-    # (backward), 2 = forward 1 with the modulation in registers (vpt <= 2), 3 = compile-time tiles
-    # (ln_modulate_fast.cu; vpt picks the tile), 4 = forward 1 under the tighter vpt-4 register cap.
-    # Forward and backward are timed separately over their own vpt lists (None where not timed).
+    code = lnm._DTYPE_CODE[dtype]
     before = tuple(op.get_variant())
-    tiles = {1536: ((3, 6, 2), (2, 1)), 2048: ((4, 2), (2, 1)), 3072: ((3, 6), (2, 1)), 4096: ((4, 2), (2, 1)),
-             5120: ((5, 4, 2), (2, 1)), 8192: ((4, 8), (2,))}
-    other = (2, 4) if D > 2048 else (4, 8)
-    for variant in (1, 2, 3, 4):
-        op.set_variant(variant, variant)
-        fv, bv = tiles.get(D, ((-1,), (-1,))) if variant == 3 else ((-1,) + other, (-1,) if variant == 1 else ())
-        for kind, vpts in (("fwd", fv), ("bwd", bv)):
-            for vpt in vpts:
-                y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS, lnm._DTYPE_CODE[dtype], True,
-                                           vpt, -1)
-                if kind == "fwd":
-                    ms = bench_ms(lambda: op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS,
-                                                     lnm._DTYPE_CODE[dtype], True, vpt, -1))
-                    row = {"fwd_ms": ms, "fwd_bw%": round(100 * fb / (ms * 1e-3) / bw, 1)}
-                else:
-                    ms = bench_ms(lambda: op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False,
-                                                      False, EPS, vpt, -1))
-                    row = {"bwd_saved_ms": ms, "bwd_saved_bw%": round(100 * (fbb - fb) / (ms * 1e-3) / bw, 1)}
-                rows.append({"shape": [B, S, D], "dtype": str(dtype), "variant": variant, "stages": 0, "vpt": vpt,
-                             "rpc": -1, "kind": kind, **row})
-                print("sweep", rows[-1], flush=True)
+
+    def fwd(vpt):
+        return op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, EPS, code, True, vpt, -1)
+
+    def bwd(vpt, mean, rstd):
+        return op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False, False, EPS, vpt, -1)
+
+    rows = []
+
+    def add(variant, stages, vpt, f=None, b=None, b_rec=None):
+        row = {"shape": [B, S, D], "dtype": str(dtype), "variant": variant, "stages": stages, "vpt": vpt,
+               "fwd_ms": f, "bwd_saved_ms": b, "bwd_recompute_ms": b_rec}
+        if f:
+            row["fwd_bw%"] = round(100 * fb / (f * 1e-3) / bw, 1)
+        if b:
+            row["bwd_saved_bw%"] = round(100 * (fbb - fb) / (b * 1e-3) / bw, 1)
+        if f and b:
+            row["fwdbwd_saved_bw%"] = round(100 * fbb / ((f + b) * 1e-3) / bw, 1)
+        rows.append(row)
+        print("sweep", row, flush=True)
+
+    op.set_variant(2, 2)
+    for stages, vpt in [(0, -1), (3, -1), (0, 2 if D > 2048 else 4)]:
+        op.set_stages(stages, stages)
+        _, mean, rstd = fwd(vpt)
+        add(2, stages, vpt, bench_ms(lambda: fwd(vpt)), bench_ms(lambda: bwd(vpt, mean, rstd)),
+            bench_ms(lambda: bwd(vpt, None, None)))
+    op.set_stages(-1, -1)
+    op.set_variant(1, 1)
+    for vpt in (-1,) + ((2, 4) if D > 2048 else (4, 8)):
+        add(1, 0, vpt, f=bench_ms(lambda: fwd(vpt)))
+    op.set_variant(0, 0)
+    fv, bv = TILES.get(D, ((-1,), (-1,)))
+    _, mean, rstd = fwd(-1)
+    for vpt in fv:
+        add(0, 0, vpt, f=bench_ms(lambda: fwd(vpt)))
+    for vpt in bv:
+        add(0, 0, vpt, b=bench_ms(lambda: bwd(vpt, mean, rstd)))
     op.set_variant(*before)
     return rows
 
@@ -184,7 +185,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip remaining baselines after this many seconds")
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 1x75600x5120,8x4680x1536")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--variants", default="0", help="kernel variants timed as ours (0) and ours_vN columns, e.g. 0,1,3")
+    ap.add_argument("--variants", default="0,2", help="kernel choices timed: ours (0, the default) and ours_vN "
+                    "columns (1 = general kernels only, 2 = the 2026-11-29 baseline kernels)")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--baseline-dtypes", default="bfloat16", help="dtypes timed against the baselines too "
                     "(others: ours only, to save device time)")

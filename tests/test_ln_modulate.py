@@ -159,16 +159,15 @@ def cuda_op(monkeypatch):
     _require_op()
 
 
-# Kernel variants (op.set_variant(fwd, bwd); 0 = the default kernels), set for the forward and the backward
-# alike: 1 = one barrier per row (forward: per-warp statistics merged once; backward: next row prefetched),
-# 2 = forward 1 with staged modulation in registers (vpt <= 2), 3 = the compile-time-tiled fast paths
-# (ln_modulate_fast.cu: D in full tiles, per-sample / global fp32 modulation, no affine), 4 = forward 1
-# under a tighter register cap at vpt 4. Where a variant does not cover a case it runs the default kernel.
-FWD_VARIANTS = [0, 1, 2, 3, 4]
+# Kernel choices (op.set_variant(fwd, bwd)), set for the forward and the backward alike: 0 = default (the
+# compile-time tiles of ln_modulate_fast.cu where they apply: bf16/fp16, D in 1536..8192 tiles, per-sample
+# or global fp32 modulation, no affine; else the general kernels), 1 = the general kernels only (forward:
+# fwd_v1_kernel for 2-byte x), 2 = the baseline kernels only (fwd_vec_kernel, bwd_vec_kernel).
+KERNEL_CHOICES = [0, 1, 2]
 
 
 @pytest.fixture
-def fwd_variant(cuda_op):
+def kernel_choice(cuda_op):
     """set(v) selects variant v (forward and backward) for the test; the previous variants are restored."""
     op = lnm_mod.load_op()
     before = tuple(op.get_variant())
@@ -183,65 +182,65 @@ def fwd_variant(cuda_op):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("variant", KERNEL_CHOICES)
 @pytest.mark.parametrize("D", [64, 100, 1536, 3072, 5120, 8192])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cuda_matches_reference(cuda_op, fwd_variant, dtype, layout, D, variant):
-    fwd_variant(variant)
+def test_cuda_matches_reference(cuda_op, kernel_choice, dtype, layout, D, variant):
+    kernel_choice(variant)
     check(layout, 2, 37, D, dtype, torch.float32, "cuda")
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("variant", KERNEL_CHOICES)
 @pytest.mark.parametrize("D", [64, 100, 1536, 16384, 16000])
 @pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.float16])
-def test_cuda_affine_out_dtype(cuda_op, fwd_variant, D, out_dtype, variant):
-    fwd_variant(variant)
+def test_cuda_affine_out_dtype(cuda_op, kernel_choice, D, out_dtype, variant):
+    kernel_choice(variant)
     check("sample", 3, 19, D, torch.bfloat16, torch.float32, "cuda", affine=True, out_dtype=out_dtype)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("variant", KERNEL_CHOICES)
 @pytest.mark.parametrize("D,dtype,layout", [(1536, torch.bfloat16, "token"), (1536, torch.float32, "mixed2"),
                                             (5120, torch.float16, "global"), (3072, torch.bfloat16, "chunk6"),
                                             (64, torch.float32, "mixed")])
-def test_cuda_affine_layouts(cuda_op, fwd_variant, D, dtype, layout, variant):
+def test_cuda_affine_layouts(cuda_op, kernel_choice, D, dtype, layout, variant):
     """Affine with staged (folded once per CTA) and per-token modulation."""
-    fwd_variant(variant)
+    kernel_choice(variant)
     check(layout, 2, 37, D, dtype, torch.float32, "cuda", affine=True)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("variant", KERNEL_CHOICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["chunk6", "sample", "global"])
-def test_cuda_modulation_in_x_dtype(cuda_op, fwd_variant, dtype, layout, variant):
-    fwd_variant(variant)
+def test_cuda_modulation_in_x_dtype(cuda_op, kernel_choice, dtype, layout, variant):
+    kernel_choice(variant)
     check(layout, 2, 50, 1536, dtype, dtype, "cuda")
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
-def test_cuda_two_d(cuda_op, fwd_variant, variant):
-    fwd_variant(variant)
+@pytest.mark.parametrize("variant", KERNEL_CHOICES)
+def test_cuda_two_d(cuda_op, kernel_choice, variant):
+    kernel_choice(variant)
     check("global", 1, 300, 1536, torch.bfloat16, torch.float32, "cuda", two_d=True)
     check("token", 1, 300, 1000, torch.bfloat16, torch.float32, "cuda", two_d=True)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", [0, 3])
-def test_cuda_long_sequence(cuda_op, fwd_variant, variant):
+@pytest.mark.parametrize("variant", [0, 2])
+def test_cuda_long_sequence(cuda_op, kernel_choice, variant):
     """Wan 2.1 14B at 720p x 129 frames: S = 176,400, one case."""
-    fwd_variant(variant)
+    kernel_choice(variant)
     check("sample", 1, 176400, 5120, torch.bfloat16, torch.float32, "cuda")
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("variant", KERNEL_CHOICES)
 @pytest.mark.parametrize("layout", ["sample", "global", "mixed2"])
-def test_cuda_deterministic_reductions(cuda_op, fwd_variant, layout, variant):
-    fwd_variant(variant)
+def test_cuda_deterministic_reductions(cuda_op, kernel_choice, layout, variant):
+    kernel_choice(variant)
     leaves, view = make(layout, 2, 4000, 1536, torch.bfloat16, torch.float32, "cuda", affine=True)
     dy = torch.randn(leaves[0].shape, device="cuda").bfloat16()
     runs = [torch.autograd.grad(ln_modulate(*view(leaves)[:3], weight=leaves[3], bias=leaves[4]), leaves[1:], dy)
@@ -265,11 +264,11 @@ def test_cuda_saved_vs_recomputed_stats(cuda_op):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("variant", KERNEL_CHOICES)
 @pytest.mark.parametrize("vpt,rpc", [(1, 1), (2, 3), (4, 1)])
-def test_cuda_launch_overrides(cuda_op, fwd_variant, vpt, rpc, variant):
+def test_cuda_launch_overrides(cuda_op, kernel_choice, vpt, rpc, variant):
     """The tuning overrides the benchmark sweeps compute the same function."""
-    op = fwd_variant(variant)
+    op = kernel_choice(variant)
     B, S, D = 3, 71, 3072
     x = torch.randn(B * S, D, device="cuda").bfloat16()
     sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(D, device="cuda")
@@ -279,7 +278,9 @@ def test_cuda_launch_overrides(cuda_op, fwd_variant, vpt, rpc, variant):
     dy = torch.randn_like(y[0])
     got = op.backward(dy, x, sc, None, None, y[1], y[2], B, S, D, 0, 1, 0, False, False, 1e-6, vpt, rpc)
     base = op.backward(dy, x, sc, None, None, y[1], y[2], B, S, D, 0, 1, 0, False, False, 1e-6, -1, -1)
-    for a, c in zip(got[:3], base[:3]):
+    # dx in bf16: another launch shape may be another kernel (another summation order): a few 1-ulp flips.
+    assert rel(got[0], base[0]) < 4e-3
+    for a, c in zip(got[1:3], base[1:3]):
         assert rel(a, c) < 1e-5
 
 
@@ -304,10 +305,10 @@ def test_cuda_row_stream_variants(cuda_op, stages_reset, stages, D, dtype, layou
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
-def test_cuda_staged_deterministic(cuda_op, fwd_variant, variant):
+@pytest.mark.parametrize("variant", KERNEL_CHOICES)
+def test_cuda_staged_deterministic(cuda_op, kernel_choice, variant):
     """Staged (default) backward: reduced gradients bitwise equal across runs at the benchmark shape."""
-    fwd_variant(variant)
+    kernel_choice(variant)
     leaves, view = make("sample", 1, 20000, 5120, torch.bfloat16, torch.float32, "cuda")
     dy = torch.randn(leaves[0].shape, device="cuda").bfloat16()
     runs = [torch.autograd.grad(ln_modulate(*view(leaves)[:3]), leaves, dy) for _ in range(2)]
@@ -334,15 +335,15 @@ def test_cuda_over_2_31_elements(cuda_op):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("variant", KERNEL_CHOICES)
 @pytest.mark.parametrize("D,vpt,rpc", [(5120, -1, -1), (5120, 2, -1), (1536, 4, -1), (1536, 8, -1),
                                        (512, 1, 16), (256, 1, 13), (1536, 1, 5)])
 @pytest.mark.parametrize("layout", ["sample", "token"])
-def test_cuda_fwd_variant_shapes(cuda_op, fwd_variant, variant, D, vpt, rpc, layout):
+def test_cuda_kernel_choice_shapes(cuda_op, kernel_choice, variant, D, vpt, rpc, layout):
     """Forward variants over the launch shapes the sweep times (vpt overrides; rows per CTA past the 15 named
     barriers: 16 x 2 warps), many rows per row group (S odd, not a multiple of the grid), saved statistics
     against float64. Output and statistics poisoned first."""
-    op = fwd_variant(variant)
+    op = kernel_choice(variant)
     B, S = 2, 2999
     x = (torch.randn(B * S, D, device="cuda") * 2 + 0.5).bfloat16()
     shp = (B, 1, D) if layout == "sample" else (B, S, D)
@@ -361,12 +362,12 @@ def test_cuda_fwd_variant_shapes(cuda_op, fwd_variant, variant, D, vpt, rpc, lay
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("variant", KERNEL_CHOICES)
 @pytest.mark.parametrize("D", [64, 1536, 3072, 5120, 8192])
-def test_cuda_large_mean_stable_variance(cuda_op, fwd_variant, variant, D):
+def test_cuda_large_mean_stable_variance(cuda_op, kernel_choice, variant, D):
     """x = 1000 + randn in fp32: a sum-of-squares variance would lose ~all digits (E[x^2] - E[x]^2 at 1e6 in
     fp32); the two-pass / merged per-warp statistics keep rstd well within 1e-4."""
-    op = fwd_variant(variant)
+    op = kernel_choice(variant)
     B, S = 2, 301
     x = 1000 + torch.randn(B * S, D, device="cuda", dtype=torch.float64)
     x = x.float()
@@ -382,18 +383,18 @@ def test_cuda_large_mean_stable_variance(cuda_op, fwd_variant, variant, D):
 
 
 # (D, forward vpts, backward vpts) of ln_modulate_fast.cu's tile tables: every tile is checked.
-FAST_TILES = [(1536, (3, 6, 2), (2, 1)), (2048, (4, 2), (2, 1)), (3072, (3, 6), (2, 1)), (4096, (4, 2), (2, 1)),
-              (5120, (5, 4, 2), (2, 1)), (8192, (4, 8), (2,))]
+FAST_TILES = [(1536, (2, 3, 6), (1,)), (2048, (4, 2), (1,)), (3072, (3, 6), (1, 2)), (4096, (4, 2), (1, 2)),
+              (5120, (4, 5, 2), (1, 2)), (8192, (4, 8), (2,))]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("D,fvpts,bvpts", FAST_TILES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["sample", "global"])
-def test_cuda_fast_tiles(cuda_op, fwd_variant, D, fvpts, bvpts, dtype, layout):
-    """Variant 3 (compile-time tiles) at every tile of the table: forward and saved statistics against float64
-    (outputs poisoned), gradients against the default kernels' (float64-checked elsewhere), rows not a
-    multiple of the grid and B = 3 (several samples share the grid)."""
+def test_cuda_fast_tiles(cuda_op, kernel_choice, D, fvpts, bvpts, dtype, layout):
+    """The compile-time tiles (default kernels) at every tile of the table: forward and saved statistics
+    against float64 (outputs poisoned), gradients against the baseline kernels' (float64-checked elsewhere)
+    and bitwise repeatable; rows not a multiple of the grid and B = 3 (several samples share the grid)."""
     B, S = 3, 1237
     x = (torch.randn(B * S, D, device="cuda") * 2 + 0.5).to(dtype)
     shp = (B, 1, D) if layout == "sample" else (D,)
@@ -403,10 +404,10 @@ def test_cuda_fast_tiles(cuda_op, fwd_variant, D, fvpts, bvpts, dtype, layout):
     code = lnm_mod._DTYPE_CODE[dtype]
     ref = ref64(x.view(B, S, D), sc, sh, None, None)
     dy = torch.randn(B * S, D, device="cuda").to(dtype)
-    op = fwd_variant(0)
+    op = kernel_choice(2)
     stats = op.forward(x, sc, sh, None, None, B, S, sb, 0, sb, 0, 1e-6, code, True, -1, -1)[1:]
     base = op.backward(dy, x, sc, None, None, *stats, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1)
-    op = fwd_variant(3)
+    op = kernel_choice(0)
     x64 = x.double()
     for vpt in fvpts:
         poison("cuda", B * S * D * x.element_size())
@@ -418,7 +419,7 @@ def test_cuda_fast_tiles(cuda_op, fwd_variant, D, fvpts, bvpts, dtype, layout):
     for vpt in bvpts:
         poison("cuda", B * S * D * x.element_size())
         got = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, vpt, -1)
-        assert rel(got[0], base[0]) < (1e-5 if dtype == torch.float32 else 4e-3), f"dx, backward vpt {vpt}"
+        assert rel(got[0], base[0]) < 4e-3, f"dx, backward vpt {vpt}"
         for a, c in zip(got[1:3], base[1:3]):
             assert rel(a, c) < 1e-5, f"dscale/dshift, backward vpt {vpt}"
         again = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, vpt, -1)

@@ -22,7 +22,9 @@ int dtype_code(const at::ScalarType t) {
 // Row-stream depth for the next launches (tuning / A-B comparison; -1 or 0 = register prefetch, the
 // default; n >= 2 = n rows staged ahead in shared memory by cp.async). Process-wide, set by set_stages().
 int g_fwd_stages = -1, g_bwd_stages = -1;
-// Kernel variant for the next launches (A-B comparison on the device; 0 = the default kernel).
+// Kernel choice for the next launches, for A-B comparison (benchmark, tests): 0 = default (compile-time tiles
+// where they apply, else the general kernels); 1 = the general kernels only; 2 = the baseline kernels of
+// 2026-11-29 (fwd_vec_kernel / bwd_vec_kernel) only.
 int g_fwd_variant = 0, g_bwd_variant = 0;
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -163,10 +165,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_bwd_stages = int(bwd);
   }, "rows staged ahead in shared memory by the forward / backward (-1 / 0: off, the default); for tuning");
   m.def("set_variant", [](int64_t fwd, int64_t bwd) {
-    TORCH_CHECK(fwd >= 0 && bwd >= 0, "ln_modulate.set_variant: variants are >= 0");
+    TORCH_CHECK(fwd >= 0 && fwd <= 2 && bwd >= 0 && bwd <= 2, "ln_modulate.set_variant: 0 (default), 1 or 2");
     g_fwd_variant = int(fwd);
     g_bwd_variant = int(bwd);
-  }, "kernel variant of the forward / backward (0: the default); for A-B comparison");
+  }, "kernels of the forward / backward: 0 default, 1 general only, 2 baseline only; for A-B comparison");
   m.def("get_variant", []() { return pybind11::make_tuple(g_fwd_variant, g_bwd_variant); });
   m.def("get_stages", []() { return pybind11::make_tuple(g_fwd_stages, g_bwd_stages); });
   // The torch this module was compiled against: a prebuilt module is only used with the same torch.

@@ -30,7 +30,7 @@ struct FwdParams {
   bool vectorized;      // caller checked 16-byte alignment of every row base and D % 8 == 0
   int vpt, rpc;         // launch overrides for tuning (-1 = heuristic)
   int stages;           // rows of x staged ahead in shared memory by cp.async (<= 0: off, the default)
-  int variant;          // kernel variant (0 = default), set by set_variant() for A-B comparison
+  int variant;          // set_variant(): 0 = default (tiles, then general); 1 = no tiles; 2 = baseline kernels
 };
 
 struct BwdParams {
@@ -59,13 +59,13 @@ struct BwdParams {
   bool vectorized;
   int vpt, rpc;
   int stages;           // rows of x and dy staged ahead in shared memory (<= 0: off, the default)
-  int variant;          // kernel variant (0 = default), set by set_variant() for A-B comparison
+  int variant;          // as FwdParams::variant
   int ctas_per_sample;  // filled by bwd_plan()
 };
 
-// Fast paths (ln_modulate_fast.cu): D in full tiles of a compile-time shape, per-sample / global fp32
-// modulation, no affine, outputs in x's dtype. Each returns false when the launch is not its case.
-constexpr int kFastVariant = 3;  // p.variant that selects them (A-B comparison)
+// Compile-time-tiled fast paths (ln_modulate_fast.cu): bf16 / fp16 x with D in full tiles (1536, 2048, 3072,
+// 4096, 5120, 8192), per-sample / global fp32 modulation, no affine, outputs in x's dtype, variant 0. Each
+// returns false when the launch is not its case (the general kernels take it then).
 bool fast_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err);
 bool fast_bwd_occupancy(const BwdParams& p, int* per_sm, int* rpc);
 bool fast_bwd_launch(const BwdParams& p, cudaStream_t stream, cudaError_t* err);

@@ -6,7 +6,6 @@
 // Reduced gradients (scale/shift of shape [D] or [B,1,D], weight, bias) are deterministic: a persistent
 // grid of C CTAs per sample, each thread owning fixed columns, accumulates its rows in registers and
 // writes fp32 partial sums workspace[q][b][c][D]; reduce_kernel sums them in a fixed order. No atomics.
-#include <type_traits>
 #include "ln_modulate_common.cuh"
 
 namespace lnmod {
@@ -256,249 +255,6 @@ __global__ void __launch_bounds__(bwd_max_threads(VPT)) __maxnreg__(VPT == 1 ? 6
   if (AFF && p.dbias) flush_partial<VPT>(acc_b, part_row(p, 3, b, blockIdx.x), buf, p.D, rpc, group, tid, tpr, nvec);
 }
 
-// ---- Variant 1 (p.variant == 1, set_variant(fwd, 1)): register-prefetched row stream ----------------
-// The default kernel holds one row per row group in flight: its loads are issued at the top of the row and
-// the row's compute waits on them. Here each thread loads the NEXT row's x and dy (packed) and its saved
-// mean/rstd at the top of the current row, so the loads overlap the current row's two passes and its
-// cross-warp reduction. The loop is unrolled by two with two register sets (A, B) that swap roles, so the
-// hand-over costs no register moves; the two halves also fix the reduction slot parity.
-// Fewer instructions per element and per row:
-//  - xhat = x * rstd + (-mean * rstd) (one FFMA); dscale accumulates as one FFMA (per-token dscale /
-//    dshift outputs take their own copy of pass 1); dx = dz * rstd + (xhat * (-rstd * m2) + (-rstd * m1))
-//    (two FFMAs); each row sum runs as two dependency chains (even / odd k).
-//  - The row sum of (dz, dz * xhat) takes 5 shuffles instead of 10 (after one exchange lanes 0-15 reduce
-//    one quantity and 16-31 the other), the warp partials are read back as float4 pairs, and with
-//    rpc > 1 each row group syncs on its own named barrier (bar.sync 1 + group, tpr) instead of
-//    __syncthreads, so the row groups of a CTA do not wait for each other (ids 1..15: rpc <= 15, else
-//    __syncthreads).
-// Shape (pf_shape): 2-byte x and dy: 4 vectors per thread from D = 4096, so D = 5120 runs 5 warps per row
-// (half the per-row reduction work of variant 0's 10), 160 threads per CTA, <= 200 registers: two CTAs
-// (10 warps) per SM; D = 1536: vpt 2, 3 warps per row, one row per 96-thread CTA, <= 128 registers: five
-// CTAs (15 warps) per SM. fp32 x or dy: 2 vectors per thread while the row fits (D = 5120: 10 warps, one
-// 320-thread CTA per SM at <= 168 registers).
-// Not covered (bwd_config falls back to variant 0): recompute (stats from x: two more row reductions),
-// the staged row stream (stages > 0), shapes over the thread cap, vpt overrides not in {1, 2, 4}.
-// Reductions keep a fixed order (bitwise reproducible run to run), though not bitwise equal to variant 0.
-// Register caps (ptxas -v: no spills at these in the no-affine kernels). The kernel holds two row sets
-// (current + prefetch); `xy` = sizeof(TX) + sizeof(TY): 2-byte x and dy (xy = 4): 96 / 128 / 200 at vpt
-// 1 / 2 / 4 (vpt 4: two 160-thread CTAs, 10 warps, per SM); otherwise 96 / 168 / 255 (fp32 at D = 5120:
-// vpt 2, one 320-thread CTA per SM).
-__host__ __device__ constexpr int pf_max_regs(int vpt, int xy) {
-  return vpt <= 1 ? 96 : xy <= 4 ? (vpt == 2 ? 128 : 200) : (vpt == 2 ? 168 : 255);
-}
-// Threads per CTA that the cap allows (multiple of 32, at most 640).
-__host__ __device__ constexpr int pf_max_threads(int vpt, int xy) {
-  return (65536 / pf_max_regs(vpt, xy)) / 32 * 32 > 640 ? 640 : (65536 / pf_max_regs(vpt, xy)) / 32 * 32;
-}
-// Shared memory: float2 slots [2 parities][rpc][wpad] (wpad = wpr rounded up to even, so each group's
-// slots are 16-byte aligned and read as float4; the odd pad slot holds 0), then (rpc > 1) the rpc x D
-// combine buffer of flush_partial, then D floats of 1 + scale (staged per-sample / global scale).
-__host__ __device__ __forceinline__ int pf_wpad(int wpr) { return (wpr + 1) & ~1; }
-__host__ __device__ __forceinline__ int pf_buf_offset(int rpc, int wpr) { return 4 * rpc * pf_wpad(wpr); }
-
-namespace {
-__device__ __forceinline__ void pf_group_barrier(int group, int tpr, bool named) {
-  if (named) asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "r"(tpr) : "memory");
-  else __syncthreads();
-}
-// Sum of v over the row group's wpr warps, in a fixed order (identical in every thread and every run).
-// `slot` is this group's wpad float2 slots of the current parity.
-__device__ __forceinline__ float2 group_sum2_pf(float2 v, float2* slot, int wpr, int group, int tpr, bool named) {
-  const int lane = threadIdx.x & 31;
-  const bool hi = lane >= 16;
-  // One exchange: lanes 0-15 keep x (plus the partner's x), lanes 16-31 keep y; then 4 levels on one value.
-  float t = hi ? v.y : v.x;
-  t += __shfl_xor_sync(0xffffffffu, hi ? v.x : v.y, 16);
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-  // lane 0: warp total of x, lane 16: of y.
-  if (wpr == 1) return make_float2(__shfl_sync(0xffffffffu, t, 0), __shfl_sync(0xffffffffu, t, 16));
-  const int w = (threadIdx.x >> 5) % wpr;
-  if ((lane & 15) == 0) reinterpret_cast<float*>(slot + w)[hi ? 1 : 0] = t;
-  pf_group_barrier(group, tpr, named);
-  const float4* s4 = reinterpret_cast<const float4*>(slot);
-  const int n4 = (wpr + 1) >> 1;
-  float4 q = s4[0];
-  float2 s = make_float2(q.x + q.z, q.y + q.w);
-  for (int i = 1; i < n4; ++i) {
-    q = s4[i];
-    s.x += q.x + q.z;
-    s.y += q.y + q.w;
-  }
-  return s;
-}
-}  // namespace
-
-template <typename TX, typename TM, typename TY, int VPT, bool AFF>
-__global__ void __launch_bounds__(pf_max_threads(VPT, sizeof(TX) + sizeof(TY)))
-__maxnreg__(pf_max_regs(VPT, sizeof(TX) + sizeof(TY))) bwd_pf_kernel(BwdParams p, int wpr, int) {
-  extern __shared__ __align__(16) float smem_pf[];
-  const int tpr = wpr * 32;
-  const int rpc = blockDim.x / tpr;
-  const int group = threadIdx.x / tpr, tid = threadIdx.x - group * tpr;
-  const bool named = rpc > 1 && rpc <= 15;
-  const int wpad = pf_wpad(wpr);
-  float2* slots = reinterpret_cast<float2*>(smem_pf);  // [2][rpc][wpad]
-  float2* slot0 = slots + group * wpad;
-  float2* slot1 = slots + (rpc + group) * wpad;
-  float* buf = smem_pf + pf_buf_offset(rpc, wpr);
-  float* mod_a = buf + (rpc > 1 ? rpc * p.D : 0);
-  const int nvec = p.D / 8;
-  const float inv_d = 1.f / p.D;
-  const int64_t b = blockIdx.y;
-  const int C = gridDim.x;
-  const int64_t D = p.D;
-  const TX* x = static_cast<const TX*>(p.x);
-  const TY* dy = static_cast<const TY*>(p.dy);
-  const TM* sc = static_cast<const TM*>(p.scale);
-  TX* dx = static_cast<TX*>(p.dx);
-  const bool affine_w = AFF && p.weight != nullptr, affine_b = AFF && p.bias != nullptr;
-  const bool red_sc = p.sc_mode == kGlobal || p.sc_mode == kPerSample;
-  const bool red_sh = p.sh_mode == kGlobal || p.sh_mode == kPerSample;
-  const bool tok_sc = p.sc_mode == kPerToken && p.dscale_tok != nullptr;
-  const bool tok_sh = p.sh_mode == kPerToken && p.dshift_tok != nullptr;
-  const bool stage = p.sc_ss == 0;
-  if ((wpr & 1) && threadIdx.x < 2 * rpc) slots[threadIdx.x * wpad + wpr] = make_float2(0.f, 0.f);
-  if (stage)
-    for (int col = threadIdx.x; col < p.D; col += blockDim.x) mod_a[col] = 1.f + to_f(sc[b * p.sc_sb + col]);
-  __syncthreads();
-  auto one_plus_scale = [&](const TM* scr, int c, float* a) {
-    if (stage) {
-      lds8(mod_a + c * 8, a);
-    } else {
-      load8(scr + c * 8, a);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) a[k] += 1.f;
-    }
-  };
-
-  float acc_sc[VPT][8], acc_sh[VPT][8], acc_w[VPT][8], acc_b[VPT][8];
-#pragma unroll
-  for (int i = 0; i < VPT; ++i)
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc_sc[i][k] = acc_sh[i][k] = acc_w[i][k] = acc_b[i][k] = 0.f;
-
-  const int64_t step = int64_t(C) * rpc;
-  // Loads row si's vectors of this thread and its saved stats (nothing when si >= S: never read then).
-  auto fetch = [&](int64_t si, Pack8<TX>(&xv)[VPT], Pack8<TY>(&gv)[VPT], float& mean, float& rstd) {
-    if (si < p.S) {
-      const int64_t row = b * p.S + si;
-      const TX* xr = x + row * D;
-      const TY* gr = dy + row * D;
-#pragma unroll
-      for (int i = 0; i < VPT; ++i) {
-        const int c = tid + i * tpr;
-        if (c < nvec) {
-          xv[i].load(xr + c * 8);
-          gv[i].load(gr + c * 8);
-        }
-      }
-      mean = p.mean[row];
-      rstd = p.rstd[row];
-    }
-  };
-  // One row: prefetch row si + step into (xn, gn, mn, rn), then both passes on (xc, gc, mc, rc).
-  auto body = [&](int64_t si, Pack8<TX>(&xc)[VPT], Pack8<TY>(&gc)[VPT], float mean, float rstd,
-                  Pack8<TX>(&xn)[VPT], Pack8<TY>(&gn)[VPT], float& mn, float& rn, float2* slot) {
-    fetch(si + step, xn, gn, mn, rn);
-    const bool valid = si < p.S;
-    const int64_t row = b * p.S + si;
-    const TM* scr = sc + b * p.sc_sb + si * p.sc_ss;
-    const float nmr = -mean * rstd;
-    float s1a = 0.f, s1b = 0.f, s2a = 0.f, s2b = 0.f;
-    // Pass 1. TOK: per-token dscale / dshift outputs (their own copy of the loop, so the common path
-    // keeps the one-FFMA dscale update and the per-token values do not raise its register use).
-    auto pass1 = [&](auto tok) {
-      constexpr bool TOK = decltype(tok)::value;
-#pragma unroll
-      for (int i = 0; i < VPT; ++i) {
-        const int c = tid + i * tpr;
-        if (c < nvec) {
-          float a[8], w[8], bb[8], xf[8], gy[8], dsc[8];
-          xc[i].get(xf);
-          gc[i].get(gy);
-          one_plus_scale(scr, c, a);
-          if (affine_w) load8(p.weight + c * 8, w);
-          if (affine_b) load8(p.bias + c * 8, bb);
-          if (TOK && tok_sh) store8(static_cast<TM*>(p.dshift_tok) + row * D + c * 8, gy);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            const float xh = fmaf(xf[k], rstd, nmr);
-            float z = xh;
-            if (affine_w) z = affine_b ? fmaf(xh, w[k], bb[k]) : xh * w[k];
-            else if (affine_b) z = xh + bb[k];
-            if (TOK) {
-              dsc[k] = gy[k] * z;
-              acc_sc[i][k] += dsc[k];
-            } else {
-              acc_sc[i][k] = fmaf(gy[k], z, acc_sc[i][k]);
-            }
-            acc_sh[i][k] += gy[k];
-            const float dz = gy[k] * a[k];
-            if (AFF) {
-              acc_w[i][k] = fmaf(dz, xh, acc_w[i][k]);
-              acc_b[i][k] += dz;
-            }
-            const float gg = affine_w ? dz * w[k] : dz;
-            if (k & 1) {  // two dependency chains per row sum
-              s1b += gg;
-              s2b = fmaf(gg, xh, s2b);
-            } else {
-              s1a += gg;
-              s2a = fmaf(gg, xh, s2a);
-            }
-          }
-          if (TOK && tok_sc) store8(static_cast<TM*>(p.dscale_tok) + row * D + c * 8, dsc);
-        }
-      }
-    };
-    if (valid) {
-      if (tok_sc || tok_sh) pass1(std::true_type{});
-      else pass1(std::false_type{});
-    }
-    const float2 sums = group_sum2_pf(make_float2(s1a + s1b, s2a + s2b), slot, wpr, group, tpr, named);
-    if (!valid) return;
-    const float c1 = -rstd * (sums.x * inv_d), c2 = -rstd * (sums.y * inv_d);
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int c = tid + i * tpr;
-      if (c < nvec) {
-        float a[8], w[8], xf[8], gy[8], o[8];
-        xc[i].get(xf);
-        gc[i].get(gy);
-        one_plus_scale(scr, c, a);
-        if (affine_w) load8(p.weight + c * 8, w);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const float xh = fmaf(xf[k], rstd, nmr);
-          const float dz = gy[k] * a[k];
-          const float gg = affine_w ? dz * w[k] : dz;
-          o[k] = fmaf(gg, rstd, fmaf(xh, c2, c1));  // rstd * (gg - m1 - xh * m2)
-        }
-        store8(dx + row * D + c * 8, o);
-      }
-    }
-  };
-
-  Pack8<TX> xa[VPT], xb[VPT];
-  Pack8<TY> ga[VPT], gb[VPT];
-  float ma = 0.f, ra = 0.f, mb = 0.f, rb = 0.f;
-  int64_t si = int64_t(blockIdx.x) * rpc + group;
-  fetch(si, xa, ga, ma, ra);
-  // Every row group runs the same number of iterations (s0 is uniform in the CTA): barriers match.
-  // The two register sets swap roles each row (unrolled by two: no register moves).
-  for (int64_t s0 = int64_t(blockIdx.x) * rpc; s0 < p.S; s0 += 2 * step, si += 2 * step) {
-    body(si, xa, ga, ma, ra, xb, gb, mb, rb, slot0);
-    if (s0 + step >= p.S) break;
-    body(si + step, xb, gb, mb, rb, xa, ga, ma, ra, slot1);
-  }
-
-  if (red_sc) flush_partial<VPT>(acc_sc, part_row(p, 0, b, blockIdx.x), buf, p.D, rpc, group, tid, tpr, nvec);
-  if (red_sh) flush_partial<VPT>(acc_sh, part_row(p, 1, b, blockIdx.x), buf, p.D, rpc, group, tid, tpr, nvec);
-  if (AFF && p.dweight) flush_partial<VPT>(acc_w, part_row(p, 2, b, blockIdx.x), buf, p.D, rpc, group, tid, tpr, nvec);
-  if (AFF && p.dbias) flush_partial<VPT>(acc_b, part_row(p, 3, b, blockIdx.x), buf, p.D, rpc, group, tid, tpr, nvec);
-}
-
 // Generic path: one row per CTA iteration; the CTA's partial sums live in its own workspace rows
 // (read-modify-write by the thread that owns the column, so no races and no atomics).
 template <typename TX, typename TM, typename TY>
@@ -612,53 +368,12 @@ static const void* vec_kernel_ptr(bool aff, bool pipe) {
              : reinterpret_cast<const void*>(bwd_vec_kernel<TX, TM, TY, VPT, false, false>);
 }
 
-// Shape of the prefetching variants (bwd_pf_kernel); false when the variant does not cover it.
-// Variant 1: variant 0's shape. Variant 2: twice the vectors per thread (at most 4, unless set_vpt chose
-// them), ~128 threads per CTA. Rows per CTA shrink to the kernel's thread cap and the 48 KB combine buffer.
-static bool pf_shape(const BwdParams& p, Shape& sh, int xy) {
-  const int nvec = p.D / 8;
-  // 2-byte x and dy: vpt 4 from D = 4096 (D = 5120: 5 warps per row); otherwise vpt 2 while the row fits.
-  if (p.vpt > 0) sh.vpt = p.vpt;
-  else if (xy <= 4) sh.vpt = nvec >= 512 ? 4 : nvec > 32 ? 2 : 1;
-  else sh.vpt = nvec <= 32 ? 1 : nvec <= 64 * (pf_max_threads(2, xy) / 32) ? 2 : 4;
-  if (sh.vpt != 1 && sh.vpt != 2 && sh.vpt != 4) return false;
-  sh.wpr = (nvec + 32 * sh.vpt - 1) / (32 * sh.vpt);
-  sh.rpc = p.rpc > 0 ? p.rpc : (sh.wpr >= 4 ? 1 : 4 / sh.wpr);  // ~128-160 threads per CTA
-  const int cap = pf_max_threads(sh.vpt, xy);
-  while (sh.rpc > 1 && sh.rpc * sh.wpr * 32 > cap) --sh.rpc;
-  while (sh.rpc > 1 && size_t(sh.rpc) * p.D > 12288) --sh.rpc;
-  return sh.wpr * 32 <= cap;
-}
-
-static size_t pf_smem(const Shape& sh, int D) {  // see pf_buf_offset
-  return sizeof(float) * (pf_buf_offset(sh.rpc, sh.wpr) + (sh.rpc > 1 ? size_t(sh.rpc) * D : 0) + D);
-}
-
-template <typename TX, typename TM, typename TY, int VPT>
-static const void* pf_kernel_ptr(bool aff) {
-  return aff ? reinterpret_cast<const void*>(bwd_pf_kernel<TX, TM, TY, VPT, true>)
-             : reinterpret_cast<const void*>(bwd_pf_kernel<TX, TM, TY, VPT, false>);
-}
-
 // Staged (PIPE) only when asked for (stages > 0) and unless even one row, two stages do not fit
 // kPipeSmemCap; rows per CTA shrink first, then the depth.
-// Variant 1 (bwd_pf_kernel) with saved stats and no staging; otherwise (and for other variant numbers) variant 0.
 template <typename TX, typename TM, typename TY>
 static BwdCfg bwd_config(const BwdParams& p) {
   BwdCfg cfg{};
   if (!p.vectorized) { cfg.threads = 256; return cfg; }
-  if (p.variant == 1 && !p.recompute && p.stages <= 0 && pf_shape(p, cfg.sh, int(sizeof(TX) + sizeof(TY)))) {
-    const bool aff = p.weight != nullptr || p.bias != nullptr;
-    cfg.nst = 0;
-    cfg.smem = pf_smem(cfg.sh, p.D);
-    switch (cfg.sh.vpt) {
-      case 1: cfg.k = pf_kernel_ptr<TX, TM, TY, 1>(aff); break;
-      case 2: cfg.k = pf_kernel_ptr<TX, TM, TY, 2>(aff); break;
-      default: cfg.k = pf_kernel_ptr<TX, TM, TY, 4>(aff); break;
-    }
-    cfg.threads = cfg.sh.wpr * 32 * cfg.sh.rpc;
-    return cfg;
-  }
   cfg.sh = bwd_shape(p);
   bool pipe = p.stages > 0;
   if (pipe) {
@@ -729,6 +444,7 @@ static cudaError_t dispatch(const BwdParams& p, cudaStream_t stream, bool plan_o
 
 int64_t bwd_plan(BwdParams& p) {
   int per_sm = 1, rpc = 1;
+  // The compile-time tiles (ln_modulate_fast.cu) where they apply; they size the grid then.
   if (!fast_bwd_occupancy(p, &per_sm, &rpc)) dispatch(p, nullptr, true, &per_sm, &rpc);
   // Persistent grid: one wave of resident CTAs shared among the samples (at least one CTA each).
   const int64_t total = int64_t(cached_num_sms()) * per_sm;

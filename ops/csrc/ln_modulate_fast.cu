@@ -10,17 +10,7 @@
 namespace lnmod {
 namespace {
 
-// Barrier among the TPR threads of one row group: named barrier 1 + group (0 is __syncthreads), so the row
-// groups of a CTA do not wait for each other.
-template <int TPR>
-__device__ __forceinline__ void row_bar(int group) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(group + 1), "r"(TPR) : "memory");
-}
-
-// Fixed-order sums of 8 and of VPT values: short dependency chains, identical in every thread.
-__device__ __forceinline__ float sum8(const float* f) {
-  return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
-}
+// Fixed-order sum of N values (any N): identical in every thread.
 template <int N>
 __device__ __forceinline__ float sumn(const float* f) {
   float s = f[0];
@@ -29,7 +19,8 @@ __device__ __forceinline__ float sumn(const float* f) {
   return s;
 }
 
-// Rows per CTA: about 256 threads, at most 8 row groups (named barriers 1..8).
+// Rows per CTA of the forward: about 256 threads, at most 8 row groups (named barriers 1..8). The backward
+// takes one row group per CTA (its tiles are >= 192 threads), so its partial sums need no combining.
 constexpr int fast_rpc(int tpr) { return tpr >= 256 ? 1 : (256 / tpr > 8 ? 8 : 256 / tpr); }
 // Resident CTAs per SM asked of the compiler (__launch_bounds__' second argument): `threads` warps' worth.
 constexpr int min_ctas(int cta_threads, int threads) { return threads / cta_threads > 1 ? threads / cta_threads : 1; }
@@ -41,7 +32,7 @@ template <int WPR, int TPR>
 __device__ __forceinline__ float2 rows_sum2(float2 v, float2* slot, int group, int warp, int lane) {
   if (WPR == 1) return v;
   if (lane == 0) slot[warp] = v;
-  row_bar<TPR>(group);
+  group_barrier(group, TPR);
   if constexpr (WPR <= 6) {
     float2 s = slot[0];
 #pragma unroll
@@ -148,20 +139,18 @@ __global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * W
 // (2 * 8 * VPT of them, which is why the backward prefers few vectors per thread); the next row's x, dy and
 // statistics are prefetched; one barrier per row merges the two row sums. Partial sums go to the workspace
 // exactly as the general kernel writes them (the same reduce kernel finishes them).
-// At least 20 warps per SM (10 for fp32 at VPT 2): the register cap this implies (e.g. 102 at 320 threads).
+// At least 20 warps per SM: the register cap this implies (e.g. 102 at 320 threads).
 template <typename TX, int VPT, int WPR>
-__global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * WPR * fast_rpc(32 * WPR), VPT * sizeof(TX) >= 8 ? 320 : 640)) bwd_fast_kernel(BwdParams p) {
-  constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;
+__global__ void __launch_bounds__(32 * WPR, min_ctas(32 * WPR, 640)) bwd_fast_kernel(BwdParams p) {
+  constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;  // one row group per CTA: blockDim.x == TPR
   constexpr float kInvD = 1.f / D;
   extern __shared__ float smem[];
   float* mod_a = smem;                                      // [D] 1 + scale
-  float2* slots = reinterpret_cast<float2*>(smem + D);      // [2][rpc][WPR]
-  const int rpc = blockDim.x / TPR;
-  float* combine = smem + D + 4 * rpc * WPR;                // [rpc][D] (rpc > 1), 16-byte aligned
-  const int group = threadIdx.x / TPR, tid = threadIdx.x % TPR, warp = tid / 32, lane = tid % 32;
+  float2* slots = reinterpret_cast<float2*>(smem + D);      // [2][WPR]
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t b = blockIdx.y;
   const float* sc = static_cast<const float*>(p.scale) + b * p.sc_sb;
-  for (int c = threadIdx.x; c < D; c += blockDim.x) mod_a[c] = 1.f + sc[c];
+  for (int c = tid; c < D; c += TPR) mod_a[c] = 1.f + sc[c];
   __syncthreads();
   const int64_t off = b * p.S * D + tid * 8;
   const TX* x = static_cast<const TX*>(p.x) + off;
@@ -174,8 +163,8 @@ __global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * W
   for (int i = 0; i < VPT; ++i)
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc_sc[i][k] = acc_sh[i][k] = 0.f;
-  const int64_t step = int64_t(gridDim.x) * rpc;
-  int64_t si = int64_t(blockIdx.x) * rpc + group;
+  const int64_t step = gridDim.x;
+  int64_t si = blockIdx.x;
   Pack8<TX> xn[VPT], gn[VPT];
   float mean_n = 0.f, rstd_n = 0.f;
   if (si < p.S) {
@@ -224,7 +213,7 @@ __global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * W
       rstd_n = rstd_p[si + step];
     }
     const float2 sums = rows_sum2<WPR, TPR>(warp_sum2(make_float2(sumn<VPT>(s1), sumn<VPT>(s2))),
-                                            slots + (parity * rpc + group) * WPR, group, warp, lane);
+                                            slots + parity * WPR, 0, warp, lane);
     parity ^= 1;
     const float c1 = -rstd * sums.x * kInvD, c2 = -rstd * sums.y * kInvD;
 #pragma unroll
@@ -237,39 +226,30 @@ __global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * W
       store8(dx + si * D + i * TPR * 8, o);
     }
   }
-  // Partial sums of this CTA, its row groups combined in shared memory in a fixed order.
-  const int C = gridDim.x;
-  auto flush = [&](const float (&acc)[VPT][8], int q) {
-    float* out = p.workspace + (int64_t(q) * p.B * C + b * C + blockIdx.x) * D;
-    if (rpc == 1) {
+  // This CTA's partial sums: one row per quantity in the workspace (the layout the reduce kernel reads).
+  float* part = p.workspace + (b * gridDim.x + blockIdx.x) * int64_t(D);
+  const int64_t q_stride = p.B * int64_t(gridDim.x) * D;
+  if (p.sc_mode == kGlobal || p.sc_mode == kPerSample) {
 #pragma unroll
-      for (int i = 0; i < VPT; ++i) store8(out + tid * 8 + i * TPR * 8, acc[i]);
-      return;
-    }
-    __syncthreads();  // combine may still be read by the previous quantity
+    for (int i = 0; i < VPT; ++i) store8(part + tid * 8 + i * TPR * 8, acc_sc[i]);
+  }
+  if (p.sh_mode == kGlobal || p.sh_mode == kPerSample) {
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) store8(combine + group * D + tid * 8 + i * TPR * 8, acc[i]);
-    __syncthreads();
-    for (int col = threadIdx.x; col < D; col += blockDim.x) {
-      float s = 0.f;
-      for (int r = 0; r < rpc; ++r) s += combine[r * D + col];
-      out[col] = s;
-    }
-  };
-  if (p.sc_mode == kGlobal || p.sc_mode == kPerSample) flush(acc_sc, 0);
-  if (p.sh_mode == kGlobal || p.sh_mode == kPerSample) flush(acc_sh, 1);
+    for (int i = 0; i < VPT; ++i) store8(part + q_stride + tid * 8 + i * TPR * 8, acc_sh[i]);
+  }
 }
 
 // (VPT, WPR) tilings per D, the first being the default; p.vpt picks another one for tuning.
 struct Tile { int D, vpt, wpr; };
-// The forward holds a row as 8 * VPT fp32 registers plus the next row packed; the backward holds 4 * 8 * VPT
-// fp32 registers (xhat, dz and the two accumulators), so it only takes VPT <= 2.
-constexpr Tile kTiles[] = {{1536, 3, 2}, {1536, 6, 1}, {1536, 2, 3}, {2048, 4, 2}, {2048, 2, 4},
-                           {3072, 3, 4}, {3072, 6, 2}, {4096, 4, 4}, {4096, 2, 8}, {5120, 5, 4},
-                           {5120, 4, 5}, {5120, 2, 10}, {8192, 4, 8}, {8192, 8, 4}};
-constexpr Tile kBwdTiles[] = {{1536, 2, 3}, {1536, 1, 6}, {2048, 2, 4}, {2048, 1, 8}, {3072, 2, 6},
-                              {3072, 1, 12}, {4096, 2, 8}, {4096, 1, 16}, {5120, 2, 10}, {5120, 1, 20},
-                              {8192, 2, 16}};
+// The forward holds a row as 8 * VPT fp32 registers plus the next row packed; the backward holds 3 * 8 * VPT
+// fp32 registers (xhat and the two accumulators) plus two packed rows, so it takes VPT <= 2, one row group
+// (>= 192 threads) per CTA. Defaults (first per D) at D = 1536 and 5120 are the fastest measured on H200
+// (2026-11-30, docs/kernel.md); the other widths follow the same shapes, correctness-tested, not timed.
+constexpr Tile kTiles[] = {{1536, 2, 3}, {1536, 3, 2}, {1536, 6, 1}, {2048, 4, 2}, {2048, 2, 4},
+                           {3072, 3, 4}, {3072, 6, 2}, {4096, 4, 4}, {4096, 2, 8}, {5120, 4, 5},
+                           {5120, 5, 4}, {5120, 2, 10}, {8192, 4, 8}, {8192, 8, 4}};
+constexpr Tile kBwdTiles[] = {{1536, 1, 6}, {2048, 1, 8}, {3072, 1, 12}, {3072, 2, 6}, {4096, 1, 16},
+                              {4096, 2, 8}, {5120, 1, 20}, {5120, 2, 10}, {8192, 2, 16}};
 
 template <size_t N>
 int find_tile(const Tile (&tiles)[N], int D, int vpt) {
@@ -303,8 +283,7 @@ const void* kernel_for(int x_dtype, int t) {
   switch (x_dtype) {
     case kBF16: return tile_kernel<__nv_bfloat16, BWD>(t);
     case kF16: return tile_kernel<__half, BWD>(t);
-    case kF32: return tile_kernel<float, BWD>(t);
-    default: return nullptr;
+    default: return nullptr;  // fp32 x: the general kernels measured faster (docs/kernel.md)
   }
 }
 
@@ -312,8 +291,9 @@ struct FastCfg { const void* k; int threads, rpc; size_t smem; };
 
 FastCfg fwd_cfg(const FwdParams& p) {
   FastCfg c{};
-  const bool ok = p.variant == kFastVariant && p.vectorized && p.m_dtype == kF32 && p.y_dtype == p.x_dtype &&
-                  p.weight == nullptr && p.bias == nullptr && p.sc_ss == 0 && p.sh_ss == 0 && p.stages <= 0;
+  const bool ok = p.variant == 0 && p.vectorized && p.x_dtype != kF32 && p.m_dtype == kF32 &&
+                  p.y_dtype == p.x_dtype && p.weight == nullptr && p.bias == nullptr && p.sc_ss == 0 && p.sh_ss == 0 &&
+                  p.stages <= 0;
   const int t = ok ? find_tile(kTiles, p.D, p.vpt) : -1;
   if (t < 0) return c;
   const int tpr = 32 * kTiles[t].wpr;
@@ -326,16 +306,15 @@ FastCfg fwd_cfg(const FwdParams& p) {
 
 FastCfg bwd_cfg(const BwdParams& p) {
   FastCfg c{};
-  const bool ok = p.variant == kFastVariant && p.vectorized && p.m_dtype == kF32 && p.y_dtype == p.x_dtype &&
+  const bool ok = p.variant == 0 && p.vectorized && p.x_dtype != kF32 && p.m_dtype == kF32 && p.y_dtype == p.x_dtype &&
                   p.weight == nullptr && p.bias == nullptr && p.sc_ss == 0 && !p.recompute &&
                   p.mean != nullptr && p.stages <= 0 && p.sc_mode != kPerToken && p.sh_mode != kPerToken &&
                   p.dweight == nullptr && p.dbias == nullptr;
   const int t = ok ? find_tile(kBwdTiles, p.D, p.vpt) : -1;
   if (t < 0) return c;
-  const int tpr = 32 * kBwdTiles[t].wpr;
-  c.rpc = fast_rpc(tpr);
-  c.threads = tpr * c.rpc;
-  c.smem = sizeof(float) * (size_t(p.D) + 4 * size_t(c.rpc) * kBwdTiles[t].wpr + (c.rpc > 1 ? size_t(c.rpc) * p.D : 0));
+  c.rpc = 1;
+  c.threads = 32 * kBwdTiles[t].wpr;
+  c.smem = sizeof(float) * (size_t(p.D) + 4 * size_t(kBwdTiles[t].wpr));
   c.k = kernel_for<true>(p.x_dtype, t);
   return c;
 }

@@ -155,7 +155,10 @@ __maxnreg__(PIPE ? (VPT == 1 ? 64 : VPT == 2 ? 72 : VPT == 4 ? 96 : 168) : (VPT 
   if (PIPE) cp_async_wait(0);  // no copy may still target this CTA's shared memory when it exits
 }
 
-// --- Forward variants 1, 2, 4 (set_variant(v, .); variant 0 is fwd_vec_kernel above, 3 is kFastVariant) ---
+// --- General 2-byte forward (fwd_v1_kernel): the default for bf16 / fp16 x where the compile-time tiles of
+// ln_modulate_fast.cu do not apply (per-token modulation, affine, other widths); fwd_vec_kernel above stays
+// the fp32 path (it measured faster there) and the set_variant(2) baseline. Measured on H200 (2026-11-30,
+// docs/kernel.md): 87% of copy bandwidth at (1, 75600, 5120) bf16 against fwd_vec_kernel's 74%.
 // Same row-in-registers scheme as fwd_vec_kernel (row unpacked once to fp32, next row prefetched into packed
 // registers, persistent grid (C, B)), aimed at the per-row latency that the H200 measurements point to
 // (docs/kernel.md, "Where the time goes") rather than at bytes in flight:
@@ -172,28 +175,24 @@ __maxnreg__(PIPE ? (VPT == 1 ? 64 : VPT == 2 ? 72 : VPT == 4 ? 96 : 168) : (VPT 
 //    of it has passed).
 //  - Sums as trees / independent accumulators (sum8, sqdev8, tree_sum) instead of dependent FADD chains.
 //  - Modulation, by MOD (a template flag, so the register demand of one path does not lower the occupancy of
-//    another; affine weight/bias are folded in once per CTA where the modulation is staged:
+//    the other; affine weight/bias are folded in once per CTA where the modulation is staged:
 //    A = (1 + scale) * w, T = (1 + scale) * b + shift, so y = xhat * A + T):
-//      kModSmem: per-sample / global modulation staged in shared memory once per CTA (as variant 0);
-//      kModReg (variant 2, VPT <= 2): the same, held in fp32 registers: each thread owns fixed columns for
-//        all its rows, so it loads them once per CTA (no shared-memory reads per row, no staging smem, so
-//        occupancy is not limited by 2 * D * 4 bytes of shared memory per CTA);
+//      kModSmem: per-sample / global modulation staged in shared memory once per CTA;
 //      kModRow: per-token modulation read from global per row; for VPT <= 4 the reads are issued at the
-//        start of the row (packed registers) so their latency hides behind the reduction;
-//      kModSmemTight (variant 4): kModSmem under a lower register cap (fwd_v1_maxreg).
-// The cp.async row stream (stages, PIPE) is not implemented here: set_stages is ignored by variants 1, 2, 4.
-enum FwdMod : int { kModSmem = 0, kModReg = 1, kModRow = 2, kModSmemTight = 3 };
+//        start of the row (packed registers) so their latency hides behind the reduction.
+// Tried and measured no faster (2026-11-30), so not kept: staged modulation held in registers (VPT <= 2) and
+// an 80-register cap at VPT 4 (5 CTAs per SM, small spill). The cp.async row stream (set_stages) is not
+// implemented here: with stages > 0 the forward takes fwd_vec_kernel.
+enum FwdMod : int { kModSmem = 0, kModRow = 2 };
 
 // Register caps. Without them ptxas hoists the output pass's loads (modulation, weight) above the
 // reduction when the launch bound allows 255 registers (VPT 4: ~110 registers where ~85 suffice), which
 // costs resident CTAs. VPT 4 with staged modulation (D = 2048..8192): 88 registers are spill-free for
-// 2-byte x (fp32 x: 96); at D = 5120 (160 threads, 40 KB of staged modulation per CTA) that is 4 CTAs per
-// SM, where shared memory would allow 5 at <= 80 registers. kModSmemTight (variant 4) is that 80-register
-// build: one more CTA per SM (more bytes in flight) against a small spill (bf16: 48 / 36 bytes).
+// 2-byte x (fp32 x: 96); at D = 5120 (160 threads, 40 KB of staged modulation per CTA) that is 4 CTAs per SM.
 __host__ __device__ constexpr int fwd_v1_maxreg(int vpt, int mod, int xbytes) {
   return vpt <= 1   ? 64
-         : vpt == 2 ? (mod == kModSmem || mod == kModSmemTight ? 64 : mod == kModReg ? 96 : 128)
-         : vpt == 4 ? (mod == kModSmemTight ? 80 : mod == kModSmem ? (xbytes == 4 ? 96 : 88) : 168)
+         : vpt == 2 ? (mod == kModSmem ? 64 : 128)
+         : vpt == 4 ? (mod == kModSmem ? (xbytes == 4 ? 96 : 88) : 168)
                     : 255;
 }
 
@@ -220,7 +219,7 @@ fwd_v1_kernel(FwdParams p, int wpr) {
   const TM* sh = static_cast<const TM*>(p.shift);
   TY* y = static_cast<TY*>(p.y);
   const bool affine = p.weight != nullptr || p.bias != nullptr;
-  constexpr bool kSmem = MOD == kModSmem || MOD == kModSmemTight;
+  constexpr bool kSmem = MOD == kModSmem;
 
   // Elements of this thread's warp (row-invariant): vectors c = tid + i * tpr < nvec over the warp's lanes.
   int wvec = 0;
@@ -238,18 +237,6 @@ fwd_v1_kernel(FwdParams p, int wpr) {
   if constexpr (kSmem) {
     for (int col = threadIdx.x; col < p.D; col += blockDim.x) folded(col, mod_a[col], mod_t[col]);
     __syncthreads();
-  }
-  float ra[MOD == kModReg ? VPT : 1][8], rt[MOD == kModReg ? VPT : 1][8];
-  if constexpr (MOD == kModReg) {
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int c = tid + i * tpr;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        if (c < nvec) folded(c * 8 + k, ra[i][k], rt[i][k]);
-        else ra[i][k] = rt[i][k] = 0.f;
-      }
-    }
   }
   // kModRow: this row's scale / shift vectors, read at the start of the row (packed).
   constexpr bool kEarlyMod = MOD == kModRow && VPT <= 4;
@@ -336,9 +323,6 @@ fwd_v1_kernel(FwdParams p, int wpr) {
           if constexpr (kSmem) {
             lds8(mod_a + c * 8, A);
             lds8(mod_t + c * 8, T);
-          } else if constexpr (MOD == kModReg) {
-#pragma unroll
-            for (int k = 0; k < 8; ++k) { A[k] = ra[i][k]; T[k] = rt[i][k]; }
           } else {
             if constexpr (kEarlyMod) { psc[i].get(A); psh[i].get(T); }
             else { load8(scr + c * 8, A); load8(shr + c * 8, T); }
@@ -447,19 +431,11 @@ static cudaError_t launch_vec(const FwdParams& p, Shape sh, cudaStream_t stream)
 template <typename TX, typename TM, typename TY, int VPT>
 static cudaError_t launch_v1(const FwdParams& p, const Shape& sh, cudaStream_t stream) {
   const bool stage = p.sc_ss == 0 && p.sh_ss == 0;  // per-sample or global modulation
-  // Variant 2 holds staged modulation in registers (VPT <= 2 only); variant 4 is variant 1 under the tighter
-  // VPT 4 register cap; otherwise the variants coincide.
-  const int mod = !stage                          ? kModRow
-                  : (p.variant == 2 && VPT <= 2)  ? kModReg
-                  : (p.variant == 4 && VPT == 4)  ? kModSmemTight
-                                                  : kModSmem;
-  constexpr int kReg = VPT <= 2 ? kModReg : kModSmem, kTight = VPT == 4 ? kModSmemTight : kModSmem;
-  const void* kernel = mod == kModRow          ? reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kModRow>)
-                       : mod == kModReg        ? reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kReg>)
-                       : mod == kModSmemTight  ? reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kTight>)
-                                               : reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kModSmem>);
+  const int mod = stage ? kModSmem : kModRow;
+  const void* kernel = mod == kModRow ? reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kModRow>)
+                                      : reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kModSmem>);
   const int threads = sh.wpr * 32 * sh.rpc;
-  const bool staged_smem = mod == kModSmem || mod == kModSmemTight;
+  const bool staged_smem = mod == kModSmem;
   const size_t smem = sizeof(float4) * 2 * sh.rpc * sh.wpr + (staged_smem ? 2 * sizeof(float) * p.D : 0);
   cudaError_t e = ensure_smem(kernel, smem);
   if (e != cudaSuccess) return e;
@@ -480,8 +456,9 @@ static cudaError_t launch_typed(const FwdParams& p, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (p.vectorized) {
     const Shape sh = choose_shape(p.D, p.vpt, p.rpc, false);
-    // Variants 1, 2, 4: fwd_v1_kernel; any other (0, and 3 = kFastVariant when not its case) the default.
-    if (p.variant == 1 || p.variant == 2 || p.variant == 4) {
+    // 2-byte x: fwd_v1_kernel, unless the baseline kernels are asked for (set_variant(2)) or the cp.async
+    // row stream (set_stages), which only fwd_vec_kernel has.
+    if (sizeof(TX) == 2 && p.variant != 2 && p.stages <= 0) {
       switch (sh.vpt) {
         case 1: return launch_v1<TX, TM, TY, 1>(p, sh, stream);
         case 2: return launch_v1<TX, TM, TY, 2>(p, sh, stream);
