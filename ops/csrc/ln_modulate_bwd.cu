@@ -446,14 +446,7 @@ int64_t bwd_plan(BwdParams& p) {
   int per_sm = 1, rpc = 1;
   // The compile-time tiles (ln_modulate_fast.cu) where they apply; they size the grid then.
   if (!fast_bwd_occupancy(p, &per_sm, &rpc)) dispatch(p, nullptr, true, &per_sm, &rpc);
-  // Persistent grid: one wave of resident CTAs shared among the samples (at least one CTA each).
-  const int64_t total = int64_t(cached_num_sms()) * per_sm;
-  int64_t c = total / (p.B > 0 ? p.B : 1);
-  const int64_t rows_per_cta = rpc;
-  const int64_t most = (p.S + rows_per_cta - 1) / rows_per_cta;
-  if (c > most) c = most;
-  if (c < 1) c = 1;
-  if (c > 65535) c = 65535;
+  const int64_t c = persistent_ctas(per_sm, p.B, p.S, rpc);
   p.ctas_per_sample = int(c);
   return int64_t(kQ) * p.B * c * p.D;
 }

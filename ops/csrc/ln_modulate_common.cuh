@@ -154,6 +154,16 @@ inline int cached_occupancy(const void* k, int threads, size_t smem) {
   return per_sm;
 }
 
+// CTAs per sample of a persistent grid (C, B): one wave of resident CTAs (per_sm per SM) shared among the B
+// samples, at least one each, no more than the sample's rows need (rpc rows per CTA), within gridDim.x's cap.
+inline int64_t persistent_ctas(int per_sm, int64_t B, int64_t S, int rpc) {
+  int64_t c = int64_t(cached_num_sms()) * per_sm / (B > 0 ? B : 1);
+  const int64_t most = (S + rpc - 1) / rpc;
+  if (c > most) c = most;
+  if (c < 1) c = 1;
+  return c > 65535 ? 65535 : c;
+}
+
 // --- scalar conversions (generic path) -------------------------------------------------------------
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }

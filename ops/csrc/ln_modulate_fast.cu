@@ -327,11 +327,7 @@ bool fast_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err) 
   *err = ensure_smem(c.k, c.smem);
   if (*err != cudaSuccess) return true;
   const int per_sm = cached_occupancy(c.k, c.threads, c.smem);
-  int64_t ctas = int64_t(cached_num_sms()) * per_sm / p.B;  // one wave shared among the samples
-  const int64_t most = (p.S + c.rpc - 1) / c.rpc;
-  if (ctas > most) ctas = most;
-  if (ctas < 1) ctas = 1;
-  if (ctas > 65535) ctas = 65535;
+  const int64_t ctas = persistent_ctas(per_sm, p.B, p.S, c.rpc);
   void* args[] = {const_cast<FwdParams*>(&p)};
   *err = cudaLaunchKernel(c.k, dim3(unsigned(ctas), unsigned(p.B)), dim3(c.threads), args, c.smem, stream);
   return true;

@@ -417,12 +417,7 @@ static cudaError_t launch_vec(const FwdParams& p, Shape sh, cudaStream_t stream)
   cudaError_t e = ensure_smem(kernel, smem);
   if (e != cudaSuccess) return e;
   const int per_sm = cached_occupancy(kernel, threads, smem);
-  // One wave of resident CTAs shared among the samples (at least one each).
-  int64_t c = int64_t(cached_num_sms()) * per_sm / p.B;
-  const int64_t most = (p.S + sh.rpc - 1) / sh.rpc;
-  if (c > most) c = most;
-  if (c < 1) c = 1;
-  if (c > 65535) c = 65535;
+  const int64_t c = persistent_ctas(per_sm, p.B, p.S, sh.rpc);
   int wpr = sh.wpr;
   void* args[] = {const_cast<FwdParams*>(&p), &wpr, const_cast<bool*>(&stage), &nst};
   return cudaLaunchKernel(kernel, dim3(unsigned(c), unsigned(p.B)), dim3(threads), args, smem, stream);
@@ -440,11 +435,7 @@ static cudaError_t launch_v1(const FwdParams& p, const Shape& sh, cudaStream_t s
   cudaError_t e = ensure_smem(kernel, smem);
   if (e != cudaSuccess) return e;
   const int per_sm = cached_occupancy(kernel, threads, smem);
-  int64_t c = int64_t(cached_num_sms()) * per_sm / p.B;  // one wave of resident CTAs, as launch_vec
-  const int64_t most = (p.S + sh.rpc - 1) / sh.rpc;
-  if (c > most) c = most;
-  if (c < 1) c = 1;
-  if (c > 65535) c = 65535;
+  const int64_t c = persistent_ctas(per_sm, p.B, p.S, sh.rpc);
   int wpr = sh.wpr;
   void* args[] = {const_cast<FwdParams*>(&p), &wpr};
   return cudaLaunchKernel(kernel, dim3(unsigned(c), unsigned(p.B)), dim3(threads), args, smem, stream);
