@@ -1,15 +1,20 @@
 """Refit the raw points of a `calibrate --json` file with the current fitting code (no GPU): time and
-memory fit/held-out errors and the memory budget for the training world size recorded in the file.
+memory fit/held-out errors and the memory budget for the training world size recorded in the file; with
+--profile-out, the profile YAML the calibrate command now writes from those points.
 
     python bench/calibrate_refit.py bench/results/calibrate-2026-11-29-h200-run3.json [--out REFIT.json]
+        [--profile-out PROFILE.yaml]
 """
 import argparse
 import json
+import statistics
+
+import yaml
 
 from ds_adaptiveload import calibrate as cal
 
 
-def refit(doc, safety=0.9):
+def refit(doc, safety=0.9, capacity=None):
     points = []
     for d in doc["points"]:
         p = cal.Point(d["B"], tuple(d["shape"]), d["S"], d["s"], role=d["role"])
@@ -18,7 +23,7 @@ def refit(doc, safety=0.9):
     coef = cal.fit_time([p for p in points if p.role != "probe"])
     mem = cal.fit_memory(points)
     # the device capacity, from any point's peak and its peak fraction (fit rows align with the points)
-    capacity = next((d["peak_bytes"] / row["peak_frac"] for d, row in zip(doc["points"], doc["fit"]["points"])
+    capacity = capacity or next((d["peak_bytes"] / row["peak_frac"] for d, row in zip(doc["points"], doc["fit"]["points"])
                      if d.get("peak_bytes") and row.get("peak_frac")), None)
     rows = cal.report(points, coef, mem, capacity)
     note = doc["fit"]["memory"]
@@ -38,13 +43,42 @@ def refit(doc, safety=0.9):
     }
 
 
+def refit_profile(doc, res, source, path, safety=0.9):
+    """Write the profile of `res` (refit) with the raw run's meta; the run's points stay the evidence."""
+    from ds_adaptiveload.geometry import Geometry
+
+    c, m = res["time_coef"], res["memory"]
+    ok = [p for p in doc["points"] if p["status"] == "ok"]
+    sizes = [p["s"] for p in ok if p["role"] == "fit"]
+    meta = {**doc["meta"], "refit": f"bench/calibrate_refit.py on {source}: the points this calibrate run "
+                                    "measured, fitted by the current fit code"}
+    fit = {"method": "NNLS, relative weighting; medians of timed steps after one warm-up; time floor (fit_time)",
+           **{k: res[k] for k in ("time_fit", "time_heldout", "memory_fit", "memory_heldout")},
+           "time_coef_measured": c, "points": res["rows"]}
+    out, _ = cal.profile_doc(Geometry(), (c["fixed"], c["per_token"], c["per_token_sq"], c["floor"]),
+                             statistics.median(v for p in ok for v in p["step_ms"]),
+                             (m["train_fixed_bytes"], m["bytes_per_token"]), m["capacity_bytes"], safety,
+                             res["budget_tokens_with_oom_bound"], meta, fit, dual_range=(min(sizes), max(sizes)),
+                             dual_sizes=sizes)
+    cal.write_profile(out, path, header=cal._header(out))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json")
     ap.add_argument("--out")
+    ap.add_argument("--profile-out", help="write the profile YAML the calibrate command now makes of these points")
+    ap.add_argument("--run-profile", help="the run's own profile YAML: its memory.capacity_bytes is the device's "
+                    "(else it is estimated from the points' peaks and rounded peak fractions)")
     args = ap.parse_args()
     with open(args.json) as f:
-        res = refit(json.load(f))
+        doc = json.load(f)
+    capacity = None
+    if args.run_profile:
+        capacity = yaml.safe_load(open(args.run_profile))["memory"]["capacity_bytes"]
+    res = refit(doc, capacity=capacity)
+    if args.profile_out:
+        refit_profile(doc, res, args.json, args.profile_out)
     for k, v in res.items():
         if k != "rows":
             print(f"{k}: {v}")

@@ -526,7 +526,7 @@ def _header(doc):
     return (f"# Cost profile written by `python -m ds_adaptiveload calibrate` ({m.get('date', '')}), {how}.\n"
             f"# Model {m.get('model_config', '?')}, DeepSpeed config {m.get('deepspeed_config', '?')}.\n"
             "# time_ms: forward+backward of one micro-batch of B samples of s per-GPU tokens\n"
-            "#   = fixed + per_token * B*s + per_token_sq * B*s^2; step_fixed once per optimizer step.\n"
+            "#   = max(floor, fixed + per_token * B*s + per_token_sq * B*s^2); step_fixed once per optimizer step.\n"
             "# memory.budget_tokens = (capacity_bytes * safety - fixed_bytes) / bytes_per_token.\n"
             "# dual: B * s^p <= m_comp, derived from the time model (profile.derive_dual). fit: per-point errors.\n")
 

@@ -151,7 +151,7 @@ def test_balanced_beats_equal_tokens_on_video_heavy():
 
 def test_lockstep_rounds_beat_equal_tokens_under_zero3():
     """ZeRO-3 makes ranks wait at every micro-batch: balanced plans rounds of equal cost. Calibrated ZeRO-3
-    profile (1.3 s fixed per micro-batch), one 720p clip per micro-batch, G = 4."""
+    profile (a ~1 s floor per micro-batch: host-bound steps), one 720p clip per micro-batch, G = 4."""
     import dataclasses
     profile = dataclasses.replace(CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml"),
                                   budget_tokens=75600)
