@@ -270,6 +270,8 @@ def predict_ms(coef, B, s):
     return max(floor, fixed + a * B * s + b * B * s * s)
 
 
+# Seconds of the time budget kept for the budget probe (at most 15% of the budget).
+PROBE_RESERVE_S = 40.0
 # A time this much above the floor is on the line (the floor's own jitter stays below it).
 TIME_FLOOR_MARGIN = 1.1
 # A peak this much above the smallest one is on the rising part of the memory curve.
@@ -409,10 +411,11 @@ def _work(p):
 def _measure_point(p, step_fn, clock, oom_types, repeats, big_s, warmup=1):
     try:
         peaks = []
+        t0 = clock()
         for _ in range(warmup):  # allocator, kernels' first use, Adam state on the first step
             t0 = clock()
             peaks.append(step_fn(p)[2])
-        n = 1 if clock() - t0 > big_s else repeats
+        n = 1 if warmup and clock() - t0 > big_s else repeats
         for _ in range(n):
             fb, st, peak = step_fn(p)
             p.ms.append(fb)
@@ -661,8 +664,11 @@ def measure_profile(cfg, ds, args, shapes, heldout):
 
     # An OOM on one of several ranks leaves its peers inside a collective (_StepFn stops the job then): with
     # several ranks, points the memory fit puts over the budget's memory are skipped instead of tried.
+    # The budget probe is one step of a micro-batch filling the memory budget (~20-25 s for the 1.3B model on
+    # H200s): the grid leaves it that much time, or the probe would never run within the default budget.
+    reserve = min(PROBE_RESERVE_S, 0.15 * deadline) if args.probe_budget and capacity else 0.0
     time_schedule(points, step_fn, None, clock=clock, oom_types=oom_types, repeats=args.repeats,
-                  on_point=on_point, deadline=deadline,
+                  on_point=on_point, deadline=deadline - reserve,
                   mem_limit=capacity * args.safety if multi and capacity else None)
     bar.close()
     fixed, a, b, floor = fit_time(points)
@@ -727,8 +733,8 @@ def measure_profile(cfg, ds, args, shapes, heldout):
         pred_s = (fixed + a * probe.tokens + b * probe.tokens * probe.s + step_fixed) / 1000
         if probe.tokens <= max(p.tokens for p in points if p.status == "ok"):
             probe.status, probe.note = "skipped", "not needed: a measured point was as large"
-        elif clock() + 2.2 * pred_s > deadline:
-            probe.status, probe.note = "skipped", f"time budget (needs ~{2 * pred_s:.0f} s)"
+        elif clock() + 1.2 * pred_s > deadline:
+            probe.status, probe.note = "skipped", f"time budget (needs ~{pred_s:.0f} s)"
         else:
             if multi and is_main:
                 # An OOM in the probe stops a multi-rank run (_StepFn): the profile without it is on disk first.
@@ -746,7 +752,8 @@ def measure_profile(cfg, ds, args, shapes, heldout):
                     print(f"wrote {args.out} with the budget below the probe's {p.tokens} tokens", flush=True)
 
                 step_fn.before_exit = lower_budget
-            _measure_point(probe, step_fn, clock, oom_types, repeats=1, big_s=0.0, warmup=1)
+            # One step, no warm-up: it checks memory (a first step peaks at least as high as later ones).
+            _measure_point(probe, step_fn, clock, oom_types, repeats=1, big_s=0.0, warmup=0)
             step_fn.before_exit = None
         if probe.status == "oom":
             budget = budget_tokens(capacity, args.safety, mem_doc[0], mem[1], probe.tokens)

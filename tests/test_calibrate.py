@@ -5,6 +5,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -168,6 +169,24 @@ def test_time_budget_skips_points_and_keeps_a_fit():
     assert any(p.status == "skipped" for p in pts)
     assert sum(p.status == "ok" and p.B == 1 for p in pts) >= 5  # priority order: B=1 of every shape first
     assert cal.fit_time(pts)[2] == pytest.approx(TRUE[2], rel=1e-6)
+
+
+def test_probe_is_one_step_without_warm_up():
+    """The budget probe (warmup=0, repeats=1) runs exactly one step: it checks memory, and the grid keeps
+    only that much time for it (calibrate.PROBE_RESERVE_S)."""
+    calls = []
+
+    def step(p):
+        calls.append(p.B)
+        return 10.0, 1.0, 123
+
+    p = cal.Point(356, (1, 480, 832), 1560, 1560, role="probe")
+    cal._measure_point(p, step, time.monotonic, (), repeats=1, big_s=0.0, warmup=0)
+    assert calls == [356] and p.status == "ok" and p.peak_bytes == 123 and p.ms == [10.0]
+    calls.clear()
+    q = cal.Point(2, (1, 480, 832), 1560, 1560)
+    cal._measure_point(q, step, time.monotonic, (), repeats=3, big_s=5.0)
+    assert len(calls) == 4 and len(q.ms) == 3  # one warm-up, then the repeats
 
 
 def test_fit_time_needs_three_points():
