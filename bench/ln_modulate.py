@@ -121,11 +121,6 @@ def measure(fn, xs, scs, shs, dys, mode):
     return bench_ms(fwd if mode == "fwd" else fwdbwd)
 
 
-# (forward vpts, backward vpts) of ln_modulate_fast.cu's tiles; the first of each is the default.
-TILES = {1536: ((2, 3, 6), (1,)), 2048: ((4, 2), (1,)), 3072: ((3, 6), (1, 2)), 4096: ((4, 2), (1, 2)),
-         5120: ((4, 5, 2), (1, 2)), 8192: ((4, 8), (2,))}
-
-
 def tuning_sweep(op, B, S, D, dtype, bw):
     """Kernel times per kernel choice (op.set_variant(v, v)): 2 = the baseline kernels (with the cp.async
     row stream, stages 3, and a vpt override; saved vs recomputed statistics), 1 = the general kernels
@@ -169,7 +164,8 @@ def tuning_sweep(op, B, S, D, dtype, bw):
     for vpt in (-1,) + ((2, 4) if D > 2048 else (4, 8)):
         add(1, 0, vpt, f=bench_ms(lambda: fwd(vpt)))
     op.set_variant(0, 0)
-    fv, bv = TILES.get(D, ((-1,), (-1,)))
+    # every tile of the op's own tables at this D (the default first); -1 where D has none
+    fv, bv = ([t[1] for t in op.fast_tiles(bwd_) if t[0] == D] or [-1] for bwd_ in (False, True))
     _, mean, rstd = fwd(-1)
     for vpt in fv:
         add(0, 0, vpt, f=bench_ms(lambda: fwd(vpt)))

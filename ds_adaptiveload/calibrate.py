@@ -373,9 +373,9 @@ def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(),
         elif (sum(q.status == "ok" and q.role == "fit" for q in points) >= 3
               and clock() + _point_s(seen, _work(p), repeats, big_s) > deadline):
             p.status, p.note = "skipped", "time budget"
-        elif mem_limit and (mem := fit_memory(points)) and predict_peak(mem, p.tokens) > mem_limit:
+        elif mem_limit and (mem := fit_memory(points)) and (peak := predict_peak(mem, p.tokens)) > mem_limit:
             p.status = "skipped"
-            p.note = (f"predicted peak {predict_peak(mem, p.tokens) / 2**30:.1f} GiB over the "
+            p.note = (f"predicted peak {peak / 2**30:.1f} GiB over the "
                       f"{mem_limit / 2**30:.1f} GiB limit of a multi-rank run")
         else:
             _measure_point(p, step_fn, clock, oom_types, repeats, big_s, warm)

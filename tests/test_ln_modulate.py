@@ -382,19 +382,25 @@ def test_cuda_large_mean_stable_variance(cuda_op, kernel_choice, variant, D):
     assert rel(y.view(B, S, D), ref64(x.view(B, S, D), sc, sh, None, None)) < 1e-3
 
 
-# (D, forward vpts, backward vpts) of ln_modulate_fast.cu's tile tables: every tile is checked.
-FAST_TILES = [(1536, (2, 3, 6), (1,)), (2048, (4, 2), (1,)), (3072, (3, 6), (1, 2)), (4096, (4, 2), (1, 2)),
-              (5120, (4, 5, 2), (1, 2)), (8192, (4, 8), (2,))]
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("D,fvpts,bvpts", FAST_TILES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["sample", "global"])
-def test_cuda_fast_tiles(cuda_op, kernel_choice, D, fvpts, bvpts, dtype, layout):
-    """The compile-time tiles (default kernels) at every tile of the table: forward and saved statistics
-    against float64 (outputs poisoned), gradients against the baseline kernels' (float64-checked elsewhere)
-    and bitwise repeatable; rows not a multiple of the grid and B = 3 (several samples share the grid)."""
+def test_cuda_fast_tiles(cuda_op, kernel_choice, dtype, layout):
+    """The compile-time tiles (default kernels) at every tile of the op's own tables (op.fast_tiles):
+    forward and saved statistics against float64 (outputs poisoned), gradients against the baseline
+    kernels' (float64-checked elsewhere) and bitwise repeatable; rows not a multiple of the grid and B = 3
+    (several samples share the grid)."""
+    op = lnm_mod.load_op()
+    tiles = {}
+    for backward in (False, True):
+        for D, vpt, _ in op.fast_tiles(backward):
+            tiles.setdefault(D, ([], []))[backward].append(vpt)
+    assert {1536, 5120} <= set(tiles)
+    for D, (fvpts, bvpts) in sorted(tiles.items()):
+        check_fast_tiles(kernel_choice, D, fvpts, bvpts, dtype, layout)
+
+
+def check_fast_tiles(kernel_choice, D, fvpts, bvpts, dtype, layout):
     B, S = 3, 1237
     x = (torch.randn(B * S, D, device="cuda") * 2 + 0.5).to(dtype)
     shp = (B, 1, D) if layout == "sample" else (D,)
@@ -412,15 +418,15 @@ def test_cuda_fast_tiles(cuda_op, kernel_choice, D, fvpts, bvpts, dtype, layout)
     for vpt in fvpts:
         poison("cuda", B * S * D * x.element_size())
         y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, sb, 0, sb, 0, 1e-6, code, True, vpt, -1)
-        assert rel(y.view(B, S, D), ref) < TOL[dtype][0], f"forward vpt {vpt}"
+        assert rel(y.view(B, S, D), ref) < TOL[dtype][0], f"forward D {D} vpt {vpt}"
         assert (mean.double() - x64.mean(-1)).abs().max().item() < 1e-4
         rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt()
         assert ((rstd.double() - rstd64) / rstd64).abs().max().item() < 1e-5
     for vpt in bvpts:
         poison("cuda", B * S * D * x.element_size())
         got = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, vpt, -1)
-        assert rel(got[0], base[0]) < 4e-3, f"dx, backward vpt {vpt}"
+        assert rel(got[0], base[0]) < 4e-3, f"dx, backward D {D} vpt {vpt}"
         for a, c in zip(got[1:3], base[1:3]):
-            assert rel(a, c) < 1e-5, f"dscale/dshift, backward vpt {vpt}"
+            assert rel(a, c) < 1e-5, f"dscale/dshift, backward D {D} vpt {vpt}"
         again = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, vpt, -1)
-        assert all(torch.equal(a, c) for a, c in zip(got[:3], again[:3])), "not bitwise reproducible"
+        assert all(torch.equal(a, c) for a, c in zip(got[:3], again[:3])), f"not bitwise reproducible: D {D} vpt {vpt}"

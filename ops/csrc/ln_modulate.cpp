@@ -169,6 +169,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_fwd_variant = int(fwd);
     g_bwd_variant = int(bwd);
   }, "kernels of the forward / backward: 0 default, 1 general only, 2 baseline only; for A-B comparison");
+  m.def("fast_tiles", [](bool backward) { return lnmod::fast_tiles(backward); },
+        "the compile-time tiles (D, vpt, wpr) of the forward or the backward, the default per D first");
   m.def("get_variant", []() { return pybind11::make_tuple(g_fwd_variant, g_bwd_variant); });
   m.def("get_stages", []() { return pybind11::make_tuple(g_fwd_stages, g_bwd_stages); });
   // The torch this module was compiled against: a prebuilt module is only used with the same torch.

@@ -3,7 +3,9 @@
 // torch headers) and the kernels (ln_modulate_{fwd,bwd}.cu, compiled by nvcc WITHOUT the torch headers,
 // which keeps the nvcc part of the build short). Plain structs of pointers and element strides only.
 #pragma once
+#include <array>
 #include <cstdint>
+#include <vector>
 #include <cuda_runtime.h>
 
 namespace lnmod {
@@ -69,6 +71,8 @@ struct BwdParams {
 bool fast_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err);
 bool fast_bwd_occupancy(const BwdParams& p, int* per_sm, int* rpc);
 bool fast_bwd_launch(const BwdParams& p, cudaStream_t stream, cudaError_t* err);
+// The tile tables, (D, vpt, wpr) each, the default per D first (tests and the benchmark read them).
+std::vector<std::array<int, 3>> fast_tiles(bool backward);
 
 // Returns an error string (nullptr on success).
 const char* fwd_launch(const FwdParams& p, cudaStream_t stream);

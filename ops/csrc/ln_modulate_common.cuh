@@ -164,6 +164,16 @@ inline int64_t persistent_ctas(int per_sm, int64_t B, int64_t S, int rpc) {
   return c > 65535 ? 65535 : c;
 }
 
+// Launches `kernel` (a forward: its own rows per CTA `rpc`) on the persistent grid (persistent_ctas, B),
+// raising its dynamic shared-memory limit first when `smem` needs it.
+inline cudaError_t launch_persistent(const void* kernel, int threads, size_t smem, int rpc, int64_t B, int64_t S,
+                                     void** args, cudaStream_t stream) {
+  const cudaError_t e = ensure_smem(kernel, smem);
+  if (e != cudaSuccess) return e;
+  const int64_t c = persistent_ctas(cached_occupancy(kernel, threads, smem), B, S, rpc);
+  return cudaLaunchKernel(kernel, dim3(unsigned(c), unsigned(B)), dim3(threads), args, smem, stream);
+}
+
 // --- scalar conversions (generic path) -------------------------------------------------------------
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }

@@ -5,6 +5,8 @@
 // showed the general kernels spending ~25 (forward) and ~42 (backward) instructions per element on exactly
 // that, issue-bound at low occupancy. Inputs outside this case go to the general kernels (ln_modulate_fwd.cu,
 // ln_modulate_bwd.cu).
+#include <array>
+#include <vector>
 #include "ln_modulate_common.cuh"
 
 namespace lnmod {
@@ -289,11 +291,17 @@ const void* kernel_for(int x_dtype, int t) {
 
 struct FastCfg { const void* k; int threads, rpc; size_t smem; };
 
+// What the tiles take, forward and backward alike: the default kernel choice, aligned bf16 / fp16 x with
+// y / dy in its dtype, fp32 scale staged per sample or globally, no affine, no cp.async row stream.
+template <typename P>
+bool tiles_apply(const P& p) {
+  return p.variant == 0 && p.vectorized && p.x_dtype != kF32 && p.m_dtype == kF32 && p.y_dtype == p.x_dtype &&
+         p.weight == nullptr && p.bias == nullptr && p.sc_ss == 0 && p.stages <= 0;
+}
+
 FastCfg fwd_cfg(const FwdParams& p) {
   FastCfg c{};
-  const bool ok = p.variant == 0 && p.vectorized && p.x_dtype != kF32 && p.m_dtype == kF32 &&
-                  p.y_dtype == p.x_dtype && p.weight == nullptr && p.bias == nullptr && p.sc_ss == 0 && p.sh_ss == 0 &&
-                  p.stages <= 0;
+  const bool ok = tiles_apply(p) && p.sh_ss == 0;
   const int t = ok ? find_tile(kTiles, p.D, p.vpt) : -1;
   if (t < 0) return c;
   const int tpr = 32 * kTiles[t].wpr;
@@ -306,10 +314,8 @@ FastCfg fwd_cfg(const FwdParams& p) {
 
 FastCfg bwd_cfg(const BwdParams& p) {
   FastCfg c{};
-  const bool ok = p.variant == 0 && p.vectorized && p.x_dtype != kF32 && p.m_dtype == kF32 && p.y_dtype == p.x_dtype &&
-                  p.weight == nullptr && p.bias == nullptr && p.sc_ss == 0 && !p.recompute &&
-                  p.mean != nullptr && p.stages <= 0 && p.sc_mode != kPerToken && p.sh_mode != kPerToken &&
-                  p.dweight == nullptr && p.dbias == nullptr;
+  const bool ok = tiles_apply(p) && !p.recompute && p.mean != nullptr && p.sc_mode != kPerToken &&
+                  p.sh_mode != kPerToken && p.dweight == nullptr && p.dbias == nullptr;
   const int t = ok ? find_tile(kBwdTiles, p.D, p.vpt) : -1;
   if (t < 0) return c;
   c.rpc = 1;
@@ -324,13 +330,16 @@ FastCfg bwd_cfg(const BwdParams& p) {
 bool fast_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err) {
   const FastCfg c = fwd_cfg(p);
   if (c.k == nullptr) return false;
-  *err = ensure_smem(c.k, c.smem);
-  if (*err != cudaSuccess) return true;
-  const int per_sm = cached_occupancy(c.k, c.threads, c.smem);
-  const int64_t ctas = persistent_ctas(per_sm, p.B, p.S, c.rpc);
   void* args[] = {const_cast<FwdParams*>(&p)};
-  *err = cudaLaunchKernel(c.k, dim3(unsigned(ctas), unsigned(p.B)), dim3(c.threads), args, c.smem, stream);
+  *err = launch_persistent(c.k, c.threads, c.smem, c.rpc, p.B, p.S, args, stream);
   return true;
+}
+
+std::vector<std::array<int, 3>> fast_tiles(bool backward) {
+  std::vector<std::array<int, 3>> out;
+  if (backward) for (const Tile& t : kBwdTiles) out.push_back({t.D, t.vpt, t.wpr});
+  else for (const Tile& t : kTiles) out.push_back({t.D, t.vpt, t.wpr});
+  return out;
 }
 
 bool fast_bwd_occupancy(const BwdParams& p, int* per_sm, int* rpc) {

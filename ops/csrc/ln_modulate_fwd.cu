@@ -183,7 +183,7 @@ __maxnreg__(PIPE ? (VPT == 1 ? 64 : VPT == 2 ? 72 : VPT == 4 ? 96 : 168) : (VPT 
 // Tried and measured no faster (2026-11-30), so not kept: staged modulation held in registers (VPT <= 2) and
 // an 80-register cap at VPT 4 (5 CTAs per SM, small spill). The cp.async row stream (set_stages) is not
 // implemented here: with stages > 0 the forward takes fwd_vec_kernel.
-enum FwdMod : int { kModSmem = 0, kModRow = 2 };
+enum FwdMod : int { kModSmem = 0, kModRow = 1 };
 
 // Register caps. Without them ptxas hoists the output pass's loads (modulation, weight) above the
 // reduction when the launch bound allows 255 registers (VPT 4: ~110 registers where ~85 suffice), which
@@ -413,32 +413,20 @@ static cudaError_t launch_vec(const FwdParams& p, Shape sh, cudaStream_t stream)
   }
   const void* kernel = pipe ? reinterpret_cast<const void*>(fwd_vec_kernel<TX, TM, TY, VPT, true>)
                             : reinterpret_cast<const void*>(fwd_vec_kernel<TX, TM, TY, VPT, false>);
-  const int threads = sh.wpr * 32 * sh.rpc;
-  cudaError_t e = ensure_smem(kernel, smem);
-  if (e != cudaSuccess) return e;
-  const int per_sm = cached_occupancy(kernel, threads, smem);
-  const int64_t c = persistent_ctas(per_sm, p.B, p.S, sh.rpc);
   int wpr = sh.wpr;
   void* args[] = {const_cast<FwdParams*>(&p), &wpr, const_cast<bool*>(&stage), &nst};
-  return cudaLaunchKernel(kernel, dim3(unsigned(c), unsigned(p.B)), dim3(threads), args, smem, stream);
+  return launch_persistent(kernel, sh.wpr * 32 * sh.rpc, smem, sh.rpc, p.B, p.S, args, stream);
 }
 
 template <typename TX, typename TM, typename TY, int VPT>
 static cudaError_t launch_v1(const FwdParams& p, const Shape& sh, cudaStream_t stream) {
-  const bool stage = p.sc_ss == 0 && p.sh_ss == 0;  // per-sample or global modulation
-  const int mod = stage ? kModSmem : kModRow;
-  const void* kernel = mod == kModRow ? reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kModRow>)
-                                      : reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kModSmem>);
-  const int threads = sh.wpr * 32 * sh.rpc;
-  const bool staged_smem = mod == kModSmem;
-  const size_t smem = sizeof(float4) * 2 * sh.rpc * sh.wpr + (staged_smem ? 2 * sizeof(float) * p.D : 0);
-  cudaError_t e = ensure_smem(kernel, smem);
-  if (e != cudaSuccess) return e;
-  const int per_sm = cached_occupancy(kernel, threads, smem);
-  const int64_t c = persistent_ctas(per_sm, p.B, p.S, sh.rpc);
+  const bool stage = p.sc_ss == 0 && p.sh_ss == 0;  // per-sample or global modulation: staged
+  const void* kernel = stage ? reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kModSmem>)
+                             : reinterpret_cast<const void*>(fwd_v1_kernel<TX, TM, TY, VPT, kModRow>);
+  const size_t smem = sizeof(float4) * 2 * sh.rpc * sh.wpr + (stage ? 2 * sizeof(float) * p.D : 0);
   int wpr = sh.wpr;
   void* args[] = {const_cast<FwdParams*>(&p), &wpr};
-  return cudaLaunchKernel(kernel, dim3(unsigned(c), unsigned(p.B)), dim3(threads), args, smem, stream);
+  return launch_persistent(kernel, sh.wpr * 32 * sh.rpc, smem, sh.rpc, p.B, p.S, args, stream);
 }
 
 template <typename TX, typename TM, typename TY>
