@@ -60,7 +60,7 @@ def refit_profile(doc, res, source, path, safety=0.9):
                              (m["train_fixed_bytes"], m["bytes_per_token"]), m["capacity_bytes"], safety,
                              res["budget_tokens_with_oom_bound"], meta, fit, dual_range=(min(sizes), max(sizes)),
                              dual_sizes=sizes)
-    cal.write_profile(out, path, header=cal._header(out))
+    cal.write_profile(out, path)
 
 
 def main():

@@ -112,7 +112,7 @@ def run(args) -> int:
         doc = measure_profile(cfg, ds, args, shapes, heldout)
         if doc is None:  # not rank 0 of a multi-rank calibration
             return 0
-    write_profile(doc, args.out, header=_header(doc))
+    write_profile(doc, args.out)
     from ds_adaptiveload.profile import CostProfile
 
     prof = CostProfile.load(args.out)  # what the planner will read: must load
@@ -513,12 +513,13 @@ def _r(v, digits=5):
     return float(f"{v:.{digits}g}") if v else 0.0
 
 
-def write_profile(doc, path, header=""):
+def write_profile(doc, path):
+    """The profile YAML, under a comment header that says how it was made and how to read it."""
     import yaml
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        f.write(header)
+        f.write(_header(doc))
         yaml.safe_dump(doc, f, sort_keys=False, default_flow_style=None, width=120)
 
 
@@ -726,6 +727,9 @@ def measure_profile(cfg, ds, args, shapes, heldout):
                                 dual_sizes=sizes, pin_dual=args.pin_dual)
         return rows, doc, prof
 
+    def budget_below(tokens):  # the budget once a micro-batch of `tokens` per GPU ran out of memory
+        return budget_tokens(capacity, args.safety, mem_doc[0], mem[1], tokens)
+
     if mem and capacity and args.probe_budget:
         # Check the extrapolated budget where it matters: one micro-batch of the smallest shape filling it.
         small = min((p for p in points if p.status == "ok"), key=lambda p: p.s)
@@ -741,14 +745,14 @@ def measure_profile(cfg, ds, args, shapes, heldout):
                 _, doc, _ = make_doc(budget)
                 doc["fit"]["budget_probe"] = (f"not run yet: B={probe.B} x s={probe.s} ({probe.tokens} tokens) "
                                               "is next; an out-of-memory there stops a multi-rank run")
-                write_profile(doc, args.out, header=_header(doc))
+                write_profile(doc, args.out)
                 print(f"wrote {args.out} before the budget probe", flush=True)
 
                 def lower_budget(p):  # rank 0 ran out of memory in the probe: the bound goes in before the exit
                     p.status, p.note = "oom", "out of memory on rank 0; the run stopped here"
                     points.append(p)
-                    _, doc, _ = make_doc(budget_tokens(capacity, args.safety, mem_doc[0], mem[1], p.tokens))
-                    write_profile(doc, args.out, header=_header(doc))
+                    _, doc, _ = make_doc(budget_below(p.tokens))
+                    write_profile(doc, args.out)
                     print(f"wrote {args.out} with the budget below the probe's {p.tokens} tokens", flush=True)
 
                 step_fn.before_exit = lower_budget
@@ -756,7 +760,7 @@ def measure_profile(cfg, ds, args, shapes, heldout):
             _measure_point(probe, step_fn, clock, oom_types, repeats=1, big_s=0.0, warmup=0)
             step_fn.before_exit = None
         if probe.status == "oom":
-            budget = budget_tokens(capacity, args.safety, mem_doc[0], mem[1], probe.tokens)
+            budget = budget_below(probe.tokens)
         points.append(probe)
     rows, doc, prof = make_doc(budget)
     if not is_main:
