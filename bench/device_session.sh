@@ -3,6 +3,8 @@
 #   calib  python -m ds_adaptiveload calibrate on GPU 0 (default grid and held-out shapes, CAL_BUDGET s)
 #   calib_sp2  the same on both GPUs with Ulysses sp = 2 (configs/ds_zero3_bf16_sp2.json), after calib
 #   one    1.3B, ZeRO-3, bf16, fused op: 20 steps on one GPU (GPU 1; beside calib when both are asked)
+#   kernel bench/device_kernel.sh on GPU 1 (beside calib)
+#   verify bench/device_verify.sh on GPU 1 (beside calib; VERIFY_* knobs pass through)
 #   sp2    the same on both GPUs with Ulysses sp = 2
 #   dp2    the same on both GPUs, data parallel 2
 #   ncu    bench/ncu_ln_modulate.sh: Nsight Compute sections of the op's kernels (if ncu is there)
@@ -67,6 +69,18 @@ if want calib; then
   CAL=$!
 fi
 want one && { el "1.3B, 1 GPU (GPU 1), 20 steps"; train one "--include localhost:1 --master_port 29611" 150; }
+if want kernel; then  # bench/device_kernel.sh on GPU 1 beside calib (tests, sanitizers, benchmark; KERNEL_* caps)
+  el "kernel tests + sanitizers + benchmark on GPU 1"
+  CUDA_VISIBLE_DEVICES=1 OUT="$OUT/kernel" TORCHINDUCTOR_COMPILE_THREADS=1 OMP_NUM_THREADS=4 \
+    timeout "$(cap 480)" bash bench/device_kernel.sh > "$L/kernel.log" 2>&1
+  el "kernel: exit $?"; tail -30 "$L/kernel.log" | cut -c1-250
+fi
+if want verify; then  # bench/device_verify.sh on GPU 1 beside calib (inductor on one thread: calib's host stays free)
+  el "kernel verify on GPU 1"
+  CUDA_VISIBLE_DEVICES=1 OUT="$OUT/verify" TORCHINDUCTOR_COMPILE_THREADS=1 OMP_NUM_THREADS=4 \
+    timeout "$(cap 330)" bash bench/device_verify.sh > "$L/verify.log" 2>&1
+  el "verify: exit $?"; tail -14 "$L/verify.log" | cut -c1-250
+fi
 if want calib; then wait $CAL; el "calibrate: $(tail -1 "$L/calibrate.log")"; tail -25 "$L/calibrate.log" | cut -c1-200; fi
 if want calib_sp2; then
   # --no_local_rank: the launcher would put --local_rank=N before the subcommand, which the CLI rejects.

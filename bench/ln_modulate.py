@@ -125,7 +125,7 @@ def tuning_sweep(op, B, S, D, dtype, bw):
     """Kernel times per kernel choice (op.set_variant(v, v)): 2 = the baseline kernels (with the cp.async
     row stream, stages 3, and a vpt override; saved vs recomputed statistics), 1 = the general kernels
     (forward fwd_v1_kernel; its backward is the baseline's), 0 = the default: the compile-time tiles, each
-    tile of the table timed (vpt picks it). Rows record what was timed (None elsewhere)."""
+    tile of the table timed (op.set_tile picks it). Rows record what was timed (None elsewhere)."""
     x = torch.randn(B * S, D, device="cuda").to(dtype)
     sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(B, 1, D, device="cuda")
     dy = torch.randn(B * S, D, device="cuda").to(dtype)
@@ -141,9 +141,11 @@ def tuning_sweep(op, B, S, D, dtype, bw):
 
     rows = []
 
-    def add(variant, stages, vpt, f=None, b=None, b_rec=None):
+    def add(variant, stages, vpt, f=None, b=None, b_rec=None, tile=None):
         row = {"shape": [B, S, D], "dtype": str(dtype), "variant": variant, "stages": stages, "vpt": vpt,
                "fwd_ms": f, "bwd_saved_ms": b, "bwd_recompute_ms": b_rec}
+        if tile is not None:
+            row["tile"] = list(tile)  # (D, vpt, wpr, rows ahead)
         if f:
             row["fwd_bw%"] = round(100 * fb / (f * 1e-3) / bw, 1)
         if b:
@@ -164,13 +166,16 @@ def tuning_sweep(op, B, S, D, dtype, bw):
     for vpt in (-1,) + ((2, 4) if D > 2048 else (4, 8)):
         add(1, 0, vpt, f=bench_ms(lambda: fwd(vpt)))
     op.set_variant(0, 0)
-    # every tile of the op's own tables at this D (the default first); -1 where D has none
-    fv, bv = ([t[1] for t in op.fast_tiles(bwd_) if t[0] == D] or [-1] for bwd_ in (False, True))
+    # every tile of the op's own tables at this D (op.set_tile(index); the default first); none: -1
+    fv, bv = ([i for i, t in enumerate(op.fast_tiles(bwd_)) if t[0] == D] or [-1] for bwd_ in (False, True))
     _, mean, rstd = fwd(-1)
-    for vpt in fv:
-        add(0, 0, vpt, f=bench_ms(lambda: fwd(vpt)))
-    for vpt in bv:
-        add(0, 0, vpt, b=bench_ms(lambda: bwd(vpt, mean, rstd)))
+    for t in fv:
+        op.set_tile(t, -1)
+        add(0, 0, -1, f=bench_ms(lambda: fwd(-1)), tile=op.fast_tiles(False)[t] if t >= 0 else None)
+    for t in bv:
+        op.set_tile(-1, t)
+        add(0, 0, -1, b=bench_ms(lambda: bwd(-1, mean, rstd)), tile=op.fast_tiles(True)[t] if t >= 0 else None)
+    op.set_tile(-1, -1)
     op.set_variant(*before)
     return rows
 
@@ -181,6 +186,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip remaining baselines after this many seconds")
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 1x75600x5120,8x4680x1536")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep-shapes", default="1x75600x5120,1x32760x1536", help="shapes of the kernel sweep (bf16)")
     ap.add_argument("--variants", default="0,2", help="kernel choices timed: ours (0, the default) and ours_vN "
                     "columns (1 = general kernels only, 2 = the 2026-11-29 baseline kernels)")
     ap.add_argument("--dtypes", default="bfloat16,float32")
@@ -202,9 +208,12 @@ def main():
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
 
-    shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    def parse(text):
+        return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+
+    shapes = SHAPES if args.shapes == "all" else parse(args.shapes)
     if not args.no_sweep:
-        for shp in [(1, 75600, 5120), (1, 32760, 1536)]:
+        for shp in parse(args.sweep_shapes):
             res["sweep"] += tuning_sweep(op, *shp, torch.bfloat16, bw)
         save()
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:

@@ -391,16 +391,20 @@ def test_cuda_fast_tiles(cuda_op, kernel_choice, dtype, layout):
     kernels' (float64-checked elsewhere) and bitwise repeatable; rows not a multiple of the grid and B = 3
     (several samples share the grid)."""
     op = lnm_mod.load_op()
-    tiles = {}
+    tiles = {}  # D -> (forward tile indices, backward tile indices) into the op's tables
     for backward in (False, True):
-        for D, vpt, _ in op.fast_tiles(backward):
-            tiles.setdefault(D, ([], []))[backward].append(vpt)
+        for i, (D, *_rest) in enumerate(op.fast_tiles(backward)):
+            tiles.setdefault(D, ([], []))[backward].append(i)
     assert {1536, 5120} <= set(tiles)
-    for D, (fvpts, bvpts) in sorted(tiles.items()):
-        check_fast_tiles(kernel_choice, D, fvpts, bvpts, dtype, layout)
+    before = tuple(op.get_tile())
+    try:
+        for D, (ftiles, btiles) in sorted(tiles.items()):
+            check_fast_tiles(kernel_choice, D, ftiles, btiles, dtype, layout)
+    finally:
+        op.set_tile(*before)
 
 
-def check_fast_tiles(kernel_choice, D, fvpts, bvpts, dtype, layout):
+def check_fast_tiles(kernel_choice, D, ftiles, btiles, dtype, layout):
     B, S = 3, 1237
     x = (torch.randn(B * S, D, device="cuda") * 2 + 0.5).to(dtype)
     shp = (B, 1, D) if layout == "sample" else (D,)
@@ -415,18 +419,21 @@ def check_fast_tiles(kernel_choice, D, fvpts, bvpts, dtype, layout):
     base = op.backward(dy, x, sc, None, None, *stats, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1)
     op = kernel_choice(0)
     x64 = x.double()
-    for vpt in fvpts:
+    for t in ftiles:
+        op.set_tile(t, -1)
         poison("cuda", B * S * D * x.element_size())
-        y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, sb, 0, sb, 0, 1e-6, code, True, vpt, -1)
-        assert rel(y.view(B, S, D), ref) < TOL[dtype][0], f"forward D {D} vpt {vpt}"
+        y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, sb, 0, sb, 0, 1e-6, code, True, -1, -1)
+        assert rel(y.view(B, S, D), ref) < TOL[dtype][0], f"forward D {D} tile {op.fast_tiles(False)[t]}"
         assert (mean.double() - x64.mean(-1)).abs().max().item() < 1e-4
         rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt()
         assert ((rstd.double() - rstd64) / rstd64).abs().max().item() < 1e-5
-    for vpt in bvpts:
+    for t in btiles:
+        op.set_tile(-1, t)
+        what = f"D {D} tile {op.fast_tiles(True)[t]}"
         poison("cuda", B * S * D * x.element_size())
-        got = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, vpt, -1)
-        assert rel(got[0], base[0]) < 4e-3, f"dx, backward D {D} vpt {vpt}"
+        got = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1)
+        assert rel(got[0], base[0]) < 4e-3, f"dx, backward {what}"
         for a, c in zip(got[1:3], base[1:3]):
-            assert rel(a, c) < 1e-5, f"dscale/dshift, backward D {D} vpt {vpt}"
-        again = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, vpt, -1)
-        assert all(torch.equal(a, c) for a, c in zip(got[:3], again[:3])), f"not bitwise reproducible: D {D} vpt {vpt}"
+            assert rel(a, c) < 1e-5, f"dscale/dshift, backward {what}"
+        again = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1)
+        assert all(torch.equal(a, c) for a, c in zip(got[:3], again[:3])), f"not bitwise reproducible: {what}"

@@ -26,6 +26,8 @@ int g_fwd_stages = -1, g_bwd_stages = -1;
 // where they apply, else the general kernels); 1 = the general kernels only; 2 = the baseline kernels of
 // 2026-11-29 (fwd_vec_kernel / bwd_vec_kernel) only.
 int g_fwd_variant = 0, g_bwd_variant = 0;
+// Compile-time tile for the next launches (index into op.fast_tiles(); -1 = the default for D), for tuning.
+int g_fwd_tile = -1, g_bwd_tile = -1;
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
@@ -86,6 +88,7 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& scale, co
   p.vpt = int(vpt); p.rpc = int(rpc);
   p.stages = g_fwd_stages;
   p.variant = g_fwd_variant;
+  p.tile = g_fwd_tile;
   const char* err = lnmod::fwd_launch(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, err ? err : "");
   return {y, mean, rstd};
@@ -145,6 +148,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
   p.vpt = int(vpt); p.rpc = int(rpc);
   p.stages = g_bwd_stages;
   p.variant = g_bwd_variant;
+  p.tile = g_bwd_tile;
   const int64_t ws_floats = lnmod::bwd_plan(p);
   auto ws = at::empty({ws_floats}, f32);
   p.workspace = ws.data_ptr<float>();
@@ -170,7 +174,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_bwd_variant = int(bwd);
   }, "kernels of the forward / backward: 0 default, 1 general only, 2 baseline only; for A-B comparison");
   m.def("fast_tiles", [](bool backward) { return lnmod::fast_tiles(backward); },
-        "the compile-time tiles (D, vpt, wpr) of the forward or the backward, the default per D first");
+        "the compile-time tiles (D, vpt, wpr, rows ahead) of the forward or the backward, the default per D first");
+  m.def("set_tile", [](int64_t fwd, int64_t bwd) {
+    TORCH_CHECK(fwd >= -1 && bwd >= -1, "ln_modulate.set_tile: -1 (default) or an index into fast_tiles()");
+    g_fwd_tile = int(fwd);
+    g_bwd_tile = int(bwd);
+  }, "tile of the forward / backward by index into fast_tiles() (-1: the default for D; an index for another D "
+     "runs the general kernels); for tuning");
+  m.def("get_tile", []() { return pybind11::make_tuple(g_fwd_tile, g_bwd_tile); });
   m.def("get_variant", []() { return pybind11::make_tuple(g_fwd_variant, g_bwd_variant); });
   m.def("get_stages", []() { return pybind11::make_tuple(g_fwd_stages, g_bwd_stages); });
   // The torch this module was compiled against: a prebuilt module is only used with the same torch.

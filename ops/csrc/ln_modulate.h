@@ -33,6 +33,7 @@ struct FwdParams {
   int vpt, rpc;         // launch overrides for tuning (-1 = heuristic)
   int stages;           // rows of x staged ahead in shared memory by cp.async (<= 0: off, the default)
   int variant;          // set_variant(): 0 = default (tiles, then general); 1 = no tiles; 2 = baseline kernels
+  int tile;             // set_tile(): index into the forward tile table (-1 = the default for D)
 };
 
 struct BwdParams {
@@ -62,6 +63,7 @@ struct BwdParams {
   int vpt, rpc;
   int stages;           // rows of x and dy staged ahead in shared memory (<= 0: off, the default)
   int variant;          // as FwdParams::variant
+  int tile;             // as FwdParams::tile, into the backward table
   int ctas_per_sample;  // filled by bwd_plan()
 };
 
@@ -71,8 +73,8 @@ struct BwdParams {
 bool fast_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err);
 bool fast_bwd_occupancy(const BwdParams& p, int* per_sm, int* rpc);
 bool fast_bwd_launch(const BwdParams& p, cudaStream_t stream, cudaError_t* err);
-// The tile tables, (D, vpt, wpr) each, the default per D first (tests and the benchmark read them).
-std::vector<std::array<int, 3>> fast_tiles(bool backward);
+// The tile tables, (D, vpt, wpr, rows ahead) each, the default per D first (tests and the benchmark read them).
+std::vector<std::array<int, 4>> fast_tiles(bool backward);
 
 // Returns an error string (nullptr on success).
 const char* fwd_launch(const FwdParams& p, cudaStream_t stream);

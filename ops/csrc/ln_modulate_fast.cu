@@ -46,9 +46,14 @@ __device__ __forceinline__ float2 rows_sum2(float2 v, float2* slot, int group, i
 }
 
 
-// At least 24 warps per SM (16 for long rows per thread): register caps that hold the row unspilled.
-template <typename TX, int VPT, int WPR>
-__global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * WPR * fast_rpc(32 * WPR), VPT * sizeof(TX) >= 10 ? 512 : 768)) fwd_fast_kernel(FwdParams p) {
+// Threads per SM asked of the compiler: 24 warps, 16 when a thread holds 10+ bytes of a row or 16+ bytes of
+// rows ahead (register caps that hold them unspilled).
+constexpr int fwd_sm_threads(int vpt_bytes, int pf) { return vpt_bytes >= 10 || vpt_bytes * pf >= 16 ? 512 : 768; }
+// PF rows in flight per row group (the next PF rows are loaded while one is reduced and written): bf16 rows
+// carry half the bytes of fp32 ones for the same work, so one row ahead may not cover the memory latency.
+template <typename TX, int VPT, int WPR, int PF>
+__global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR),
+    min_ctas(32 * WPR * fast_rpc(32 * WPR), fwd_sm_threads(VPT * sizeof(TX), PF))) fwd_fast_kernel(FwdParams p) {
   constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;
   constexpr float kInvD = 1.f / D, kWarpN = 8.f * VPT * 32;
   extern __shared__ float smem[];
@@ -70,68 +75,72 @@ __global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * W
   TX* y = static_cast<TX*>(p.y) + b * p.S * D + tid * 8;
   const int64_t step = int64_t(gridDim.x) * rpc;
   int64_t si = int64_t(blockIdx.x) * rpc + group;
-  Pack8<TX> nxt[VPT];
-  if (si < p.S) {
+  Pack8<TX> nxt[PF][VPT];  // ring of the next PF rows, indexed statically (the loop below is unrolled by PF)
+  auto load_row = [&](int r, int64_t row) {
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) nxt[i].load(x + si * D + i * TPR * 8);
-  }
+    for (int i = 0; i < VPT; ++i) nxt[r][i].load(x + row * D + i * TPR * 8);
+  };
+#pragma unroll
+  for (int r = 0; r < PF; ++r)
+    if (si + r * step < p.S) load_row(r, si + r * step);
   int parity = 0;
-  for (; si < p.S; si += step) {
-    float xf[VPT][8];
+  while (si < p.S) {
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) nxt[i].get(xf[i]);
-    if (si + step < p.S) {  // prefetch the next row while this one is reduced and written
+    for (int r = 0; r < PF; ++r, si += step) {
+      if (si >= p.S) break;
+      float xf[VPT][8];
 #pragma unroll
-      for (int i = 0; i < VPT; ++i) nxt[i].load(x + (si + step) * D + i * TPR * 8);
-    }
-    // Exact two-pass statistics per warp, then one barrier to merge the warps (equal counts: Chan's formula
-    // reduces to the mean of the warp means plus the spread of the warp means).
-    float part[VPT];
+      for (int i = 0; i < VPT; ++i) nxt[r][i].get(xf[i]);
+      if (si + PF * step < p.S) load_row(r, si + PF * step);  // refill the slot while this row is reduced and written
+      // Exact two-pass statistics per warp, then one barrier to merge the warps (equal counts: Chan's formula
+      // reduces to the mean of the warp means plus the spread of the warp means).
+      float part[VPT];
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) part[i] = sum8(xf[i]);
-    const float wmean = warp_sum(sumn<VPT>(part)) * (1.f / kWarpN);
+      for (int i = 0; i < VPT; ++i) part[i] = sum8(xf[i]);
+      const float wmean = warp_sum(sumn<VPT>(part)) * (1.f / kWarpN);
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      float q = 0.f;
+      for (int i = 0; i < VPT; ++i) {
+        float q = 0.f;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float d = xf[i][k] - wmean;
-        q = fmaf(d, d, q);
+        for (int k = 0; k < 8; ++k) {
+          const float d = xf[i][k] - wmean;
+          q = fmaf(d, d, q);
+        }
+        part[i] = q;
       }
-      part[i] = q;
-    }
-    const float wm2 = warp_sum(sumn<VPT>(part));
-    float mean = wmean, m2 = wm2;
-    if (WPR > 1) {
-      float2* slot = slots + (parity * rpc + group) * WPR;
-      const float2 tot = rows_sum2<WPR, TPR>(make_float2(wmean, wm2), slot, group, warp, lane);
-      mean = tot.x * (1.f / WPR);
-      float spread = 0.f;  // the warp means' spread about the row mean (read back after the barrier)
-      if constexpr (WPR <= 6) {
+      const float wm2 = warp_sum(sumn<VPT>(part));
+      float mean = wmean, m2 = wm2;
+      if (WPR > 1) {
+        float2* slot = slots + (parity * rpc + group) * WPR;
+        const float2 tot = rows_sum2<WPR, TPR>(make_float2(wmean, wm2), slot, group, warp, lane);
+        mean = tot.x * (1.f / WPR);
+        float spread = 0.f;  // the warp means' spread about the row mean (read back after the barrier)
+        if constexpr (WPR <= 6) {
 #pragma unroll
-        for (int w = 0; w < WPR; ++w) { const float d = slot[w].x - mean; spread = fmaf(d, d, spread); }
-      } else {
-        const float d = lane < WPR ? slot[lane].x - mean : 0.f;
-        spread = warp_sum(d * d);
+          for (int w = 0; w < WPR; ++w) { const float d = slot[w].x - mean; spread = fmaf(d, d, spread); }
+        } else {
+          const float d = lane < WPR ? slot[lane].x - mean : 0.f;
+          spread = warp_sum(d * d);
+        }
+        m2 = fmaf(kWarpN, spread, tot.y);
+        parity ^= 1;  // the next row writes the other buffer: one barrier per row suffices
       }
-      m2 = fmaf(kWarpN, spread, tot.y);
-      parity ^= 1;  // the next row writes the other buffer: one barrier per row suffices
-    }
-    const float rstd = rsqrtf(m2 * kInvD + p.eps);
-    if (tid == 0 && p.mean != nullptr) {
-      p.mean[b * p.S + si] = mean;
-      p.rstd[b * p.S + si] = rstd;
-    }
-    // (x - mean) * rstd, not one FFMA with -mean * rstd: exact also when |mean| >> std.
+      const float rstd = rsqrtf(m2 * kInvD + p.eps);
+      if (tid == 0 && p.mean != nullptr) {
+        p.mean[b * p.S + si] = mean;
+        p.rstd[b * p.S + si] = rstd;
+      }
+      // (x - mean) * rstd, not one FFMA with -mean * rstd: exact also when |mean| >> std.
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const int c = tid * 8 + i * TPR * 8;
-      float a[8], t[8], o[8];
-      lds8(mod_a + c, a);
-      lds8(mod_t + c, t);
+      for (int i = 0; i < VPT; ++i) {
+        const int c = tid * 8 + i * TPR * 8;
+        float a[8], t[8], o[8];
+        lds8(mod_a + c, a);
+        lds8(mod_t + c, t);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) o[k] = fmaf((xf[i][k] - mean) * rstd, a[k], t[k]);
-      store8(y + si * D + i * TPR * 8, o);
+        for (int k = 0; k < 8; ++k) o[k] = fmaf((xf[i][k] - mean) * rstd, a[k], t[k]);
+        store8(y + si * D + i * TPR * 8, o);
+      }
     }
   }
 }
@@ -139,10 +148,10 @@ __global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * W
 // Backward: dshift = dy, dscale = dy * xhat, dz = dy * (1 + scale), dx = rstd * (dz - mean(dz) - xhat *
 // mean(dz * xhat)). Each thread owns fixed columns and accumulates dscale / dshift over its rows in registers
 // (2 * 8 * VPT of them, which is why the backward prefers few vectors per thread); the next row's x, dy and
-// statistics are prefetched; one barrier per row merges the two row sums. Partial sums go to the workspace
+// statistics are loaded PF rows ahead; one barrier per row merges the two row sums. Partial sums go to the workspace
 // exactly as the general kernel writes them (the same reduce kernel finishes them).
 // At least 20 warps per SM: the register cap this implies (e.g. 102 at 320 threads).
-template <typename TX, int VPT, int WPR>
+template <typename TX, int VPT, int WPR, int PF>
 __global__ void __launch_bounds__(32 * WPR, min_ctas(32 * WPR, 640)) bwd_fast_kernel(BwdParams p) {
   constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;  // one row group per CTA: blockDim.x == TPR
   constexpr float kInvD = 1.f / D;
@@ -167,65 +176,64 @@ __global__ void __launch_bounds__(32 * WPR, min_ctas(32 * WPR, 640)) bwd_fast_ke
     for (int k = 0; k < 8; ++k) acc_sc[i][k] = acc_sh[i][k] = 0.f;
   const int64_t step = gridDim.x;
   int64_t si = blockIdx.x;
-  Pack8<TX> xn[VPT], gn[VPT];
-  float mean_n = 0.f, rstd_n = 0.f;
-  if (si < p.S) {
+  Pack8<TX> xn[PF][VPT], gn[PF][VPT];  // ring of the next PF rows of x and dy (static indices: unrolled by PF)
+  float mean_n[PF], rstd_n[PF];
+  auto load_row = [&](int r, int64_t row) {  // slot r <- x, dy and statistics of `row` (r a constant)
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
-      xn[i].load(x + si * D + i * TPR * 8);
-      gn[i].load(dy + si * D + i * TPR * 8);
+      xn[r][i].load(x + row * D + i * TPR * 8);
+      gn[r][i].load(dy + row * D + i * TPR * 8);
     }
-    mean_n = mean_p[si];
-    rstd_n = rstd_p[si];
-  }
+    mean_n[r] = mean_p[row];
+    rstd_n[r] = rstd_p[row];
+  };
+#pragma unroll
+  for (int r = 0; r < PF; ++r)
+    if (si + r * step < p.S) load_row(r, si + r * step);
   int parity = 0;
-  for (; si < p.S; si += step) {
-    // xhat stays in registers for the second pass; dz is recomputed there from the packed dy (fewer registers
-    // than keeping it: the row, the next row and the accumulators must fit the cap without spills).
-    float xh[VPT][8], s1[VPT], s2[VPT];
-    Pack8<TX> gc[VPT];
-    const float rstd = rstd_n, mean = mean_n;
+  while (si < p.S) {
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      float xf[8], g[8], a[8];
-      xn[i].get(xf);
-      gc[i] = gn[i];
-      gc[i].get(g);
-      lds8(mod_a + tid * 8 + i * TPR * 8, a);
-      float u = 0.f, v = 0.f;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        xh[i][k] = (xf[k] - mean) * rstd;  // exact also when |mean| >> std
-        acc_sc[i][k] = fmaf(g[k], xh[i][k], acc_sc[i][k]);
-        acc_sh[i][k] += g[k];
-        const float dz = g[k] * a[k];
-        u += dz;
-        v = fmaf(dz, xh[i][k], v);
-      }
-      s1[i] = u;
-      s2[i] = v;
-    }
-    if (si + step < p.S) {  // prefetch the next row (x, dy, statistics)
+    for (int r = 0; r < PF; ++r, si += step) {
+      if (si >= p.S) break;
+      // xhat stays in registers for the second pass; dz is recomputed there from the packed dy (fewer
+      // registers than keeping it: the row, the rows ahead and the accumulators must fit without spills).
+      float xh[VPT][8], s1[VPT], s2[VPT];
+      Pack8<TX> gc[VPT];
+      const float rstd = rstd_n[r], mean = mean_n[r];
 #pragma unroll
       for (int i = 0; i < VPT; ++i) {
-        xn[i].load(x + (si + step) * D + i * TPR * 8);
-        gn[i].load(dy + (si + step) * D + i * TPR * 8);
+        float xf[8], g[8], a[8];
+        xn[r][i].get(xf);
+        gc[i] = gn[r][i];
+        gc[i].get(g);
+        lds8(mod_a + tid * 8 + i * TPR * 8, a);
+        float u = 0.f, v = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          xh[i][k] = (xf[k] - mean) * rstd;  // exact also when |mean| >> std
+          acc_sc[i][k] = fmaf(g[k], xh[i][k], acc_sc[i][k]);
+          acc_sh[i][k] += g[k];
+          const float dz = g[k] * a[k];
+          u += dz;
+          v = fmaf(dz, xh[i][k], v);
+        }
+        s1[i] = u;
+        s2[i] = v;
       }
-      mean_n = mean_p[si + step];
-      rstd_n = rstd_p[si + step];
-    }
-    const float2 sums = rows_sum2<WPR, TPR>(warp_sum2(make_float2(sumn<VPT>(s1), sumn<VPT>(s2))),
-                                            slots + parity * WPR, 0, warp, lane);
-    parity ^= 1;
-    const float c1 = -rstd * sums.x * kInvD, c2 = -rstd * sums.y * kInvD;
+      if (si + PF * step < p.S) load_row(r, si + PF * step);  // refill the slot with the row PF steps ahead
+      const float2 sums = rows_sum2<WPR, TPR>(warp_sum2(make_float2(sumn<VPT>(s1), sumn<VPT>(s2))),
+                                              slots + parity * WPR, 0, warp, lane);
+      parity ^= 1;
+      const float c1 = -rstd * sums.x * kInvD, c2 = -rstd * sums.y * kInvD;
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      float g[8], a[8], o[8];
-      gc[i].get(g);
-      lds8(mod_a + tid * 8 + i * TPR * 8, a);
+      for (int i = 0; i < VPT; ++i) {
+        float g[8], a[8], o[8];
+        gc[i].get(g);
+        lds8(mod_a + tid * 8 + i * TPR * 8, a);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) o[k] = fmaf(g[k] * a[k], rstd, fmaf(xh[i][k], c2, c1));
-      store8(dx + si * D + i * TPR * 8, o);
+        for (int k = 0; k < 8; ++k) o[k] = fmaf(g[k] * a[k], rstd, fmaf(xh[i][k], c2, c1));
+        store8(dx + si * D + i * TPR * 8, o);
+      }
     }
   }
   // This CTA's partial sums: one row per quantity in the workspace (the layout the reduce kernel reads).
@@ -242,26 +250,27 @@ __global__ void __launch_bounds__(32 * WPR, min_ctas(32 * WPR, 640)) bwd_fast_ke
 }
 
 // (VPT, WPR) tilings per D, the first being the default; p.vpt picks another one for tuning.
-struct Tile { int D, vpt, wpr; };
-// The forward holds a row as 8 * VPT fp32 registers plus the next row packed; the backward holds 3 * 8 * VPT
-// fp32 registers (xhat and the two accumulators) plus two packed rows, so it takes VPT <= 2, one row group
-// (>= 192 threads) per CTA. Defaults (first per D) at D = 1536 and 5120 are the fastest measured on H200
-// (2026-11-30, docs/kernel.md); the other widths follow the same shapes, correctness-tested, not timed.
-constexpr Tile kTiles[] = {{1536, 2, 3}, {1536, 3, 2}, {1536, 6, 1}, {2048, 4, 2}, {2048, 2, 4},
-                           {3072, 3, 4}, {3072, 6, 2}, {4096, 4, 4}, {4096, 2, 8}, {5120, 4, 5},
-                           {5120, 5, 4}, {5120, 2, 10}, {8192, 4, 8}, {8192, 8, 4}};
-constexpr Tile kBwdTiles[] = {{1536, 1, 6}, {2048, 1, 8}, {3072, 1, 12}, {3072, 2, 6}, {4096, 1, 16},
-                              {4096, 2, 8}, {5120, 1, 20}, {5120, 2, 10}, {8192, 2, 16}};
+struct Tile { int D, vpt, wpr, pf; };
+// The forward holds a row as 8 * VPT fp32 registers plus the PF rows ahead packed; the backward holds
+// 3 * 8 * VPT fp32 registers (xhat and the two accumulators) plus 2 * PF packed rows, so it takes VPT <= 2,
+// one row group (>= 192 threads) per CTA. Defaults (first per D) at D = 1536 and 5120 are the fastest
+// measured on H200 (docs/kernel.md); the other widths follow the same shapes, correctness-tested, not timed.
+// op.set_tile(f, b) picks an entry by its index (tuning, tests).
+constexpr Tile kTiles[] = {{1536, 2, 3, 1}, {1536, 3, 2, 1}, {1536, 6, 1, 1}, {1536, 2, 3, 2}, {1536, 3, 2, 2},
+                           {2048, 4, 2, 1}, {2048, 2, 4, 1}, {3072, 3, 4, 1}, {3072, 6, 2, 1}, {4096, 4, 4, 1},
+                           {4096, 2, 8, 1}, {5120, 4, 5, 1}, {5120, 5, 4, 1}, {5120, 2, 10, 1}, {5120, 4, 5, 2},
+                           {5120, 2, 10, 2}, {5120, 2, 10, 3}, {8192, 4, 8, 1}, {8192, 8, 4, 1}};
+constexpr Tile kBwdTiles[] = {{1536, 1, 6, 1}, {1536, 1, 6, 2}, {1536, 1, 6, 3}, {2048, 1, 8, 1}, {3072, 1, 12, 1},
+                              {3072, 2, 6, 1}, {4096, 1, 16, 1}, {4096, 2, 8, 1}, {5120, 1, 20, 1}, {5120, 2, 10, 1},
+                              {5120, 1, 20, 2}, {5120, 1, 20, 3}, {8192, 2, 16, 1}};
 
+// Index of the tile to run: `pick` when it is an entry for D, the first entry for D when pick < 0, else -1.
 template <size_t N>
-int find_tile(const Tile (&tiles)[N], int D, int vpt) {
-  int first = -1;
+int find_tile(const Tile (&tiles)[N], int D, int pick) {
+  if (pick >= 0) return pick < int(N) && tiles[pick].D == D ? pick : -1;
   for (int i = 0; i < int(N); ++i)
-    if (tiles[i].D == D) {
-      if (first < 0) first = i;
-      if (vpt <= 0 || tiles[i].vpt == vpt) return i;
-    }
-  return vpt <= 0 ? first : -1;
+    if (tiles[i].D == D) return i;
+  return -1;
 }
 
 // Kernel pointer for tile index t (a compile-time table walk: one instantiation per tile and dtype).
@@ -273,8 +282,8 @@ const void* tile_kernel(int t) {
   } else {
     constexpr Tile tl = BWD ? kBwdTiles[I] : kTiles[I];
     if (t == I) {
-      if constexpr (BWD) return reinterpret_cast<const void*>(bwd_fast_kernel<TX, tl.vpt, tl.wpr>);
-      else return reinterpret_cast<const void*>(fwd_fast_kernel<TX, tl.vpt, tl.wpr>);
+      if constexpr (BWD) return reinterpret_cast<const void*>(bwd_fast_kernel<TX, tl.vpt, tl.wpr, tl.pf>);
+      else return reinterpret_cast<const void*>(fwd_fast_kernel<TX, tl.vpt, tl.wpr, tl.pf>);
     }
     return tile_kernel<TX, BWD, I + 1>(t);
   }
@@ -292,17 +301,18 @@ const void* kernel_for(int x_dtype, int t) {
 struct FastCfg { const void* k; int threads, rpc; size_t smem; };
 
 // What the tiles take, forward and backward alike: the default kernel choice, aligned bf16 / fp16 x with
-// y / dy in its dtype, fp32 scale staged per sample or globally, no affine, no cp.async row stream.
+// y / dy in its dtype, fp32 scale staged per sample or globally, no affine, no cp.async row stream, no
+// launch-shape override (vpt / rpc overrides tune the general kernels).
 template <typename P>
 bool tiles_apply(const P& p) {
   return p.variant == 0 && p.vectorized && p.x_dtype != kF32 && p.m_dtype == kF32 && p.y_dtype == p.x_dtype &&
-         p.weight == nullptr && p.bias == nullptr && p.sc_ss == 0 && p.stages <= 0;
+         p.weight == nullptr && p.bias == nullptr && p.sc_ss == 0 && p.stages <= 0 && p.vpt <= 0 && p.rpc <= 0;
 }
 
 FastCfg fwd_cfg(const FwdParams& p) {
   FastCfg c{};
   const bool ok = tiles_apply(p) && p.sh_ss == 0;
-  const int t = ok ? find_tile(kTiles, p.D, p.vpt) : -1;
+  const int t = ok ? find_tile(kTiles, p.D, p.tile) : -1;
   if (t < 0) return c;
   const int tpr = 32 * kTiles[t].wpr;
   c.rpc = fast_rpc(tpr);
@@ -316,7 +326,7 @@ FastCfg bwd_cfg(const BwdParams& p) {
   FastCfg c{};
   const bool ok = tiles_apply(p) && !p.recompute && p.mean != nullptr && p.sc_mode != kPerToken &&
                   p.sh_mode != kPerToken && p.dweight == nullptr && p.dbias == nullptr;
-  const int t = ok ? find_tile(kBwdTiles, p.D, p.vpt) : -1;
+  const int t = ok ? find_tile(kBwdTiles, p.D, p.tile) : -1;
   if (t < 0) return c;
   c.rpc = 1;
   c.threads = 32 * kBwdTiles[t].wpr;
@@ -335,10 +345,10 @@ bool fast_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err) 
   return true;
 }
 
-std::vector<std::array<int, 3>> fast_tiles(bool backward) {
-  std::vector<std::array<int, 3>> out;
-  if (backward) for (const Tile& t : kBwdTiles) out.push_back({t.D, t.vpt, t.wpr});
-  else for (const Tile& t : kTiles) out.push_back({t.D, t.vpt, t.wpr});
+std::vector<std::array<int, 4>> fast_tiles(bool backward) {
+  std::vector<std::array<int, 4>> out;
+  if (backward) for (const Tile& t : kBwdTiles) out.push_back({t.D, t.vpt, t.wpr, t.pf});
+  else for (const Tile& t : kTiles) out.push_back({t.D, t.vpt, t.wpr, t.pf});
   return out;
 }
 
