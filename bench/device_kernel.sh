@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: JIT-build the op, CUDA tests, compute-sanitizer memcheck on small shapes,
-# benchmark (with the row-stream / launch-shape sweep), then racecheck with the time left. Everything lands
+# One call on the GPU machine: JIT-build the op, CUDA tests, compute-sanitizer memcheck and racecheck on small
+# shapes (every kernel choice and every tile at D = 1536 / 5120), then the benchmark with its sweep. Everything lands
 # in $OUT (env.log, resource.log, pytest.log, sanitizer-*.log, bench.log, bench JSON). Each step has its own
 # timeout so that a slow step cannot eat the others' results (one device call is budgeted at ~420 s).
 #   run: bash bench/device_kernel.sh   (carry [".whl"]; the machine sets TORCH_CUDA_ARCH_LIST=9.0a)
@@ -53,16 +53,17 @@ for variant in (0, 1, 2):  # every kernel choice under the sanitizer
       b = torch.randn(D, device="cuda", requires_grad=True) if aff else None
       y = ln_modulate(x, sc, sh, weight=w, bias=b)
       y.backward(torch.randn_like(y))
-# Every compile-time tile (op.set_tile), not only the defaults: bf16 per-sample and fp16 global modulation.
+# Every compile-time tile at D = 1536 and 5120 (op.set_tile), not only the defaults, with several rows per CTA
+# (so that the rows-ahead ring and the barrier slots wrap).
 op = load_op(); op.set_variant(0, 0)
-nf, nb = len(op.fast_tiles(False)), len(op.fast_tiles(True))
-for t in range(max(nf, nb)):
-  op.set_tile(t if t < nf else -1, t if t < nb else -1)
-  for D in sorted({r[0] for r in op.fast_tiles(False)[t:t + 1] + op.fast_tiles(True)[t:t + 1]}):
-    for B, dt, shp in [(2, torch.bfloat16, (2, 1, D)), (1, torch.float16, (D,))]:
-      x = torch.randn(B, 301, D, device="cuda", dtype=dt, requires_grad=True)
-      sc = torch.randn(shp, device="cuda", requires_grad=True); sh = torch.randn(shp, device="cuda", requires_grad=True)
-      ln_modulate(x, sc, sh).backward(torch.randn(B, 301, D, device="cuda", dtype=dt))
+for D, S in ((1536, 4000), (5120, 2500)):
+  fi = [i for i, t in enumerate(op.fast_tiles(False)) if t[0] == D]
+  bi = [i for i, t in enumerate(op.fast_tiles(True)) if t[0] == D]
+  for k in range(max(len(fi), len(bi))):
+    op.set_tile(fi[k] if k < len(fi) else -1, bi[k] if k < len(bi) else -1)
+    x = torch.randn(2, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    sc = torch.randn(2, 1, D, device="cuda", requires_grad=True); sh = torch.randn(2, 1, D, device="cuda", requires_grad=True)
+    ln_modulate(x, sc, sh).backward(torch.randn_like(x))
 op.set_tile(-1, -1)
 torch.cuda.synchronize(); print("small ok")
 PY
@@ -72,12 +73,12 @@ san() {
 }
 san memcheck 80
 
+el "racecheck"
+san racecheck "${RACE_CAP:-45}"
 el "benchmark"
 timeout 180 python3 bench/ln_modulate.py --out "$OUT/ln_modulate-$(date +%F)-h200.json" --budget-s "$BENCH_BUDGET" \
   --baseline-dtypes bfloat16 --variants "${BENCH_VARIANTS:-0,2}" ${BENCH_ARGS:-} 2>&1 | grep -v Warning > "$OUT/bench.log"
 grep -E "^sweep" "$OUT/bench.log" | sed -E "s/'dtype': 'torch.bfloat16', //; s/'rpc': -1, //" | cut -c1-230
 tail -18 "$OUT/bench.log"
 
-el "racecheck"
-san racecheck "${RACE_CAP:-45}"
 el "done"
