@@ -19,8 +19,9 @@ timeout "${PYTEST_CAP:-45}" python3 -m pytest -q --maxfail=10 -p no:cacheprovide
   -k "fast_tiles or launch_overrides or (matches_reference and (1536 or 5120))" 2>&1 | tail -25 > "$OUT/pytest.log"
 tail -3 "$OUT/pytest.log"
 el "bench"
-# VERIFY_BASELINE_S > 0 times the baselines too (torch.compile, F.layer_norm, ...) for that many seconds.
+# VERIFY_SWEEP="--sweep-shapes ..." times every tile there (JSON only); VERIFY_BASELINE_S > 0 times the
+# baselines too (torch.compile, F.layer_norm, ...) for that many seconds.
 timeout "${BENCH_CAP:-40}" python3 bench/ln_modulate.py --out "$OUT/ln_modulate-verify.json" \
-  --shapes "${VERIFY_SHAPES:-1x75600x5120}" --dtypes bfloat16 --no-sweep --variants 0,2 \
+  --shapes "${VERIFY_SHAPES:-1x75600x5120}" --dtypes bfloat16 ${VERIFY_SWEEP:---no-sweep} --variants 0,2 \
   --budget-s "${VERIFY_BASELINE_S:-0}" 2>&1 | grep -v Warning | tail -8 | tee "$OUT/bench.log"
 el "done"
