@@ -7,11 +7,15 @@ memory fit/held-out errors and the memory budget for the training world size rec
 """
 import argparse
 import json
+import os
 import statistics
+import sys
 
 import yaml
 
-from ds_adaptiveload import calibrate as cal
+# the repository, as in the other bench/ scripts: `python bench/calibrate_refit.py` runs without an install
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ds_adaptiveload import calibrate as cal  # noqa: E402
 
 
 def refit(doc, safety=0.9, capacity=None):
@@ -32,13 +36,17 @@ def refit(doc, safety=0.9, capacity=None):
     oom = doc["fit"].get("oom_bound_tokens")
     return {
         "source": doc["meta"].get("date"), "time_coef": dict(zip(("fixed", "per_token", "per_token_sq", "floor"), coef)),
+        "time_model": f"(floor^q + line^q)^(1/q), q = {cal.TIME_FLOOR_Q} (calibrate.predict_ms)",
         "time_fit": cal.err_summary(rows, "fit"), "time_heldout": cal.err_summary(rows, "heldout"),
         "memory": {"fixed_bytes": mem[0], "bytes_per_token": mem[1], "floor_bytes": mem[2],
-                   "capacity_bytes": capacity, "train_fixed_bytes": fixed},
+                   "bytes_per_sample": mem[3], "sample_tokens": cal.sample_tokens(mem), "capacity_bytes": capacity,
+                   "train_fixed_bytes": fixed},
         "memory_fit": cal.err_summary(rows, "fit", "mem_err"),
         "memory_heldout": cal.err_summary(rows, "heldout", "mem_err"),
         "budget_tokens": cal.budget_tokens(capacity, safety, fixed, mem[1]),
-        "budget_tokens_with_oom_bound": cal.budget_tokens(capacity, safety, fixed, mem[1], oom),
+        # the bound in the budget's units: the OOM micro-batch's tokens plus its samples' own
+        "budget_tokens_with_oom_bound": cal.budget_tokens(capacity, safety, fixed, mem[1], oom and (
+            oom + next(p.B for p in points if p.status == "oom" and p.tokens == oom) * cal.sample_tokens(mem))),
         "oom_bound_tokens": oom, "rows": rows,
     }
 
@@ -53,11 +61,13 @@ def refit_profile(doc, res, source, path, safety=0.9):
     meta = {**doc["meta"], "refit": f"bench/calibrate_refit.py on {source}: the points this calibrate run "
                                     "measured, fitted by the current fit code"}
     fit = {"method": "NNLS, relative weighting; medians of timed steps after one warm-up; time floor (fit_time)",
+           "time_model": res["time_model"],
            **{k: res[k] for k in ("time_fit", "time_heldout", "memory_fit", "memory_heldout")},
            "time_coef_measured": c, "points": res["rows"]}
     out, _ = cal.profile_doc(Geometry(), (c["fixed"], c["per_token"], c["per_token_sq"], c["floor"]),
                              statistics.median(v for p in ok for v in p["step_ms"]),
-                             (m["train_fixed_bytes"], m["bytes_per_token"]), m["capacity_bytes"], safety,
+                             (m["train_fixed_bytes"], m["bytes_per_token"], m["bytes_per_sample"]),
+                             m["capacity_bytes"], safety,
                              res["budget_tokens_with_oom_bound"], meta, fit, dual_range=(min(sizes), max(sizes)),
                              dual_sizes=sizes)
     cal.write_profile(out, path)

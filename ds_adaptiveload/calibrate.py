@@ -14,9 +14,10 @@ when launched on k ranks with sequence_parallel_size k; the flow-matching loss o
 of (B, S) shapes, times forward+backward and the optimizer step separately (medians after a warm-up),
 records the peak memory of every point, and fits
 
-    time_ms(B, s) = fixed + per_token * B*s + per_token_sq * B*s^2     (s = per-GPU tokens, NNLS, relative)
-    peak_bytes(B, s) = fixed_bytes + bytes_per_token * B*s
+    time_ms(B, s) = smax(floor, fixed + per_token * B*s + per_token_sq * B*s^2)   (s = per-GPU tokens)
+    peak_bytes(B, s) = max(floor, fixed_bytes + bytes_per_token * B*s + bytes_per_sample * B)
     budget_tokens = (capacity * safety - fixed_bytes) / bytes_per_token
+    sample_tokens = bytes_per_sample / bytes_per_token    (a micro-batch holds B * (s + sample_tokens) <= budget)
 
 An out-of-memory point is caught, excluded from the fit and recorded as a bound. Held-out shapes (not
 fitted) are measured too and their prediction error is reported. The fitting and scheduling functions
@@ -231,61 +232,140 @@ def nnls(rows, y, weights=None):
 def fit_time(points):
     """(fixed, per_token, per_token_sq, floor) in ms from the ok fitted points' medians, relative weighting
     (each point's error counts as a fraction of its own time, so 2 ms image steps matter as much as
-    10 s clips): time = max(floor, fixed + per_token * B*s + per_token_sq * B*s^2).
+    10 s clips): time = smax(floor, fixed + per_token * B*s + per_token_sq * B*s^2), see predict_ms.
 
     The floor: under ZeRO-3 the host gathers and releases every parameter each step, and on one H200 that
-    takes ~1 s for the 1.3B model however small the micro-batch; GPU work below it overlaps and does not add
-    (measured 2026-11-30: 1 to 16 images, 1,560 to 25k tokens, all 0.95-1.3 s). A line through those points
-    and the large ones has the wrong slope for both. So each measured time is tried as the floor, the line
-    is fitted to the points above it (at least 3), and the floor is kept when it lowers the mean relative
-    error over all fitted points by a fifth or more (and 0.1 point); otherwise floor = 0 (the plain line)."""
+    takes ~1 s for the 1.3B model however small the micro-batch (measured 2026-11-30: 1 to 16 images,
+    1,560 to 25k tokens, all 0.95-1.3 s). Host and GPU work overlap only partly, so near the knee a step
+    takes longer than either (a hard max underestimated held-out shapes there); a smooth max models that.
+    Floor and line are fitted jointly (_soft_fit). The floor is kept when it is above the line at 3 or more
+    fitted points (else nothing measured it: noise bent the line) and it predicts the fitted points left out
+    one at a time better than the plain line does (median relative error), so it is chosen on the fitted
+    points alone; otherwise floor = 0 (the plain line)."""
     pts = [p for p in points if p.role == "fit" and p.status == "ok"]
     if len(pts) < 3:
         raise UserError(f"calibrate: only {len(pts)} shape(s) measured, the time fit needs 3 "
                         f"(raise --time-budget or give cheaper --shapes)")
-
-    def line(use):
-        y = [p.median_ms for p in use]
-        return nnls([(1.0, p.B * p.s, p.B * p.s * p.s) for p in use], y, [1 / v for v in y])
-
-    def mean_err(coef):
-        return statistics.fmean(abs(rel_err(predict_ms(coef, p.B, p.s), p.median_ms)) for p in pts)
-
-    best = (*line(pts), 0.0)
-    best_err = mean_err(best)
-    for floor in sorted({p.median_ms for p in pts}):
-        above = [p for p in pts if p.median_ms > floor * TIME_FLOOR_MARGIN]
-        if len({(p.B, p.s) for p in above}) < 3:
-            break
-        coef = (*line(above), floor)
-        err = mean_err(coef)
-        if (err < 0.8 * best_err - 1e-3) if best[3] == 0 else err < best_err:
-            best, best_err = coef, err
-    return best
+    line = (*_line_fit(pts), 0.0)
+    soft = _soft_fit(pts) if len(pts) >= 5 else None  # 4 coefficients: left-one-out needs 4 others
+    if not soft or sum(soft[0] + soft[1] * p.B * p.s + soft[2] * p.B * p.s * p.s < soft[3] for p in pts) < 3:
+        return line
+    # 1e-6: rounding, so that exact data keeps the plain line
+    return soft if _loo_median(pts, _soft_fit) + 1e-6 < _loo_median(pts, _plain_fit) else line
 
 
 def predict_ms(coef, B, s):
-    """Predicted fwd+bwd ms of a micro-batch of B samples of s per-GPU tokens under fit_time's model."""
+    """Predicted fwd+bwd ms of a micro-batch of B samples of s per-GPU tokens under fit_time's model:
+    (floor^q + line^q)^(1/q), q = TIME_FLOOR_Q; the plain line when floor = 0."""
     fixed, a, b, floor = coef
-    return max(floor, fixed + a * B * s + b * B * s * s)
+    return _smax(floor, fixed + a * B * s + b * B * s * s)
+
+
+def _smax(floor, line, q=None):
+    """(floor^q + line^q)^(1/q) without overflow: ~max(floor, line) away from the knee, and 2^(1/q) x at it."""
+    q = q or TIME_FLOOR_Q
+    m = max(floor, line)
+    if m <= 0:
+        return 0.0
+    return m * ((floor / m) ** q + (max(line, 0.0) / m) ** q) ** (1 / q)
+
+
+def _line_fit(pts):
+    """(fixed, per_token, per_token_sq): relative-weighted NNLS of the points' medians."""
+    y = [p.median_ms for p in pts]
+    return nnls([(1.0, p.B * p.s, p.B * p.s * p.s) for p in pts], y, [1 / v for v in y])
+
+
+def _soft_fit(pts, iters=60):
+    """predict_ms's coefficients minimising the squared relative errors over `pts`: Gauss-Newton on
+    (fixed, a, b, floor) >= 0, each step an NNLS of the linearised model, halved until the error drops.
+    The error surface has a flat valley at floor = 0 (no gradient there), so it starts from a floor at the
+    smallest time and from one at the median of the lowest third of the times (the line through the
+    points above it); the better end point wins."""
+    y = [p.median_ms for p in pts]
+    w = [1 / v for v in y]
+    x = [(1.0, p.B * p.s, p.B * p.s * p.s) for p in pts]
+    q = TIME_FLOOR_Q
+
+    def sse(th):
+        return sum(((predict_ms(th, p.B, p.s) - v) * wi) ** 2 for p, v, wi in zip(pts, y, w))
+
+    starts = [(*_line_fit(pts), min(y))]
+    low = sorted(y)[:max(1, len(y) // 3)]
+    floor = statistics.median(low)
+    above = [p for p in pts if p.median_ms > floor * TIME_FLOOR_MARGIN]
+    if len(above) >= 3:
+        starts.append((*_line_fit(above), floor))
+    best, best_err = None, math.inf
+    for th in starts:
+        err = sse(th)
+        for _ in range(iters):
+            rows, target = [], []
+            for xi, v in zip(x, y):
+                line = th[0] * xi[0] + th[1] * xi[1] + th[2] * xi[2]
+                g = _smax(th[3], line)
+                jl = (max(line, 0.0) / g) ** (q - 1) if g > 0 else 0.0
+                jf = (th[3] / g) ** (q - 1) if g > 0 else 0.0
+                row = (jl * xi[0], jl * xi[1], jl * xi[2], jf)
+                rows.append(row)
+                target.append(v - g + sum(r * t for r, t in zip(row, th)))
+            step = [n - t for n, t in zip(nnls(rows, target, w), th)]
+            t = 1.0
+            while t > 1e-4:
+                cand = tuple(max(0.0, v + t * d) for v, d in zip(th, step))
+                cand_err = sse(cand)
+                if cand_err < err:
+                    break
+                t /= 2
+            else:
+                break  # no step lowers the error: converged
+            converged = err - cand_err <= 1e-12 * err
+            th, err = cand, cand_err
+            if converged:
+                break
+        if err < best_err:
+            best, best_err = th, err
+    return best
+
+
+def _plain_fit(pts):
+    return (*_line_fit(pts), 0.0)
+
+
+def _loo_median(pts, fit):
+    """Median |relative error| of each point predicted by fit() on the others (leave-one-out)."""
+    errs = []
+    for i, p in enumerate(pts):
+        coef = fit(pts[:i] + pts[i + 1:])
+        errs.append(abs(rel_err(predict_ms(coef, p.B, p.s), p.median_ms)))
+    return statistics.median(errs)
 
 
 # Seconds of the time budget kept for the budget probe (at most 15% of the budget).
 PROBE_RESERVE_S = 40.0
 # A time this much above the floor is on the line (the floor's own jitter stays below it).
 TIME_FLOOR_MARGIN = 1.1
+# Sharpness q of the smooth max between the time floor and the line (predict_ms): 2^(1/q) - 1 = 9% above
+# both at the knee. Chosen on the leave-one-out error over the fitted points of the five H200 runs in
+# bench/results (2026-11-29/30; mean of the runs' medians): q = 4 to 32 give 6.0-6.5%, q = 2 8.9%, the
+# former hard max with a measured floor 11.8%.
+TIME_FLOOR_Q = 8
 # A peak this much above the smallest one is on the rising part of the memory curve.
 FLOOR_MARGIN = 1.02
 
 
 def fit_memory(points):
-    """(fixed_bytes, bytes_per_token, floor_bytes) from the ok points' peaks (fit and held-out alike):
-    peak = max(floor, fixed + bytes_per_token * B*s). Memory is linear in tokens with flash attention and
-    per-block checkpointing, but it has a floor that does not grow with them (under ZeRO-3 on an H200 the
-    1.3B model peaks at 28.76 GiB for every micro-batch up to ~25k tokens: gathered parameters, optimizer
-    step); a line through the floor points underestimates the slope that large micro-batches follow, which
-    put the extrapolated budget at twice what fits. So the line is fitted on the points above the floor
-    (the two largest micro-batches when fewer rise above it). None when no peak was measured."""
+    """(fixed_bytes, bytes_per_token, floor_bytes, bytes_per_sample) from the ok points' peaks (fit and
+    held-out alike): peak = max(floor, fixed + bytes_per_token * B*s + bytes_per_sample * B). Memory is linear
+    in tokens with flash attention and per-block checkpointing, but it has a floor that does not grow with
+    them (under ZeRO-3 on an H200 the 1.3B model peaks at 28.76 GiB for every micro-batch up to ~25k tokens:
+    gathered parameters, optimizer step); a line through the floor points underestimates the slope that large
+    micro-batches follow, which put the extrapolated budget at twice what fits. So the line is fitted on the
+    points above the floor (the two largest micro-batches when fewer rise above it). Each sample also brings
+    its text context (512 x 4096 embeddings and their projections, ~20 MB for the 1.3B model): small alone,
+    but a micro-batch of 700 images is 14 GB over a tokens-only line (2026-11-30, sp = 2: the budget probe
+    ran out of memory). The per-sample term is fitted when the points above the floor differ in B at 3 or
+    more shapes (else it is 0). None when no peak was measured."""
     pts = [p for p in points if p.status == "ok" and p.peak_bytes]
     if len({p.tokens for p in pts}) < 2:
         return None
@@ -297,8 +377,11 @@ def fit_memory(points):
             by_tokens[p.tokens] = p
         use = list(by_tokens.values())[-2:]
     y = [p.peak_bytes for p in use]
-    fixed, per_token = nnls([(1.0, p.tokens) for p in use], y, [1 / v for v in y])
-    return fixed, per_token, float(floor)
+    if len({p.B for p in use}) >= 2 and len({(p.B, p.s) for p in use}) >= 3:
+        fixed, per_token, per_sample = nnls([(1.0, p.tokens, p.B) for p in use], y, [1 / v for v in y])
+    else:
+        (fixed, per_token), per_sample = nnls([(1.0, p.tokens) for p in use], y, [1 / v for v in y]), 0.0
+    return fixed, per_token, float(floor), per_sample
 
 
 def sp_terms(per_token, per_token_sq, cfg, k, checkpoint_blocks=True, link_gbs=200.0):
@@ -330,9 +413,14 @@ def train_fixed_bytes(fixed_bytes, params, measured_world, train_world, bytes_pe
     return max(fixed_bytes - bytes_per_param * params / measured_world + bytes_per_param * params / train_world, 0.0)
 
 
-def predict_peak(mem, tokens):
-    fixed, per_token, floor = mem
-    return max(floor, fixed + per_token * tokens)
+def predict_peak(mem, tokens, B):
+    fixed, per_token, floor, per_sample = mem
+    return max(floor, fixed + per_token * tokens + per_sample * B)
+
+
+def sample_tokens(mem):
+    """A sample's own memory in tokens' worth (memory.sample_tokens: the planner caps B * (s + it))."""
+    return mem[3] / mem[1] if mem[1] > 0 else 0.0
 
 
 def budget_tokens(capacity_bytes, safety, fixed_bytes, bytes_per_token, oom_tokens=None):
@@ -373,7 +461,7 @@ def time_schedule(points, step_fn, budget_s, clock=time.monotonic, oom_types=(),
         elif (sum(q.status == "ok" and q.role == "fit" for q in points) >= 3
               and clock() + _point_s(seen, _work(p), repeats, big_s) > deadline):
             p.status, p.note = "skipped", "time budget"
-        elif mem_limit and (mem := fit_memory(points)) and (peak := predict_peak(mem, p.tokens)) > mem_limit:
+        elif mem_limit and (mem := fit_memory(points)) and (peak := predict_peak(mem, p.tokens, p.B)) > mem_limit:
             p.status = "skipped"
             p.note = (f"predicted peak {peak / 2**30:.1f} GiB over the "
                       f"{mem_limit / 2**30:.1f} GiB limit of a multi-rank run")
@@ -444,7 +532,7 @@ def report(points, coef, mem, capacity=None):
                 if capacity:
                     r["peak_frac"] = round(p.peak_bytes / capacity, 4)
                 if mem:
-                    pm = predict_peak(mem, p.tokens)
+                    pm = predict_peak(mem, p.tokens, p.B)
                     r.update(pred_gib=round(pm / 2**30, 3), mem_err=round(rel_err(pm, p.peak_bytes), 4))
         if p.note:
             r["note"] = p.note
@@ -486,11 +574,14 @@ def profile_doc(geometry, coef, step_fixed, mem, capacity, safety, budget, meta,
     doc = {
         "geometry": {"vae_stride": list(geometry.vae_stride), "patch_size": list(geometry.patch_size)},
         "time_ms": {"fixed": _r(coef[0]), "per_token": _r(coef[1]), "per_token_sq": _r(coef[2]),
-                    "step_fixed": _r(step_fixed), **({"floor": _r(coef[3])} if len(coef) > 3 and coef[3] else {})},
+                    "step_fixed": _r(step_fixed),
+                    **({"floor": _r(coef[3]), "floor_q": TIME_FLOOR_Q} if len(coef) > 3 and coef[3] else {})},
         "memory": {"budget_tokens": int(budget), "safety": safety},
     }
     if mem:
         doc["memory"].update(fixed_bytes=int(mem[0]), bytes_per_token=_r(mem[1]))
+        if len(mem) > 2 and mem[2]:
+            doc["memory"].update(bytes_per_sample=_r(mem[2]), sample_tokens=_r(mem[2] / mem[1]))
     if capacity:
         doc["memory"]["capacity_bytes"] = int(capacity)
     prof = CostProfile.from_dict(doc)  # validates
@@ -530,8 +621,11 @@ def _header(doc):
     return (f"# Cost profile written by `python -m ds_adaptiveload calibrate` ({m.get('date', '')}), {how}.\n"
             f"# Model {m.get('model_config', '?')}, DeepSpeed config {m.get('deepspeed_config', '?')}.\n"
             "# time_ms: forward+backward of one micro-batch of B samples of s per-GPU tokens\n"
-            "#   = max(floor, fixed + per_token * B*s + per_token_sq * B*s^2); step_fixed once per optimizer step.\n"
-            "# memory.budget_tokens = (capacity_bytes * safety - fixed_bytes) / bytes_per_token.\n"
+            "#   = (floor^q + line^q)^(1/q), line = fixed + per_token * B*s + per_token_sq * B*s^2,\n"
+            "#   q = floor_q (none: the hard max);\n"
+            "#   step_fixed once per optimizer step.\n"
+            "# memory.budget_tokens = (capacity_bytes * safety - fixed_bytes) / bytes_per_token; a micro-batch holds\n"
+            "#   B * (s + sample_tokens) <= budget_tokens (sample_tokens = bytes_per_sample / bytes_per_token).\n"
             "# dual: B * s^p <= m_comp, derived from the time model (profile.derive_dual). fit: per-point errors.\n")
 
 
@@ -689,9 +783,10 @@ def measure_profile(cfg, ds, args, shapes, heldout):
         params = cfg.num_params()
         fixed_bytes = train_fixed_bytes(mem[0], params, dims.world, train_world)
         budget = budget_tokens(capacity, args.safety, fixed_bytes, mem[1], oom_tokens)
-        mem_doc = (fixed_bytes, mem[1])
+        mem_doc = (fixed_bytes, mem[1], mem[3])
         mem_note = {"fixed_bytes_measured": int(mem[0]), "floor_bytes_measured": int(mem[2]),
-                    "model": "peak = max(floor, fixed + bytes_per_token * tokens)", "measured_world_size": dims.world,
+                    "model": "peak = max(floor, fixed + bytes_per_token * tokens + bytes_per_sample * B)",
+                    "measured_world_size": dims.world,
                     "train_world_size": train_world, "zero_bytes_per_param": ZERO_BYTES_PER_PARAM}
     else:
         # CPU (no peak memory): the largest micro-batch that ran is the only evidence.
@@ -727,13 +822,20 @@ def measure_profile(cfg, ds, args, shapes, heldout):
                                 dual_sizes=sizes, pin_dual=args.pin_dual)
         return rows, doc, prof
 
-    def budget_below(tokens):  # the budget once a micro-batch of `tokens` per GPU ran out of memory
-        return budget_tokens(capacity, args.safety, mem_doc[0], mem[1], tokens)
+    def budget_below(p):  # the budget once micro-batch p ran out of memory (its tokens plus its samples' own)
+        return budget_tokens(capacity, args.safety, mem_doc[0], mem[1], p.tokens + p.B * sample_tokens(mem))
+
+    def write_json():
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "points": [asdict(p) for p in points], "fit": doc["fit"]}, f, indent=1)
 
     if mem and capacity and args.probe_budget:
         # Check the extrapolated budget where it matters: one micro-batch of the smallest shape filling it.
         small = min((p for p in points if p.status == "ok"), key=lambda p: p.s)
-        probe = Point(max(1, budget // small.s), small.shape, small.S, small.s, role="probe")
+        probe = Point(max(1, int(budget // (small.s + sample_tokens(mem)))), small.shape, small.S, small.s,
+                      role="probe")
         pred_s = (fixed + a * probe.tokens + b * probe.tokens * probe.s + step_fixed) / 1000
         if probe.tokens <= max(p.tokens for p in points if p.status == "ok"):
             probe.status, probe.note = "skipped", "not needed: a measured point was as large"
@@ -749,10 +851,12 @@ def measure_profile(cfg, ds, args, shapes, heldout):
                 print(f"wrote {args.out} before the budget probe", flush=True)
 
                 def lower_budget(p):  # rank 0 ran out of memory in the probe: the bound goes in before the exit
+                    nonlocal doc
                     p.status, p.note = "oom", "out of memory on rank 0; the run stopped here"
                     points.append(p)
-                    _, doc, _ = make_doc(budget_below(p.tokens))
+                    _, doc, _ = make_doc(budget_below(p))
                     write_profile(doc, args.out)
+                    write_json()
                     print(f"wrote {args.out} with the budget below the probe's {p.tokens} tokens", flush=True)
 
                 step_fn.before_exit = lower_budget
@@ -760,16 +864,13 @@ def measure_profile(cfg, ds, args, shapes, heldout):
             _measure_point(probe, step_fn, clock, oom_types, repeats=1, big_s=0.0, warmup=0)
             step_fn.before_exit = None
         if probe.status == "oom":
-            budget = budget_below(probe.tokens)
+            budget = budget_below(probe)
         points.append(probe)
     rows, doc, prof = make_doc(budget)
     if not is_main:
         return None
     print_report(rows, doc["fit"], prof)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "points": [asdict(p) for p in points], "fit": doc["fit"]}, f, indent=1)
+    write_json()
     return doc
 
 

@@ -166,7 +166,7 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
     if not samples:
         raise UserError("no samples to plan")
     full, gpu, shape = _tokens(samples, profile, cfg.sp)
-    keep, skipped = _oversize(samples, full, gpu, profile.budget_tokens, cfg)
+    keep, skipped = _oversize(samples, full, gpu, profile, cfg)
     rng = random.Random(f"{cfg.seed}/{epoch}")
     dual = profile.dual_for(min((gpu[i] for i in keep), default=1), max((gpu[i] for i in keep), default=1))
     cap = _batch_caps(gpu, shape, keep, profile, dual if cfg.policy == "dual" else None)
@@ -236,10 +236,11 @@ def _tokens(samples, profile, sp):
     return full, gpu, shape
 
 
-def _oversize(samples, full, gpu, budget, cfg):
+def _oversize(samples, full, gpu, profile, cfg):
     keep, skipped = [], []
+    budget = profile.budget_tokens
     for i, g in enumerate(gpu):
-        if g <= budget:
+        if profile.mem_batch(g) >= 1:
             keep.append(i)
         elif cfg.on_oversize == "skip":
             skipped.append(i)

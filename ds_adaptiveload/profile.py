@@ -1,13 +1,16 @@
 """Cost profile: what a micro-batch costs on one GPU, read from YAML.
 
     time_ms(micro-batch of samples with S_i tokens)
-        = max(floor, fixed + per_token * sum(S_i) + per_token_sq * sum(S_i^2))
+        = smax(floor, fixed + per_token * sum(S_i) + per_token_sq * sum(S_i^2))
 
-The quadratic term is attention; it is why equal-token batches are not equal-time batches. The floor (default
-0) is a step time that small micro-batches do not go below: under ZeRO-3 the host-side parameter
-gathering of every step can take longer than the GPU work of a small micro-batch, and then the two overlap. Memory is a
-token budget (M_mem) per micro-batch on one GPU. The paper's compute constraint B * S^p <= M_comp is kept
-for the `dual` policy; when a profile has no `dual` section the planner derives it from the time model and
+The quadratic term is attention; it is why equal-token batches are not equal-time batches. The floor
+(default 0) is a step time that small micro-batches do not go below: under ZeRO-3 the host-side parameter
+gathering of every step can take longer than the GPU work of a small micro-batch, and then the two overlap,
+only partly: smax = (floor^q + line^q)^(1/q) with q = time_ms.floor_q (8 from `calibrate`; absent: the hard
+max). Memory is a token budget (M_mem) per micro-batch on one GPU, each sample counting its tokens plus
+memory.sample_tokens (its text context and other per-sample buffers, in tokens' worth; default 0). The
+paper's compute constraint B * S^p <= M_comp is kept for the `dual` policy; when a profile has no `dual`
+section the planner derives it from the time model and
 the data's token range (see `derive_dual`). Pure Python: no torch.
 """
 import math
@@ -22,8 +25,9 @@ from ds_adaptiveload.geometry import Geometry
 # Allowed keys per section; anything else is a typo we refuse rather than ignore.
 _SCHEMA = {
     "geometry": {"vae_stride", "patch_size"},
-    "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed", "floor"},
-    "memory": {"budget_tokens", "fixed_bytes", "bytes_per_token", "capacity_bytes", "safety"},
+    "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed", "floor", "floor_q"},
+    "memory": {"budget_tokens", "sample_tokens", "fixed_bytes", "bytes_per_token", "bytes_per_sample",
+               "capacity_bytes", "safety"},
     "dual": {"p", "m_comp"},
     "meta": None,  # free-form provenance: model, device, versions, date, estimated
     "fit": None,   # free-form fit report written by `calibrate`
@@ -44,6 +48,10 @@ class CostProfile:
     """Once per optimizer step (optimizer, gradient reduction); equal on every rank."""
     floor_ms: float = 0.0
     """A micro-batch takes at least this long (host-bound ZeRO-3 steps; 0 = no floor)."""
+    floor_q: float = math.inf
+    """Sharpness of the smooth max between floor and line (inf: the hard max)."""
+    sample_tokens: float = 0.0
+    """Memory of one sample beyond its tokens (text context), in tokens' worth: B * (S + this) <= M_mem."""
     dual_p: float = None
     """Exponent p of the paper's compute constraint B * S^p <= M_comp (None: derived per dataset)."""
     dual_m_comp: float = None
@@ -54,10 +62,12 @@ class CostProfile:
     fit: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("fixed_ms", "per_token_ms", "per_token_sq_ms", "step_fixed_ms", "floor_ms"):
+        for name in ("fixed_ms", "per_token_ms", "per_token_sq_ms", "step_fixed_ms", "floor_ms", "sample_tokens"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise UserError(f"profile: {name} must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.floor_q, (int, float)) or isinstance(self.floor_q, bool) or not self.floor_q >= 1:
+            raise UserError(f"profile: time_ms.floor_q must be a number >= 1, got {self.floor_q!r}")
         if self.per_token_ms == 0 and self.per_token_sq_ms == 0:
             raise UserError("profile: per_token and per_token_sq cannot both be 0")
         if not isinstance(self.budget_tokens, int) or self.budget_tokens < 1:
@@ -74,11 +84,19 @@ class CostProfile:
 
     def micro_ms(self, batch: int, tokens: int) -> float:
         """Predicted forward+backward ms of a micro-batch of `batch` samples of `tokens` tokens each."""
-        return max(self.floor_ms, self.fixed_ms + batch * self.sample_ms(tokens))
+        line = self.fixed_ms + batch * self.sample_ms(tokens)
+        m = max(self.floor_ms, line)
+        if math.isinf(self.floor_q) or m <= 0:
+            return m
+        return m * ((self.floor_ms / m) ** self.floor_q + (line / m) ** self.floor_q) ** (1 / self.floor_q)
+
+    def mem_tokens(self, tokens: int) -> float:
+        """What one sample of `tokens` tokens takes of M_mem."""
+        return tokens + self.sample_tokens
 
     def mem_batch(self, tokens: int) -> int:
-        """Largest B with B * S <= M_mem (0 when one sample does not fit)."""
-        return self.budget_tokens // tokens
+        """Largest B with B * (S + sample_tokens) <= M_mem (0 when one sample does not fit)."""
+        return int(self.budget_tokens // self.mem_tokens(tokens))
 
     def dual_for(self, s_lo: int, s_hi: int) -> tuple:
         """(p, M_comp): the profile's own, else derived for per-GPU sequences from s_lo to s_hi tokens."""
@@ -130,7 +148,8 @@ class CostProfile:
             raise UserError("profile: geometry.vae_stride and geometry.patch_size must be lists of 3 positive integers")
         return cls(fixed_ms=t["fixed"], per_token_ms=t["per_token"], per_token_sq_ms=t["per_token_sq"],
                    step_fixed_ms=t.get("step_fixed", 0.0), floor_ms=t.get("floor", 0.0),
-                   budget_tokens=mem["budget_tokens"],
+                   floor_q=t.get("floor_q", math.inf), budget_tokens=mem["budget_tokens"],
+                   sample_tokens=mem.get("sample_tokens", 0.0),
                    dual_p=dual.get("p"), dual_m_comp=dual.get("m_comp"), geometry=geometry,
                    memory=dict(mem), meta=dict(doc.get("meta") or {}), fit=dict(doc.get("fit") or {}))
 
@@ -139,7 +158,8 @@ class CostProfile:
             "geometry": {"vae_stride": list(self.geometry.vae_stride), "patch_size": list(self.geometry.patch_size)},
             "time_ms": {"fixed": self.fixed_ms, "per_token": self.per_token_ms,
                         "per_token_sq": self.per_token_sq_ms, "step_fixed": self.step_fixed_ms,
-                        **({"floor": self.floor_ms} if self.floor_ms else {})},
+                        **({"floor": self.floor_ms} if self.floor_ms else {}),
+                        **({"floor_q": self.floor_q} if math.isfinite(self.floor_q) else {})},
             "memory": {**self.memory, "budget_tokens": self.budget_tokens},
         }
         if self.dual_p is not None:

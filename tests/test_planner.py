@@ -281,6 +281,26 @@ def test_profile_time_floor(tmp_path):
         CostProfile.from_dict(doc)
 
 
+def test_profile_smooth_floor_and_sample_tokens(tmp_path):
+    """time_ms.floor_q: (floor^q + line^q)^(1/q), 2^(1/q) x at the knee, ~the max away from it;
+    memory.sample_tokens: each sample takes its tokens plus that of M_mem. Both survive the YAML round trip."""
+    doc = {"time_ms": {"fixed": 100.0, "per_token": 0.01, "per_token_sq": 0.0, "floor": 1100.0, "floor_q": 8},
+           "memory": {"budget_tokens": 100_000, "sample_tokens": 250.0}}
+    p = CostProfile.from_dict(doc)
+    assert p.micro_ms(10, 10000) == pytest.approx(1100 * 2 ** (1 / 8))          # line = floor = 1100
+    assert p.micro_ms(1, 100) == pytest.approx(1100, rel=1e-6)                   # far below: the floor
+    assert p.micro_ms(100, 10000) == pytest.approx(10100, rel=1e-6)              # far above: the line
+    assert p.mem_batch(750) == 100 and p.mem_batch(99_750) == 1 and p.mem_batch(99_751) == 0
+    p.to_yaml(tmp_path / "f.yaml")
+    q = CostProfile.load(tmp_path / "f.yaml")
+    assert (q.floor_q, q.sample_tokens) == (8, 250.0) and q.micro_ms(10, 10000) == p.micro_ms(10, 10000)
+    for key, bad in (("floor_q", 0.5), ("floor_q", "8")):
+        with pytest.raises(UserError, match="floor_q"):
+            CostProfile.from_dict({**doc, "time_ms": {**doc["time_ms"], key: bad}})
+    with pytest.raises(UserError, match="sample_tokens"):
+        CostProfile.from_dict({**doc, "memory": {"budget_tokens": 10, "sample_tokens": -1}})
+
+
 # -- manifest --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("line, msg", [
