@@ -341,7 +341,7 @@ def _loo_median(pts, fit):
     return statistics.median(errs)
 
 
-# Seconds of the time budget kept for the budget probe (at most 15% of the budget).
+# Seconds of the time budget kept for the budget probe (at most a quarter of the budget: shorter budgets still probe).
 PROBE_RESERVE_S = 40.0
 # A time this much above the floor is on the line (the floor's own jitter stays below it).
 TIME_FLOOR_MARGIN = 1.1
@@ -433,6 +433,21 @@ def budget_tokens(capacity_bytes, safety, fixed_bytes, bytes_per_token, oom_toke
         raise UserError(f"calibrate: no token budget left: {capacity_bytes * safety / 2**30:.1f} GiB usable, "
                         f"{fixed_bytes / 2**30:.1f} GiB do not scale with tokens")
     return b
+
+
+def probe_point(small, capacity, safety, mem, oom_tokens=None):
+    """The budget probe: micro-batch `small`'s shape with as many samples as the memory fit lets this run
+    hold. This run holds the ZeRO-3 shards of its own world size (more than a larger training run's), so the
+    probe fills the budget at this run's fixed bytes (mem[0]), not the training run's."""
+    here = budget_tokens(capacity, safety, mem[0], mem[1], oom_tokens)
+    return Point(max(1, int(here // (small.s + sample_tokens(mem)))), small.shape, small.S, small.s, role="probe")
+
+
+def budget_after_oom(capacity, safety, mem, train_fixed, p):
+    """The training run's budget once micro-batch p ran out of memory in this run: p's tokens plus its
+    samples' own, plus the ZeRO-3 shards this run holds beyond the training run's, in tokens' worth."""
+    held = p.tokens + p.B * sample_tokens(mem) + (mem[0] - train_fixed) / mem[1]
+    return budget_tokens(capacity, safety, train_fixed, mem[1], held)
 
 
 def rel_err(pred, meas):
@@ -761,7 +776,7 @@ def measure_profile(cfg, ds, args, shapes, heldout):
     # several ranks, points the memory fit puts over the budget's memory are skipped instead of tried.
     # The budget probe is one step of a micro-batch filling the memory budget (~20-25 s for the 1.3B model on
     # H200s): the grid leaves it that much time, or the probe would never run within the default budget.
-    reserve = min(PROBE_RESERVE_S, 0.15 * deadline) if args.probe_budget and capacity else 0.0
+    reserve = min(PROBE_RESERVE_S, 0.25 * deadline) if args.probe_budget and capacity else 0.0
     time_schedule(points, step_fn, None, clock=clock, oom_types=oom_types, repeats=args.repeats,
                   on_point=on_point, deadline=deadline - reserve,
                   mem_limit=capacity * args.safety if multi and capacity else None)
@@ -822,8 +837,8 @@ def measure_profile(cfg, ds, args, shapes, heldout):
                                 dual_sizes=sizes, pin_dual=args.pin_dual)
         return rows, doc, prof
 
-    def budget_below(p):  # the budget once micro-batch p ran out of memory (its tokens plus its samples' own)
-        return budget_tokens(capacity, args.safety, mem_doc[0], mem[1], p.tokens + p.B * sample_tokens(mem))
+    def budget_below(p):
+        return budget_after_oom(capacity, args.safety, mem, mem_doc[0], p)
 
     def write_json():
         if args.json:
@@ -834,8 +849,7 @@ def measure_profile(cfg, ds, args, shapes, heldout):
     if mem and capacity and args.probe_budget:
         # Check the extrapolated budget where it matters: one micro-batch of the smallest shape filling it.
         small = min((p for p in points if p.status == "ok"), key=lambda p: p.s)
-        probe = Point(max(1, int(budget // (small.s + sample_tokens(mem)))), small.shape, small.S, small.s,
-                      role="probe")
+        probe = probe_point(small, capacity, args.safety, mem, oom_tokens)
         pred_s = (fixed + a * probe.tokens + b * probe.tokens * probe.s + step_fixed) / 1000
         if probe.tokens <= max(p.tokens for p in points if p.status == "ok"):
             probe.status, probe.note = "skipped", "not needed: a measured point was as large"

@@ -180,6 +180,24 @@ def test_fit_memory_per_sample_term():
     assert line[0] + line[1] * 700 * 780 < 0.95 * big  # more than the 5% the profile may be under
 
 
+def test_probe_fills_this_runs_memory_and_an_oom_bounds_the_training_budget():
+    """Measured on one GPU for a 2-GPU training run: the probe fills what this run can hold (its ZeRO-3
+    shards are the full 16 bytes per parameter), at 0.9 of capacity by the fit; if it runs out of memory,
+    the training budget is bounded by it, shifted by the shards the training run does not hold."""
+    cap, params = 140 * 2**30, 1.4e9
+    mem = (30e9, 2.2e5, 31e9, 2e7)                  # fixed, per token, floor, per sample (this run, world 1)
+    train_fixed = cal.train_fixed_bytes(mem[0], params, 1, 2)
+    small = cal.Point(1, (1, 480, 832), 1560, 1560)
+    probe = cal.probe_point(small, cap, 0.9, mem)
+    peak = cal.predict_peak(mem, probe.tokens, probe.B)
+    assert 0.9 * cap - mem[1] * (1560 + cal.sample_tokens(mem)) < peak <= 0.9 * cap  # one sample short at most
+    train = cal.budget_tokens(cap, 0.9, train_fixed, mem[1])
+    assert train > probe.B * (1560 + cal.sample_tokens(mem)) + 16 * params / 2 / mem[1] * 0.99
+    probe.status = "oom"
+    after = cal.budget_after_oom(cap, 0.9, mem, train_fixed, probe)
+    assert after < train and after == pytest.approx(0.9 * train, rel=5e-3)  # 0.9 of what the probe held
+
+
 def test_oom_points_are_excluded_and_recorded_as_bounds():
     pts = cal.grid_points(cal.GRID_SHAPES, [], GEO, probe_tokens=160_000)
     cal.time_schedule(pts, fake_step(noise=0.0, oom_over=60_000), budget_s=1e9, oom_types=(MemoryError,))
