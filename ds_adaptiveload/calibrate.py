@@ -97,10 +97,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from ds_adaptiveload.cuda_alloc import use_expandable_segments
     from ds_adaptiveload.model import WanConfig
 
-    use_expandable_segments()
     cfg = WanConfig.from_yaml(args.model_config)
     ds = read_json_object(args.deepspeed_config, "DeepSpeed config")
     if not 0 < args.safety <= 1:
@@ -160,7 +158,7 @@ class Point:
     step_ms: list = field(default_factory=list)
     """Optimizer-step times (ms)."""
     peak_bytes: int = None
-    """torch.cuda.max_memory_reserved over the point's steps (None on CPU)."""
+    """torch.cuda.max_memory_allocated over the point's steps (None on CPU)."""
     note: str = ""
 
     @property
@@ -663,8 +661,7 @@ def _meta_common(cfg, ds, args, sp, world):
             "world_size": world, "checkpoint_blocks": bool(args.checkpoint_blocks),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "torch": ver("torch"), "deepspeed": ver("deepspeed"), "python": sys.version.split()[0],
-            "ln_modulate": os.environ.get("DS_ADAPTIVELOAD_LN_MODULATE", "auto"),
-            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+            "ln_modulate": os.environ.get("DS_ADAPTIVELOAD_LN_MODULATE", "auto")}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1062,11 +1059,10 @@ class _StepFn:
         return ms
 
     def _peak(self, p):
-        """This rank's peak reserved bytes over the step just run (None on CPU)."""
+        """This rank's peak allocated bytes over the step just run (None on CPU)."""
         import torch
 
-        # reserved, not allocated: what is left for the next allocation (the caching allocator's share too)
-        return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else None
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
     def _recover(self):
         """After an OOM mid-step: drop gradients and cached blocks so the next point starts clean."""

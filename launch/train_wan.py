@@ -434,9 +434,6 @@ def main(argv=None) -> int:
 
     # A rank stuck in a collective: `kill -USR1 <pid>` prints its Python stacks (docs/reliability.md).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    from ds_adaptiveload.cuda_alloc import use_expandable_segments
-
-    use_expandable_segments()  # as calibrate measured the memory budget
     args = parse_args(argv)
     try:
         train(args)
