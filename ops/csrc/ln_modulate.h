@@ -67,9 +67,9 @@ struct BwdParams {
   int ctas_per_sample;  // filled by bwd_plan()
 };
 
-// Compile-time-tiled fast paths (ln_modulate_fast.cu): bf16 / fp16 x with D in full tiles (1536, 2048, 3072,
-// 4096, 5120, 8192), per-sample / global fp32 modulation, no affine, outputs in x's dtype, variant 0. Each
-// returns false when the launch is not its case (the general kernels take it then).
+// Compile-time-tiled fast paths (ln_modulate_fast.cu): bf16 / fp16 x with D in a tile table (forward 1536, 2048,
+// 5120, 8192; backward also 3072 and 4096), per-sample / global fp32 modulation, no affine, outputs in x's
+// dtype, variant 0. Each returns false when the launch is not its case (the general kernels take it then).
 bool fast_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err);
 bool fast_bwd_occupancy(const BwdParams& p, int* per_sm, int* rpc);
 bool fast_bwd_launch(const BwdParams& p, cudaStream_t stream, cudaError_t* err);

@@ -253,17 +253,18 @@ __global__ void __launch_bounds__(32 * WPR, min_ctas(32 * WPR, 640)) bwd_fast_ke
 struct Tile { int D, vpt, wpr, pf; };
 // The forward holds a row as 8 * VPT fp32 registers plus the PF rows ahead packed; the backward holds
 // 3 * 8 * VPT fp32 registers (xhat and the two accumulators) plus 2 * PF packed rows, so it takes VPT <= 2,
-// one row group per CTA. Defaults at D = 1536 and 5120 are the fastest measured on H200 (docs/kernel.md:
-// at 5120 the forward gained 2% from a second row ahead, the backward 22% from 2 vectors per thread, which
-// doubles the bytes in flight per warp); other widths take the analogous shapes, correctness-tested.
-// op.set_tile(f, b) picks an entry by its index (tuning, tests).
+// one row group per CTA. The defaults are the fastest measured on H200 (2026-11-30, docs/kernel.md; S = 75,600
+// at D = 5120, 32,760 elsewhere): in the backward 2 vectors per thread (twice the bytes in flight per warp)
+// took 10-22% less time than 1 at D = 1536, 2048, 4096 and 5120, 1% more at 3072; in the forward a second
+// row ahead took 1.5-4% less at 2048, 5120 and 8192, not less at 1536 and 3072. At D = 3072 and 4096 the
+// general forward (fwd_v1_kernel) beat every tile (84-85% of copy bandwidth against 82-83%), so they have
+// no forward tile. op.set_tile(f, b) picks an entry by its index (tuning, tests).
 constexpr Tile kTiles[] = {{1536, 2, 3, 1}, {1536, 3, 2, 1}, {1536, 6, 1, 1}, {1536, 2, 3, 2}, {1536, 3, 2, 2},
-                           {2048, 4, 2, 1}, {2048, 2, 4, 1}, {2048, 4, 2, 2}, {3072, 3, 4, 1}, {3072, 6, 2, 1},
-                           {3072, 3, 4, 2}, {4096, 4, 4, 1}, {4096, 2, 8, 1}, {4096, 4, 4, 2}, {5120, 4, 5, 2},
-                           {5120, 4, 5, 1}, {5120, 5, 4, 1}, {5120, 2, 10, 1}, {5120, 4, 5, 3}, {5120, 5, 4, 2},
-                           {5120, 2, 10, 2}, {8192, 4, 8, 1}, {8192, 8, 4, 1}, {8192, 4, 8, 2}};
-constexpr Tile kBwdTiles[] = {{1536, 1, 6, 1}, {1536, 1, 6, 3}, {1536, 2, 3, 1}, {2048, 1, 8, 1}, {2048, 2, 4, 1},
-                              {3072, 1, 12, 1}, {3072, 2, 6, 1}, {4096, 1, 16, 1}, {4096, 2, 8, 1},
+                           {2048, 4, 2, 2}, {2048, 4, 2, 1}, {2048, 2, 4, 1}, {5120, 4, 5, 2}, {5120, 4, 5, 1},
+                           {5120, 5, 4, 1}, {5120, 2, 10, 1}, {5120, 4, 5, 3}, {5120, 5, 4, 2}, {5120, 2, 10, 2},
+                           {8192, 4, 8, 2}, {8192, 4, 8, 1}, {8192, 8, 4, 1}};
+constexpr Tile kBwdTiles[] = {{1536, 2, 3, 1}, {1536, 1, 6, 1}, {1536, 1, 6, 3}, {2048, 2, 4, 1}, {2048, 1, 8, 1},
+                              {3072, 1, 12, 1}, {3072, 2, 6, 1}, {4096, 2, 8, 1}, {4096, 1, 16, 1},
                               {5120, 2, 10, 1}, {5120, 1, 20, 1}, {5120, 1, 20, 2}, {8192, 2, 16, 1}};
 
 // Index of the tile to run: `pick` when it is an entry for D, the first entry for D when pick < 0, else -1.
