@@ -3,7 +3,10 @@ memory fit/held-out errors and the memory budget for the training world size rec
 --profile-out, the profile YAML the calibrate command now writes from those points.
 
     python bench/calibrate_refit.py bench/results/calibrate-2026-11-29-h200-run3.json [--out REFIT.json]
-        [--profile-out PROFILE.yaml]
+        [--profile-out PROFILE.yaml] [--oom 303x1560,...]
+
+--oom adds micro-batches (B x per-GPU tokens s) that ran out of memory in other runs of the same setup (same
+GPUs, DeepSpeed config and world size) as bounds on the budget, as calibrate does with its own.
 """
 import argparse
 import json
@@ -18,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ds_adaptiveload import calibrate as cal  # noqa: E402
 
 
-def refit(doc, safety=0.9, capacity=None):
+def refit(doc, safety=0.9, capacity=None, extra_oom=()):
     points = []
     for d in doc["points"]:
         p = cal.Point(d["B"], tuple(d["shape"]), d["S"], d["s"], role=d["role"])
@@ -33,7 +36,12 @@ def refit(doc, safety=0.9, capacity=None):
     note = doc["fit"]["memory"]
     fixed = cal.train_fixed_bytes(mem[0], doc["meta"]["model"]["params"], note["measured_world_size"],
                                   note["train_world_size"], note.get("zero_bytes_per_param", cal.ZERO_BYTES_PER_PARAM))
-    oom = doc["fit"].get("oom_bound_tokens")
+    ooms = [p for p in points if p.status == "oom"]
+    for B, s in extra_oom:
+        ooms.append(cal.Point(B, (), s, s, role="oom elsewhere"))
+    # each OOM bounds the training budget (its tokens, its samples' own, the shards this run held beyond it)
+    bounded = min([cal.budget_tokens(capacity, safety, fixed, mem[1])]
+                  + [cal.budget_after_oom(capacity, safety, mem, fixed, p) for p in ooms])
     return {
         "source": doc["meta"].get("date"), "time_coef": dict(zip(("fixed", "per_token", "per_token_sq", "floor"), coef)),
         "time_model": f"(floor^q + line^q)^(1/q), q = {cal.TIME_FLOOR_Q} (calibrate.predict_ms)",
@@ -44,10 +52,8 @@ def refit(doc, safety=0.9, capacity=None):
         "memory_fit": cal.err_summary(rows, "fit", "mem_err"),
         "memory_heldout": cal.err_summary(rows, "heldout", "mem_err"),
         "budget_tokens": cal.budget_tokens(capacity, safety, fixed, mem[1]),
-        # the bound in the budget's units: the OOM micro-batch's tokens plus its samples' own
-        "budget_tokens_with_oom_bound": cal.budget_tokens(capacity, safety, fixed, mem[1], oom and (
-            oom + next(p.B for p in points if p.status == "oom" and p.tokens == oom) * cal.sample_tokens(mem))),
-        "oom_bound_tokens": oom, "rows": rows,
+        "budget_tokens_with_oom_bound": bounded,
+        "oom_micro_batches": [f"{p.B}x{p.s}" for p in ooms], "rows": rows,
     }
 
 
@@ -63,7 +69,7 @@ def refit_profile(doc, res, source, path, safety=0.9):
     fit = {"method": "NNLS, relative weighting; medians of timed steps after one warm-up; time floor (fit_time)",
            "time_model": res["time_model"],
            **{k: res[k] for k in ("time_fit", "time_heldout", "memory_fit", "memory_heldout")},
-           "time_coef_measured": c, "points": res["rows"]}
+           "time_coef_measured": c, "budget_oom_bounds": res["oom_micro_batches"], "points": res["rows"]}
     out, _ = cal.profile_doc(Geometry(), (c["fixed"], c["per_token"], c["per_token_sq"], c["floor"]),
                              statistics.median(v for p in ok for v in p["step_ms"]),
                              (m["train_fixed_bytes"], m["bytes_per_token"], m["bytes_per_sample"]),
@@ -78,6 +84,8 @@ def main():
     ap.add_argument("json")
     ap.add_argument("--out")
     ap.add_argument("--profile-out", help="write the profile YAML the calibrate command now makes of these points")
+    ap.add_argument("--oom", default="", help="micro-batches BxS (per-GPU tokens) that ran out of memory in "
+                    "other runs of the same setup, comma-separated: bounds on the budget")
     ap.add_argument("--run-profile", help="the run's own profile YAML: its memory.capacity_bytes is the device's "
                     "(else it is estimated from the points' peaks and rounded peak fractions)")
     args = ap.parse_args()
@@ -86,7 +94,8 @@ def main():
     capacity = None
     if args.run_profile:
         capacity = yaml.safe_load(open(args.run_profile))["memory"]["capacity_bytes"]
-    res = refit(doc, capacity=capacity)
+    extra = [tuple(int(v) for v in t.split("x")) for t in args.oom.split(",") if t]
+    res = refit(doc, capacity=capacity, extra_oom=extra)
     if args.profile_out:
         refit_profile(doc, res, args.json, args.profile_out)
     for k, v in res.items():

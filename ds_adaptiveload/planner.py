@@ -245,10 +245,12 @@ def _oversize(samples, full, gpu, profile, cfg):
         elif cfg.on_oversize == "skip":
             skipped.append(i)
         else:
-            k = -(-full[i] // budget)
+            room = budget - profile.sample_tokens  # what one sample's tokens may take
+            k = int(-(-full[i] // room)) if room > 0 else "none"
+            own = f" (+{profile.sample_tokens:.0f} of memory.sample_tokens)" if profile.sample_tokens else ""
             raise UserError(
                 f"sample {samples[i].id!r} ({samples[i].frames}x{samples[i].height}x{samples[i].width}) has "
-                f"{g} tokens per GPU at sp={cfg.sp}, over memory.budget_tokens={budget}; the smallest "
+                f"{g} tokens per GPU at sp={cfg.sp}{own}, over memory.budget_tokens={budget}; the smallest "
                 f"sequence-parallel degree that fits it is {k} (it must divide the world size), or pass "
                 f"--on-oversize skip")
     return keep, skipped
