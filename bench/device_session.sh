@@ -127,4 +127,8 @@ PY
 done 2>&1 | tee -a "$OUT/session-summary.txt"
 grep -h "^error\|Error" "$L"/train_*.log 2>/dev/null | cut -c1-300 | head -5 | tee -a "$OUT/session-summary.txt"
 tar -czf "$OUT/session-logs.tgz" -C "$L" .
+# The device tool returns at most 8 files per call: the kernel / verify stages' folders go back as one file each.
+for d in kernel verify; do
+  [ -d "$OUT/$d" ] && tar -czf "$OUT/$d.tgz" -C "$OUT" "$d" && rm -rf "${OUT:?}/$d"
+done
 el "done"

@@ -341,6 +341,8 @@ def _loo_median(pts, fit):
     return statistics.median(errs)
 
 
+# Seconds more for a second probe after an out-of-memory one (one rank only: several cannot recover).
+PROBE_RETRY_S = 25.0
 # Seconds of the time budget kept for the budget probe (at most a quarter of the budget: shorter budgets still probe).
 PROBE_RESERVE_S = 40.0
 # A time this much above the floor is on the line (the floor's own jitter stays below it).
@@ -443,11 +445,40 @@ def probe_point(small, capacity, safety, mem, oom_tokens=None):
     return Point(max(1, int(here // (small.s + sample_tokens(mem)))), small.shape, small.S, small.s, role="probe")
 
 
+def budget_probes(small, mem, capacity, safety, step_fn, clock, deadline, pred_s, oom_types=(), oom_tokens=None,
+                  largest=0, retry=True, before=None):
+    """The budget probe: one step (no warm-up: a first step peaks at least as high as later ones) of `small`'s
+    shape filling the memory budget (probe_point). After an out-of-memory probe, with `retry` (one rank: the
+    OOM is recovered), the next one fills 0.9 of what ran out, while the time budget lasts, so that the
+    budget ends where a probe ran. Skipped when a measured point was as large or its predicted time
+    (pred_s(point), seconds) does not fit before `deadline`. before(point) runs before each measured probe.
+    Returns the probes in order."""
+    probes, bound = [], oom_tokens
+    while True:
+        p = probe_point(small, capacity, safety, mem, bound)
+        if probes and p.B >= probes[-1].B:  # nothing smaller to try
+            break
+        probes.append(p)
+        if p.tokens <= largest:
+            p.status, p.note = "skipped", "not needed: a measured point was as large"
+        elif clock() + 1.2 * pred_s(p) > deadline:
+            p.status, p.note = "skipped", f"time budget (needs ~{pred_s(p):.0f} s)"
+        else:
+            if before:
+                before(p)
+            _measure_point(p, step_fn, clock, oom_types, repeats=1, big_s=0.0, warmup=0)
+        if p.status != "oom" or not retry:
+            return probes
+        bound = p.tokens + p.B * sample_tokens(mem)
+    return probes
+
+
 def budget_after_oom(capacity, safety, mem, train_fixed, p):
-    """The training run's budget once micro-batch p ran out of memory in this run: p's tokens plus its
-    samples' own, plus the ZeRO-3 shards this run holds beyond the training run's, in tokens' worth."""
-    held = p.tokens + p.B * sample_tokens(mem) + (mem[0] - train_fixed) / mem[1]
-    return budget_tokens(capacity, safety, train_fixed, mem[1], held)
+    """The training run's budget once micro-batch p ran out of memory in this run: `safety` x what p held
+    (its tokens plus its samples' own), the size the next probe tries, plus the ZeRO-3 shards this run
+    holds beyond the training run's, in tokens' worth (exact bytes: no safety on them)."""
+    here = int(safety * (p.tokens + p.B * sample_tokens(mem)))
+    return min(budget_tokens(capacity, safety, train_fixed, mem[1]), here + int((mem[0] - train_fixed) / mem[1]))
 
 
 def rel_err(pred, meas):
@@ -776,7 +807,8 @@ def measure_profile(cfg, ds, args, shapes, heldout):
     # several ranks, points the memory fit puts over the budget's memory are skipped instead of tried.
     # The budget probe is one step of a micro-batch filling the memory budget (~20-25 s for the 1.3B model on
     # H200s): the grid leaves it that much time, or the probe would never run within the default budget.
-    reserve = min(PROBE_RESERVE_S, 0.25 * deadline) if args.probe_budget and capacity else 0.0
+    reserve = (min(PROBE_RESERVE_S + (0 if multi else PROBE_RETRY_S), 0.25 * deadline)
+               if args.probe_budget and capacity else 0.0)
     time_schedule(points, step_fn, None, clock=clock, oom_types=oom_types, repeats=args.repeats,
                   on_point=on_point, deadline=deadline - reserve,
                   mem_limit=capacity * args.safety if multi and capacity else None)
@@ -825,6 +857,8 @@ def measure_profile(cfg, ds, args, shapes, heldout):
             "memory_heldout": err_summary(rows, "heldout", "mem_err"),
             "memory": mem_note,
             "oom_bound_tokens": min((p.tokens for p in points if p.status == "oom"), default=None),
+            "budget_probe": "; ".join(f"B={p.B} x s={p.s} ({p.tokens} tokens): {p.status}"
+                                      for p in points if p.role == "probe") or "not run",
             "points": rows,
             "init_s": round(init_s, 1),
             "elapsed_s": round(time.monotonic() - t_start, 1),
@@ -847,39 +881,36 @@ def measure_profile(cfg, ds, args, shapes, heldout):
                 json.dump({"meta": meta, "points": [asdict(p) for p in points], "fit": doc["fit"]}, f, indent=1)
 
     if mem and capacity and args.probe_budget:
-        # Check the extrapolated budget where it matters: one micro-batch of the smallest shape filling it.
+        # Check the extrapolated budget where it matters: micro-batches of the smallest shape filling it.
         small = min((p for p in points if p.status == "ok"), key=lambda p: p.s)
-        probe = probe_point(small, capacity, args.safety, mem, oom_tokens)
-        pred_s = (fixed + a * probe.tokens + b * probe.tokens * probe.s + step_fixed) / 1000
-        if probe.tokens <= max(p.tokens for p in points if p.status == "ok"):
-            probe.status, probe.note = "skipped", "not needed: a measured point was as large"
-        elif clock() + 1.2 * pred_s > deadline:
-            probe.status, probe.note = "skipped", f"time budget (needs ~{pred_s:.0f} s)"
-        else:
-            if multi and is_main:
-                # An OOM in the probe stops a multi-rank run (_StepFn): the profile without it is on disk first.
-                _, doc, _ = make_doc(budget)
-                doc["fit"]["budget_probe"] = (f"not run yet: B={probe.B} x s={probe.s} ({probe.tokens} tokens) "
-                                              "is next; an out-of-memory there stops a multi-rank run")
+
+        def before(probe):  # several ranks: an OOM in the probe stops the run (_StepFn), so the profile goes first
+            _, doc0, _ = make_doc(budget)
+            doc0["fit"]["budget_probe"] = (f"not run yet: B={probe.B} x s={probe.s} ({probe.tokens} tokens) is "
+                                           "next; an out-of-memory there stops a multi-rank run")
+            write_profile(doc0, args.out)
+            print(f"wrote {args.out} before the budget probe", flush=True)
+
+            def lower_budget(p):  # rank 0 ran out of memory in the probe: the bound goes in before the exit
+                nonlocal doc
+                p.status, p.note = "oom", "out of memory on rank 0; the run stopped here"
+                points.append(p)
+                _, doc, _ = make_doc(budget_below(p))
                 write_profile(doc, args.out)
-                print(f"wrote {args.out} before the budget probe", flush=True)
+                write_json()
+                print(f"wrote {args.out} with the budget below the probe's {p.tokens} tokens", flush=True)
 
-                def lower_budget(p):  # rank 0 ran out of memory in the probe: the bound goes in before the exit
-                    nonlocal doc
-                    p.status, p.note = "oom", "out of memory on rank 0; the run stopped here"
-                    points.append(p)
-                    _, doc, _ = make_doc(budget_below(p))
-                    write_profile(doc, args.out)
-                    write_json()
-                    print(f"wrote {args.out} with the budget below the probe's {p.tokens} tokens", flush=True)
+            step_fn.before_exit = lower_budget
 
-                step_fn.before_exit = lower_budget
-            # One step, no warm-up: it checks memory (a first step peaks at least as high as later ones).
-            _measure_point(probe, step_fn, clock, oom_types, repeats=1, big_s=0.0, warmup=0)
-            step_fn.before_exit = None
-        if probe.status == "oom":
-            budget = budget_below(probe)
-        points.append(probe)
+        probes = budget_probes(small, mem, capacity, args.safety, step_fn, clock, deadline,
+                               lambda p: (fixed + a * p.tokens + b * p.tokens * p.s + step_fixed) / 1000,
+                               oom_types, oom_tokens, largest=max(p.tokens for p in points if p.status == "ok"),
+                               retry=not multi, before=before if multi and is_main else None)
+        step_fn.before_exit = None
+        for p in probes:
+            if p.status == "oom":
+                budget = min(budget, budget_below(p))
+        points.extend(probes)
     rows, doc, prof = make_doc(budget)
     if not is_main:
         return None

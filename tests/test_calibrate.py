@@ -183,7 +183,7 @@ def test_fit_memory_per_sample_term():
 def test_probe_fills_this_runs_memory_and_an_oom_bounds_the_training_budget():
     """Measured on one GPU for a 2-GPU training run: the probe fills what this run can hold (its ZeRO-3
     shards are the full 16 bytes per parameter), at 0.9 of capacity by the fit; if it runs out of memory,
-    the training budget is bounded by it, shifted by the shards the training run does not hold."""
+    the training budget is bounded by 0.9 of what it held, plus the shards the training run does not hold."""
     cap, params = 140 * 2**30, 1.4e9
     mem = (30e9, 2.2e5, 31e9, 2e7)                  # fixed, per token, floor, per sample (this run, world 1)
     train_fixed = cal.train_fixed_bytes(mem[0], params, 1, 2)
@@ -195,7 +195,43 @@ def test_probe_fills_this_runs_memory_and_an_oom_bounds_the_training_budget():
     assert train > probe.B * (1560 + cal.sample_tokens(mem)) + 16 * params / 2 / mem[1] * 0.99
     probe.status = "oom"
     after = cal.budget_after_oom(cap, 0.9, mem, train_fixed, probe)
-    assert after < train and after == pytest.approx(0.9 * train, rel=5e-3)  # 0.9 of what the probe held
+    shards = (mem[0] - train_fixed) / mem[1]  # tokens' worth of the shards the training run does not hold
+    assert after < train and after == pytest.approx(0.9 * (train - shards) + shards, rel=5e-3)
+
+
+def test_budget_probes_step_down_after_an_oom_until_one_runs():
+    """One rank: a probe that runs out of memory is followed by one at 0.9 of what ran out, until one runs or
+    time is up; the budget then ends below the last OOM, where a probe ran. Several ranks (retry=False): one
+    probe. Each probe is one step without warm-up."""
+    cap, mem = 140 * 2**30, (30e9, 2.2e5, 31e9, 2e7)
+    small = cal.Point(1, (1, 480, 832), 1560, 1560)
+    calls = []
+    real_peak = 1.12  # the device needs 12% more than the fit at these sizes
+
+    def step(p):
+        calls.append(p.B)
+        if real_peak * cal.predict_peak(mem, p.tokens, p.B) > cap:
+            raise MemoryError("CUDA out of memory")
+        return 20_000.0, 100.0, None
+
+    t = [0.0]
+    probes = cal.budget_probes(small, mem, cap, 0.9, step, lambda: t[0], 1e9, lambda p: 20.0, (MemoryError,))
+    assert [p.status for p in probes][-1] == "ok" and all(p.status == "oom" for p in probes[:-1])
+    assert len(probes) >= 2 and calls == [p.B for p in probes]  # one call each: no warm-up
+    assert all(b.B < a.B for a, b in zip(probes, probes[1:]))
+    train_fixed = cal.train_fixed_bytes(mem[0], 1.4e9, 1, 2)
+    bound = min(cal.budget_after_oom(cap, 0.9, mem, train_fixed, p) for p in probes if p.status == "oom")
+    ran = probes[-1].tokens + probes[-1].B * cal.sample_tokens(mem) + (mem[0] - train_fixed) / mem[1]
+    assert bound == pytest.approx(ran, rel=5e-3)  # the training budget is what the last probe held, plus the shards
+    calls.clear()
+    one = cal.budget_probes(small, mem, cap, 0.9, step, lambda: t[0], 1e9, lambda p: 20.0, (MemoryError,),
+                            retry=False)
+    assert [p.status for p in one] == ["oom"] and len(calls) == 1
+    late = cal.budget_probes(small, mem, cap, 0.9, step, lambda: t[0], 10.0, lambda p: 20.0, (MemoryError,))
+    assert [p.status for p in late] == ["skipped"] and "time budget" in late[0].note
+    big = cal.budget_probes(small, mem, cap, 0.9, step, lambda: t[0], 1e9, lambda p: 20.0, (MemoryError,),
+                            largest=10**7)
+    assert [p.status for p in big] == ["skipped"] and "not needed" in big[0].note
 
 
 def test_oom_points_are_excluded_and_recorded_as_bounds():
