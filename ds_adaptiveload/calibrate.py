@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
+from ds_adaptiveload.profile import smooth_max
 
 # Fitted grid: an image, then 480p clips of growing length, then 720p clips up to the longest (81 frames).
 GRID_SHAPES = [(1, 480, 832), (9, 480, 832), (21, 480, 832), (45, 480, 832), (81, 480, 832),
@@ -258,16 +259,7 @@ def predict_ms(coef, B, s):
     """Predicted fwd+bwd ms of a micro-batch of B samples of s per-GPU tokens under fit_time's model:
     (floor^q + line^q)^(1/q), q = TIME_FLOOR_Q; the plain line when floor = 0."""
     fixed, a, b, floor = coef
-    return _smax(floor, fixed + a * B * s + b * B * s * s)
-
-
-def _smax(floor, line, q=None):
-    """(floor^q + line^q)^(1/q) without overflow: ~max(floor, line) away from the knee, and 2^(1/q) x at it."""
-    q = q or TIME_FLOOR_Q
-    m = max(floor, line)
-    if m <= 0:
-        return 0.0
-    return m * ((floor / m) ** q + (max(line, 0.0) / m) ** q) ** (1 / q)
+    return smooth_max(floor, fixed + a * B * s + b * B * s * s, TIME_FLOOR_Q)
 
 
 def _line_fit(pts):
@@ -303,7 +295,7 @@ def _soft_fit(pts, iters=60):
             rows, target = [], []
             for xi, v in zip(x, y):
                 line = th[0] * xi[0] + th[1] * xi[1] + th[2] * xi[2]
-                g = _smax(th[3], line)
+                g = smooth_max(th[3], line, q)
                 jl = (max(line, 0.0) / g) ** (q - 1) if g > 0 else 0.0
                 jf = (th[3] / g) ** (q - 1) if g > 0 else 0.0
                 row = (jl * xi[0], jl * xi[1], jl * xi[2], jf)

@@ -84,11 +84,7 @@ class CostProfile:
 
     def micro_ms(self, batch: int, tokens: int) -> float:
         """Predicted forward+backward ms of a micro-batch of `batch` samples of `tokens` tokens each."""
-        line = self.fixed_ms + batch * self.sample_ms(tokens)
-        m = max(self.floor_ms, line)
-        if math.isinf(self.floor_q) or m <= 0:
-            return m
-        return m * ((self.floor_ms / m) ** self.floor_q + (line / m) ** self.floor_q) ** (1 / self.floor_q)
+        return smooth_max(self.floor_ms, self.fixed_ms + batch * self.sample_ms(tokens), self.floor_q)
 
     def mem_tokens(self, tokens: int) -> float:
         """What one sample of `tokens` tokens takes of M_mem."""
@@ -173,6 +169,15 @@ class CostProfile:
     def to_yaml(self, path) -> None:
         with open(path, "w") as f:
             yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+
+
+def smooth_max(floor: float, line: float, q: float = math.inf) -> float:
+    """(floor^q + line^q)^(1/q) without overflow, negative parts as 0: ~max(floor, line) away from the knee,
+    2^(1/q) x at it; q = inf is the max itself. The time model of a micro-batch (profile and calibrate)."""
+    m = max(floor, line, 0.0)
+    if math.isinf(q) or m == 0:
+        return m
+    return m * ((max(floor, 0.0) / m) ** q + (max(line, 0.0) / m) ** q) ** (1 / q)
 
 
 def derive_dual(profile: CostProfile, s_lo: int, s_hi: int, points: int = 64) -> tuple:

@@ -12,7 +12,7 @@ import yaml
 
 from ds_adaptiveload import calibrate as cal
 from ds_adaptiveload.geometry import Geometry
-from ds_adaptiveload.profile import CostProfile
+from ds_adaptiveload.profile import CostProfile, smooth_max
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEO = Geometry()
@@ -101,7 +101,7 @@ def test_fit_time_recovers_a_soft_knee(seed):
     floor_ms = 1000.0
 
     def truth(p):
-        return cal._smax(floor_ms, model_ms(p))
+        return smooth_max(floor_ms, model_ms(p), cal.TIME_FLOOR_Q)
 
     fit = [(1, s) for s in (1560, 4680, 9360, 14040, 18720, 23400, 32760, 46800, 75600)]
     fit += [(b, 1560) for b in (2, 4, 8, 16, 32)] + [(b, 4680) for b in (2, 4, 8)] + [(2, 9360), (4, 9360), (2, 18720)]
