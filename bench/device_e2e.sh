@@ -46,9 +46,7 @@ else
     --probe-tokens 50000 --time-budget ${CAL_BUDGET:-80} --train-world-size 2"
   E2E_ARGS="${E2E_VARIANTS:+--variants $E2E_VARIANTS} ${E2E_MIN_MEASURED:+--min-measured $E2E_MIN_MEASURED} ${E2E_EXTRA:-}"
   TAG=train_e2e-$DATE-h200x2; CAL_DEV=0
-  timeout "$(cap 60)" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl > "$LOGS/install.log" 2>&1 || { el "wheel install failed"; tail "$LOGS/install.log"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+  source bench/device_env.sh && install_wheels "$LOGS/install.log" "$(cap 60)" || exit 1
   nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > "$LOGS/env.log" 2>&1
 fi
 export PYTHONUNBUFFERED=1

@@ -13,9 +13,7 @@ L=/tmp/final_logs; rm -rf "$L"; mkdir -p "$L"
 T0=$(date +%s); TOTAL=${FINAL_TOTAL:-400}
 el() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/final-summary.txt"; }
 cap() { local l=$(( TOTAL - ($(date +%s) - T0) )); echo $(( $1 < l ? $1 : (l > 5 ? l : 5) )); }  # min(cap, left)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  > "$L/install.log" 2>&1 || { el "wheel install failed"; tail "$L/install.log"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source bench/device_env.sh && install_wheels "$L/install.log" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$L/env.log" 2>&1
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)" >> "$L/env.log" 2>&1
 cat "$L/env.log"

@@ -6,10 +6,7 @@
 #   run: bash bench/device_kernel.sh   (carry [".whl"]; the machine sets TORCH_CUDA_ARCH_LIST=9.0a)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# A warm machine keeps /tmp/site (and another stage may be running from it): install once.
-[ -f /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && touch /tmp/site/.done; } || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source bench/device_env.sh && install_wheels "$OUT/install.log" || exit 1
 BENCH_BUDGET=${BENCH_BUDGET:-120}
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/env.log"

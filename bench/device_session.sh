@@ -21,11 +21,7 @@ el() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/session-summary.txt"
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
 cap() { local l; l=$(left); echo $(( $1 < l ? $1 : (l > 5 ? l : 5) )); }  # min(stage cap, time left)
 want() { [[ $STAGES == *",$1,"* ]]; }
-if [ ! -f /tmp/site/.done ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$L/install.log" 2>&1 && touch /tmp/site/.done || { el "wheel install failed"; tail "$L/install.log"; exit 1; }
-fi
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source bench/device_env.sh && install_wheels "$L/install.log" || exit 1
 { nvidia-smi --query-gpu=name,memory.total --format=csv
   python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"; } > "$L/env.log" 2>&1
 cat "$L/env.log"

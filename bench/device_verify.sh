@@ -4,10 +4,7 @@
 # bf16 through autograd. Each step capped so that what ran comes back in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# A warm machine keeps /tmp/site (and another stage may be running from it): install once.
-[ -f /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && touch /tmp/site/.done; } || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source bench/device_env.sh && install_wheels "$OUT/install.log" || exit 1
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 el "JIT build"
 timeout "${BUILD_CAP:-170}" python3 -c "

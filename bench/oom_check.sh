@@ -12,9 +12,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/oom_out}; mkdir -p "$OUT/skip" "$OUT/error"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 if [ "${OOM_CPU_SMOKE:-0}" != 1 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$OUT/install.log" 2>&1 || { el "wheel install failed"; tail "$OUT/install.log"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+  source bench/device_env.sh && install_wheels "$OUT/install.log" || exit 1
 fi
 export PYTHONUNBUFFERED=1
 W=/tmp/oom_work; rm -rf "$W"; mkdir -p "$W"
