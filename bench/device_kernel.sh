@@ -72,10 +72,12 @@ san memcheck 80
 
 el "racecheck"
 san racecheck "${RACE_CAP:-45}"
+if [ "${KERNEL_BENCH:-1}" = 1 ]; then  # KERNEL_BENCH=0: tests and sanitizers only (the benchmark on another GPU)
 el "benchmark"
 timeout 180 python3 bench/ln_modulate.py --out "$OUT/ln_modulate-$(date +%F)-h200.json" --budget-s "$BENCH_BUDGET" \
   --baseline-dtypes bfloat16 --variants "${BENCH_VARIANTS:-0,2}" ${BENCH_ARGS:-} 2>&1 | grep -v Warning > "$OUT/bench.log"
 grep -E "^sweep" "$OUT/bench.log" | sed -E "s/'dtype': 'torch.bfloat16', //; s/'rpc': -1, //" | cut -c1-230
 tail -18 "$OUT/bench.log"
+fi
 
 el "done"

@@ -21,9 +21,20 @@ __device__ __forceinline__ float sumn(const float* f) {
   return s;
 }
 
+// dst[c] = add + src[c] for c < D, by NT threads: a compile-time trip count, so the loop unrolls and every
+// thread's loads are in flight together (one L2 round trip, not D / NT of them).
+template <int D, int NT>
+__device__ __forceinline__ void stage_mod(float* dst, const float* src, float add) {
+#pragma unroll
+  for (int j = 0; j < (D + NT - 1) / NT; ++j) {
+    const int c = int(threadIdx.x) + j * NT;
+    if (D % NT == 0 || c < D) dst[c] = add + src[c];
+  }
+}
+
 // Rows per CTA of the forward: about 256 threads, at most 8 row groups (named barriers 1..8). The backward
 // takes one row group per CTA (its tiles are >= 192 threads), so its partial sums need no combining.
-constexpr int fast_rpc(int tpr) { return tpr >= 256 ? 1 : (256 / tpr > 8 ? 8 : 256 / tpr); }
+__host__ __device__ constexpr int fast_rpc(int tpr) { return tpr >= 256 ? 1 : (256 / tpr > 8 ? 8 : 256 / tpr); }
 // Resident CTAs per SM asked of the compiler (__launch_bounds__' second argument): `threads` warps' worth.
 constexpr int min_ctas(int cta_threads, int threads) { return threads / cta_threads > 1 ? threads / cta_threads : 1; }
 
@@ -60,16 +71,9 @@ __global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR),
   float* mod_a = smem;      // [D] 1 + scale
   float* mod_t = smem + D;  // [D] shift
   float2* slots = reinterpret_cast<float2*>(smem + 2 * D);  // [2 parities][rpc][WPR] (warp mean, warp M2)
-  const int rpc = blockDim.x / TPR;
+  constexpr int rpc = fast_rpc(TPR), NT = TPR * rpc;  // NT == blockDim.x
   const int group = threadIdx.x / TPR, tid = threadIdx.x % TPR, warp = tid / 32, lane = tid % 32;
   const int64_t b = blockIdx.y;
-  const float* sc = static_cast<const float*>(p.scale) + b * p.sc_sb;
-  const float* sh = static_cast<const float*>(p.shift) + b * p.sh_sb;
-  for (int c = threadIdx.x; c < D; c += blockDim.x) {
-    mod_a[c] = 1.f + sc[c];
-    mod_t[c] = sh[c];
-  }
-  __syncthreads();
   // This thread's vectors of a row are at tid * 8 + i * TPR * 8: one base pointer, immediate offsets.
   const TX* x = static_cast<const TX*>(p.x) + b * p.S * D + tid * 8;
   TX* y = static_cast<TX*>(p.y) + b * p.S * D + tid * 8;
@@ -80,9 +84,14 @@ __global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR),
 #pragma unroll
     for (int i = 0; i < VPT; ++i) nxt[r][i].load(x + row * D + i * TPR * 8);
   };
+  // The modulation's staging is one L2 round trip (unrolled), and the first rows are requested before the
+  // barrier that waits for it.
+  stage_mod<D, NT>(mod_a, static_cast<const float*>(p.scale) + b * p.sc_sb, 1.f);
+  stage_mod<D, NT>(mod_t, static_cast<const float*>(p.shift) + b * p.sh_sb, 0.f);
 #pragma unroll
   for (int r = 0; r < PF; ++r)
     if (si + r * step < p.S) load_row(r, si + r * step);
+  __syncthreads();
   int parity = 0;
   while (si < p.S) {
 #pragma unroll
