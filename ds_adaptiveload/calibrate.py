@@ -111,6 +111,9 @@ def run(args) -> int:
     if args.estimate:
         doc = estimate_profile(cfg, ds, args)
     else:
+        from ds_adaptiveload.train.config import default_alloc_conf
+
+        default_alloc_conf()  # before the first CUDA allocation: the allocator the trainer uses
         doc = measure_profile(cfg, ds, args, shapes, heldout)
         if doc is None:  # not rank 0 of a multi-rank calibration
             return 0
@@ -151,7 +154,8 @@ class Point:
     s: int
     """Per-GPU tokens of one sample (ceil(S / sp))."""
     role: str = "fit"
-    """fit | heldout | probe (a check of the memory budget; not fitted)."""
+    """fit | heldout | anchor (a large micro-batch for the memory fit, before the probe) | probe (a check of
+    the memory budget). Only fit points enter the time fit; every ok point with a peak enters the memory fit."""
     status: str = "pending"
     """ok | oom | skipped (time budget) | error."""
     ms: list = field(default_factory=list)
@@ -160,6 +164,9 @@ class Point:
     """Optimizer-step times (ms)."""
     peak_bytes: int = None
     """torch.cuda.max_memory_allocated over the point's steps (None on CPU)."""
+    reserved_bytes: int = None
+    """torch.cuda.max_memory_reserved over the point's steps: the allocator's footprint (allocated plus
+    cached and fragmented blocks), reported beside the peak; not fitted."""
     note: str = ""
 
     @property
@@ -337,6 +344,9 @@ def _loo_median(pts, fit):
 PROBE_RETRY_S = 25.0
 # Seconds of the time budget kept for the budget probe (at most a quarter of the budget: shorter budgets still probe).
 PROBE_RESERVE_S = 40.0
+# The anchor probe: a micro-batch at this fraction of the budget, run before the probe when it is at least
+# ANCHOR_MIN_RATIO x the grid's largest (its peak joins the memory fit), and the seconds kept for it.
+ANCHOR_FRACTION, ANCHOR_MIN_RATIO, PROBE_ANCHOR_S = 0.5, 1.5, 15.0
 # A time this much above the floor is on the line (the floor's own jitter stays below it).
 TIME_FLOOR_MARGIN = 1.1
 # Sharpness q of the smooth max between the time floor and the line (predict_ms): 2^(1/q) - 1 = 9% above
@@ -437,38 +447,63 @@ def probe_point(small, capacity, safety, mem, oom_tokens=None):
     return Point(max(1, int(here // (small.s + sample_tokens(mem)))), small.shape, small.S, small.s, role="probe")
 
 
-def budget_probes(small, mem, capacity, safety, step_fn, clock, deadline, pred_s, oom_types=(), oom_tokens=None,
-                  largest=0, retry=True, before=None):
-    """The budget probe: one step (no warm-up: a first step peaks at least as high as later ones) of `small`'s
-    shape filling the memory budget (probe_point). After an out-of-memory probe, with `retry` (one rank: the
-    OOM is recovered), the next one fills 0.9 of what ran out, while the time budget lasts, so that the
-    budget ends where a probe ran. Skipped when a measured point was as large or its predicted time
-    (pred_s(point), seconds) does not fit before `deadline`. before(point) runs before each measured probe.
-    Returns the probes in order."""
-    probes, bound = [], oom_tokens
-    while True:
-        p = probe_point(small, capacity, safety, mem, bound)
-        if probes and p.B >= probes[-1].B:  # nothing smaller to try
-            break
+def budget_probes(small, points, capacity, safety, step_fn, clock, deadline, pred_s, oom_types=(), retry=True,
+                  before=None, anchor=ANCHOR_FRACTION):
+    """Check the extrapolated memory budget with micro-batches of `small`'s shape, appended to `points` as they
+    run (one step each, no warm-up: a first step peaks at least as high as later ones).
+
+    The grid's largest micro-batch holds ~1/7 of the budget's tokens (the 1.3B model on an H200), so the
+    memory line is extrapolated 7x. First an anchor at `anchor` x the budget (role anchor): its peak joins
+    the memory fit (fit_memory reads every ok point). Then the probe filling the refitted budget
+    (probe_point). After an out-of-memory one, with `retry` (one rank: the OOM is recovered), the next
+    probe fills 0.9 of what ran out, while the time budget lasts, so that the budget ends where a probe ran.
+    A point is skipped when a measured one was as large, or when its predicted time (pred_s(point), seconds)
+    does not fit before `deadline`. before(point) runs before each measured one. Returns them in order."""
+    largest = max((p.tokens for p in points if p.status == "ok"), default=0)
+    bound = min((p.tokens for p in points if p.status == "oom"), default=None)
+    probes = []
+
+    def run(p):
         probes.append(p)
+        points.append(p)
         if p.tokens <= largest:
             p.status, p.note = "skipped", "not needed: a measured point was as large"
         elif clock() + 1.2 * pred_s(p) > deadline:
             p.status, p.note = "skipped", f"time budget (needs ~{pred_s(p):.0f} s)"
         else:
+            mem = fit_memory(points)
             if before:
                 before(p)
             _measure_point(p, step_fn, clock, oom_types, repeats=1, big_s=0.0, warmup=0)
-        if p.status != "oom" or not retry:
-            return probes
-        bound = p.tokens + p.B * sample_tokens(mem)
+            if mem:
+                p.note = ((p.note + "; " if p.note else "")
+                          + f"predicted peak {predict_peak(mem, p.tokens, p.B) / 2**30:.1f} GiB before it ran")
+        return p.status
+
+    first = probe_point(small, capacity, safety, fit_memory(points), bound)
+    if anchor and first.tokens * anchor >= ANCHOR_MIN_RATIO * largest:
+        a = replace(first, B=max(1, int(first.B * anchor)), role="anchor", ms=[], step_ms=[])
+        if run(a) == "oom":
+            if not retry:
+                return probes
+            bound = a.tokens + a.B * sample_tokens(fit_memory(points))
+    last_oom = None
+    while True:
+        p = probe_point(small, capacity, safety, fit_memory(points), bound)
+        if last_oom and p.B >= last_oom.B:  # nothing smaller to try
+            break
+        if run(p) != "oom" or not retry:
+            break
+        last_oom = p
+        bound = p.tokens + p.B * sample_tokens(fit_memory(points))
     return probes
 
 
 def budget_after_oom(capacity, safety, mem, train_fixed, p):
     """The training run's budget once micro-batch p ran out of memory in this run: `safety` x what p held
     (its tokens plus its samples' own), the size the next probe tries, plus the ZeRO-3 shards this run
-    holds beyond the training run's, in tokens' worth (exact bytes: no safety on them)."""
+    holds beyond the training run's, in tokens' worth (exact bytes: no safety on them). With safety 1: the
+    budget up to what a probe that ran held."""
     here = int(safety * (p.tokens + p.B * sample_tokens(mem)))
     return min(budget_tokens(capacity, safety, train_fixed, mem[1]), here + int((mem[0] - train_fixed) / mem[1]))
 
@@ -538,20 +573,25 @@ def _measure_point(p, step_fn, clock, oom_types, repeats, big_s, warmup=1):
     try:
         peaks = []
         t0 = clock()
+        reserved = []
         for _ in range(warmup):  # allocator, kernels' first use, Adam state on the first step
             t0 = clock()
             peaks.append(step_fn(p)[2])
+            reserved.append(getattr(step_fn, "reserved", None))
         n = 1 if warmup and clock() - t0 > big_s else repeats
         for _ in range(n):
             fb, st, peak = step_fn(p)
             p.ms.append(fb)
             p.step_ms.append(st)
             peaks.append(peak)
-        peaks = [v for v in peaks if v]
+            reserved.append(getattr(step_fn, "reserved", None))
+        peaks, reserved = [v for v in peaks if v], [v for v in reserved if v]
         p.peak_bytes = max(peaks) if peaks else None
+        p.reserved_bytes = max(reserved) if reserved else None
         p.status = "ok"
     except oom_types as e:
-        p.status, p.note = "oom", str(e).splitlines()[0][:200] if str(e) else "out of memory"
+        # The allocator's message says how much was allocated and how much reserved but free (fragmentation).
+        p.status, p.note = "oom", str(e).splitlines()[0][:600] if str(e) else "out of memory"
         p.ms, p.step_ms = [], []
 
 
@@ -567,6 +607,8 @@ def report(points, coef, mem, capacity=None):
                      step_ms=round(statistics.median(p.step_ms), 3), n=len(p.ms))
             if p.peak_bytes:
                 r["peak_gib"] = round(p.peak_bytes / 2**30, 3)
+                if p.reserved_bytes:
+                    r["reserved_gib"] = round(p.reserved_bytes / 2**30, 3)
                 if capacity:
                     r["peak_frac"] = round(p.peak_bytes / capacity, 4)
                 if mem:
@@ -799,7 +841,7 @@ def measure_profile(cfg, ds, args, shapes, heldout):
     # several ranks, points the memory fit puts over the budget's memory are skipped instead of tried.
     # The budget probe is one step of a micro-batch filling the memory budget (~20-25 s for the 1.3B model on
     # H200s): the grid leaves it that much time, or the probe would never run within the default budget.
-    reserve = (min(PROBE_RESERVE_S + (0 if multi else PROBE_RETRY_S), 0.25 * deadline)
+    reserve = (min(PROBE_RESERVE_S + PROBE_ANCHOR_S + (0 if multi else PROBE_RETRY_S), 0.25 * deadline)
                if args.probe_budget and capacity else 0.0)
     time_schedule(points, step_fn, None, clock=clock, oom_types=oom_types, repeats=args.repeats,
                   on_point=on_point, deadline=deadline - reserve,
@@ -818,15 +860,21 @@ def measure_profile(cfg, ds, args, shapes, heldout):
     sp_eff = dims.sp * emulate_sp
     train_world = args.train_world_size or max(dims.world, sp_eff)
     mem_doc = None
-    if mem and capacity:
-        params = cfg.num_params()
-        fixed_bytes = train_fixed_bytes(mem[0], params, dims.world, train_world)
-        budget = budget_tokens(capacity, args.safety, fixed_bytes, mem[1], oom_tokens)
+
+    def memory_budget():  # from the memory fit as it stands (the probes' peaks join it)
+        nonlocal mem, mem_doc, mem_note
+        mem = fit_memory(points)
+        fixed_bytes = train_fixed_bytes(mem[0], cfg.num_params(), dims.world, train_world)
         mem_doc = (fixed_bytes, mem[1], mem[3])
         mem_note = {"fixed_bytes_measured": int(mem[0]), "floor_bytes_measured": int(mem[2]),
                     "model": "peak = max(floor, fixed + bytes_per_token * tokens + bytes_per_sample * B)",
                     "measured_world_size": dims.world,
-                    "train_world_size": train_world, "zero_bytes_per_param": ZERO_BYTES_PER_PARAM}
+                    "train_world_size": train_world, "zero_bytes_per_param": ZERO_BYTES_PER_PARAM,
+                    "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")}
+        return budget_tokens(capacity, args.safety, fixed_bytes, mem[1], oom_tokens)
+
+    if mem and capacity:
+        budget = memory_budget()
     else:
         # CPU (no peak memory): the largest micro-batch that ran is the only evidence.
         budget = max(p.tokens for p in points if p.status == "ok")
@@ -849,8 +897,8 @@ def measure_profile(cfg, ds, args, shapes, heldout):
             "memory_heldout": err_summary(rows, "heldout", "mem_err"),
             "memory": mem_note,
             "oom_bound_tokens": min((p.tokens for p in points if p.status == "oom"), default=None),
-            "budget_probe": "; ".join(f"B={p.B} x s={p.s} ({p.tokens} tokens): {p.status}"
-                                      for p in points if p.role == "probe") or "not run",
+            "budget_probe": "; ".join(f"{p.role} B={p.B} x s={p.s} ({p.tokens} tokens): {p.status}"
+                                      for p in points if p.role in ("anchor", "probe")) or "not run",
             "points": rows,
             "init_s": round(init_s, 1),
             "elapsed_s": round(time.monotonic() - t_start, 1),
@@ -863,8 +911,8 @@ def measure_profile(cfg, ds, args, shapes, heldout):
                                 dual_sizes=sizes, pin_dual=args.pin_dual)
         return rows, doc, prof
 
-    def budget_below(p):
-        return budget_after_oom(capacity, args.safety, mem, mem_doc[0], p)
+    def budget_below(p, safety=args.safety):
+        return budget_after_oom(capacity, safety, mem, mem_doc[0], p)
 
     def write_json():
         if args.json:
@@ -878,31 +926,32 @@ def measure_profile(cfg, ds, args, shapes, heldout):
 
         def before(probe):  # several ranks: an OOM in the probe stops the run (_StepFn), so the profile goes first
             _, doc0, _ = make_doc(budget)
-            doc0["fit"]["budget_probe"] = (f"not run yet: B={probe.B} x s={probe.s} ({probe.tokens} tokens) is "
-                                           "next; an out-of-memory there stops a multi-rank run")
+            doc0["fit"]["budget_probe"] = (f"not run yet: {probe.role} B={probe.B} x s={probe.s} ({probe.tokens} "
+                                           "tokens) is next; an out-of-memory there stops a multi-rank run")
             write_profile(doc0, args.out)
             print(f"wrote {args.out} before the budget probe", flush=True)
 
             def lower_budget(p):  # rank 0 ran out of memory in the probe: the bound goes in before the exit
                 nonlocal doc
                 p.status, p.note = "oom", "out of memory on rank 0; the run stopped here"
-                points.append(p)
-                _, doc, _ = make_doc(budget_below(p))
+                _, doc, _ = make_doc(min(budget, budget_below(p)))
                 write_profile(doc, args.out)
                 write_json()
                 print(f"wrote {args.out} with the budget below the probe's {p.tokens} tokens", flush=True)
 
             step_fn.before_exit = lower_budget
 
-        probes = budget_probes(small, mem, capacity, args.safety, step_fn, clock, deadline,
+        probes = budget_probes(small, points, capacity, args.safety, step_fn, clock, deadline,
                                lambda p: (fixed + a * p.tokens + b * p.tokens * p.s + step_fixed) / 1000,
-                               oom_types, oom_tokens, largest=max(p.tokens for p in points if p.status == "ok"),
-                               retry=not multi, before=before if multi and is_main else None)
+                               oom_types, retry=not multi, before=before if multi and is_main else None)
         step_fn.before_exit = None
+        budget = memory_budget()  # refitted with the probes' peaks
         for p in probes:
             if p.status == "oom":
                 budget = min(budget, budget_below(p))
-        points.extend(probes)
+        ran = [p for p in probes if p.role == "probe" and p.status == "ok"]
+        if ran:  # no larger than what a probe ran: the rest of the budget would be extrapolated
+            budget = min(budget, budget_below(ran[-1], safety=1.0))
     rows, doc, prof = make_doc(budget)
     if not is_main:
         return None
@@ -1032,6 +1081,7 @@ class _StepFn:
         self.rank = dims.rank if dims is not None else 0
         self.accel = get_accelerator()
         self.calls = 0
+        self.reserved = None  # max_memory_reserved of the last step (max over ranks), read by _measure_point
         self.before_exit = None  # several ranks: called with the point before an out-of-memory exit
 
     def __call__(self, p):
@@ -1049,6 +1099,8 @@ class _StepFn:
             eps, t = flow.draw_noise(x0, list(range(p.B)), self.seed, self.calls, 5.0)
             self.calls += 1
             if cuda:
+                if p.role in ("anchor", "probe"):  # the budget checks start from an empty cache, not the grid's
+                    torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(self.device)
             self.accel.synchronize()
             t0 = time.perf_counter()
@@ -1060,6 +1112,7 @@ class _StepFn:
             self.accel.synchronize()
             t2 = time.perf_counter()
             peak = self._peak(p)
+            self.reserved = torch.cuda.max_memory_reserved(self.device) if cuda else None
         except torch.cuda.OutOfMemoryError as e:
             if self.world > 1:
                 print(f"calibrate: rank {self.rank} ran out of memory at B={p.B} x s={p.s} ({p.tokens} tokens per "
@@ -1076,9 +1129,11 @@ class _StepFn:
         if self.world > 1:
             import torch.distributed as dist
 
-            v = torch.tensor([ms[0], ms[1], float(peak or 0)], dtype=torch.float64, device=self.device)
+            v = torch.tensor([ms[0], ms[1], float(peak or 0), float(self.reserved or 0)], dtype=torch.float64,
+                             device=self.device)
             dist.all_reduce(v, op=dist.ReduceOp.MAX)
             ms = (float(v[0]), float(v[1]), int(v[2]) if peak is not None else None)
+            self.reserved = int(v[3]) if self.reserved is not None else None
         return ms
 
     def _peak(self, p):

@@ -434,6 +434,9 @@ def main(argv=None) -> int:
 
     # A rank stuck in a collective: `kill -USR1 <pid>` prints its Python stacks (docs/reliability.md).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    from ds_adaptiveload.train.config import default_alloc_conf
+
+    default_alloc_conf()  # before anything touches CUDA
     args = parse_args(argv)
     try:
         train(args)

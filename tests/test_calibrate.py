@@ -199,39 +199,75 @@ def test_probe_fills_this_runs_memory_and_an_oom_bounds_the_training_budget():
     assert after < train and after == pytest.approx(0.9 * (train - shards) + shards, rel=5e-3)
 
 
-def test_budget_probes_step_down_after_an_oom_until_one_runs():
-    """One rank: a probe that runs out of memory is followed by one at 0.9 of what ran out, until one runs or
-    time is up; the budget then ends below the last OOM, where a probe ran. Several ranks (retry=False): one
-    probe. Each probe is one step without warm-up."""
-    cap, mem = 140 * 2**30, (30e9, 2.2e5, 31e9, 2e7)
+def memory_grid(mem, extra=lambda tokens: 0.0):
+    """Measured grid points (1.3B-like sizes, up to 75,600 tokens) whose peaks follow mem = (fixed, per token,
+    per sample) plus extra(tokens)."""
+    pts = []
+    for B, s in ((1, 1560), (32, 1560), (1, 75600), (16, 4680), (2, 32760)):
+        p = cal.Point(B, (1, 480, 832), s, s, status="ok", ms=[1000.0], step_ms=[10.0])
+        p.peak_bytes = int(mem[0] + mem[1] * p.tokens + mem[2] * B + extra(p.tokens))
+        pts.append(p)
+    return pts
+
+
+def test_budget_probes_anchor_the_memory_fit_then_step_down_after_an_oom():
+    """The grid ends at 75,600 tokens and the budget is ~480k: an anchor at half the budget runs first and
+    its peak joins the memory fit, so a slope that steepens past the grid (as a device's may) moves the
+    probe; a probe that runs out of memory is followed, on one rank, by one at 0.9 of what ran out, until
+    one runs or time is up. Several ranks (retry=False): no second probe. One step each, no warm-up."""
+    cap, mem = 140 * 2**30, (30e9, 2.2e5, 2e7)
+    extra = lambda tokens: 0.15 * mem[1] * max(0.0, tokens - 80_000)  # noqa: E731 - steeper past the grid
     small = cal.Point(1, (1, 480, 832), 1560, 1560)
     calls = []
-    real_peak = 1.12  # the device needs 12% more than the fit at these sizes
 
     def step(p):
-        calls.append(p.B)
-        if real_peak * cal.predict_peak(mem, p.tokens, p.B) > cap:
+        calls.append((p.role, p.B))
+        peak = mem[0] + mem[1] * p.tokens + mem[2] * p.B + extra(p.tokens)
+        if peak > 0.95 * cap:
             raise MemoryError("CUDA out of memory")
-        return 20_000.0, 100.0, None
+        return 20_000.0, 100.0, int(peak)
 
     t = [0.0]
-    probes = cal.budget_probes(small, mem, cap, 0.9, step, lambda: t[0], 1e9, lambda p: 20.0, (MemoryError,))
-    assert [p.status for p in probes][-1] == "ok" and all(p.status == "oom" for p in probes[:-1])
-    assert len(probes) >= 2 and calls == [p.B for p in probes]  # one call each: no warm-up
-    assert all(b.B < a.B for a, b in zip(probes, probes[1:]))
-    train_fixed = cal.train_fixed_bytes(mem[0], 1.4e9, 1, 2)
-    bound = min(cal.budget_after_oom(cap, 0.9, mem, train_fixed, p) for p in probes if p.status == "oom")
-    ran = probes[-1].tokens + probes[-1].B * cal.sample_tokens(mem) + (mem[0] - train_fixed) / mem[1]
-    assert bound == pytest.approx(ran, rel=5e-3)  # the training budget is what the last probe held, plus the shards
+    pts = memory_grid(mem, extra)
+    line_only = cal.probe_point(small, cap, 0.9, cal.fit_memory(pts))
+    probes = cal.budget_probes(small, pts, cap, 0.9, step, lambda: t[0], 1e9, lambda p: 20.0, (MemoryError,))
+    anchor, rest = probes[0], probes[1:]
+    assert anchor.role == "anchor" and anchor.status == "ok" and anchor.B == int(line_only.B * 0.5)
+    assert anchor in pts and anchor.peak_bytes and "predicted peak" in anchor.note
+    assert rest and rest[0].B < line_only.B  # the anchor's peak steepened the fitted line
+    assert rest[-1].status == "ok" and all(p.status == "oom" for p in rest[:-1])
+    assert calls == [(p.role, p.B) for p in probes]  # one call each: no warm-up
+    assert all(b.B < a.B for a, b in zip(rest, rest[1:]))
+    # the last probe ran at most one step of 0.9 below the last OOM (or at the first try)
+    ooms = [p for p in rest if p.status == "oom"]
+    if ooms:
+        mem_now = cal.fit_memory(pts)
+        held = ooms[-1].tokens + ooms[-1].B * cal.sample_tokens(mem_now)
+        assert rest[-1].tokens + rest[-1].B * cal.sample_tokens(mem_now) <= 0.9 * held * 1.01
+
+    def oom_past(limit):
+        def f(p):
+            calls.append((p.role, p.B))
+            if p.tokens > limit:
+                raise MemoryError("CUDA out of memory")
+            return 20_000.0, 100.0, int(mem[0] + mem[1] * p.tokens + mem[2] * p.B)
+        return f
+
     calls.clear()
-    one = cal.budget_probes(small, mem, cap, 0.9, step, lambda: t[0], 1e9, lambda p: 20.0, (MemoryError,),
-                            retry=False)
-    assert [p.status for p in one] == ["oom"] and len(calls) == 1
-    late = cal.budget_probes(small, mem, cap, 0.9, step, lambda: t[0], 10.0, lambda p: 20.0, (MemoryError,))
-    assert [p.status for p in late] == ["skipped"] and "time budget" in late[0].note
-    big = cal.budget_probes(small, mem, cap, 0.9, step, lambda: t[0], 1e9, lambda p: 20.0, (MemoryError,),
-                            largest=10**7)
-    assert [p.status for p in big] == ["skipped"] and "not needed" in big[0].note
+    one = cal.budget_probes(small, memory_grid(mem), cap, 0.9, oom_past(300_000), lambda: t[0], 1e9,
+                            lambda p: 20.0, (MemoryError,), retry=False)
+    assert [(p.role, p.status) for p in one] == [("anchor", "ok"), ("probe", "oom")] and len(calls) == 2
+    late = cal.budget_probes(small, memory_grid(mem), cap, 0.9, step, lambda: t[0], 10.0, lambda p: 20.0,
+                             (MemoryError,))
+    assert {p.status for p in late} == {"skipped"} and all("time budget" in p.note for p in late)
+    huge = memory_grid(mem)
+    huge.append(cal.Point(4000, (1, 480, 832), 1560, 1560, status="ok", ms=[1.0], step_ms=[1.0]))
+    big = cal.budget_probes(small, huge, cap, 0.9, step, lambda: t[0], 1e9, lambda p: 20.0, (MemoryError,))
+    assert [(p.role, p.status) for p in big] == [("probe", "skipped")] and "not needed" in big[0].note
+    calls.clear()
+    no_anchor = cal.budget_probes(small, memory_grid(mem), cap, 0.9, oom_past(10**9), lambda: t[0], 1e9,
+                                  lambda p: 20.0, (MemoryError,), anchor=0)
+    assert [(p.role, p.status) for p in no_anchor] == [("probe", "ok")]
 
 
 def test_oom_points_are_excluded_and_recorded_as_bounds():
@@ -420,7 +456,7 @@ cal._capacity = lambda device: 2**30
 cal._StepFn._peak = lambda self, p: int(1e8 + 1e5 * p.tokens + 1e6 * self.rank)  # ranks differ: the max wins
 orig_loss = flow.flow_matching_loss
 def loss(engine, x0, *a, **k):
-    if int(os.environ["RANK"]) == 0 and x0.shape[0] > 100:  # only the budget probe is that large
+    if int(os.environ["RANK"]) == 0 and x0.shape[0] > 800:  # only the budget probe is that large (anchor: ~540)
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
     return orig_loss(engine, x0, *a, **k)
 flow.flow_matching_loss = loss
@@ -456,6 +492,8 @@ def test_two_rank_budget_probe_oom_stops_fast_and_leaves_a_profile(tmp_path):
     assert doc["meta"]["sp"] == 2
     probe = doc["fit"]["points"][-1]
     assert probe["role"] == "probe" and probe["status"] == "oom"
+    anchor = doc["fit"]["points"][-2]  # half the budget, ran before the probe and joined the memory fit
+    assert anchor["role"] == "anchor" and anchor["status"] == "ok" and anchor["B"] == probe["B"] // 2
     assert prof.budget_tokens == int(probe["B"] * probe["s"] * 0.9) == int(doc["fit"]["oom_bound_tokens"] * 0.9)
     ok = [r for r in doc["fit"]["points"] if r["status"] == "ok"]
     # peaks are the maximum over ranks: rank 1's, 1 MB above rank 0's

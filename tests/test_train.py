@@ -63,6 +63,19 @@ def check(proc):
 # Loss normalization, pure arithmetic: what DeepSpeed does to our scaled losses equals one big batch.
 
 
+def test_default_alloc_conf_sets_expandable_segments_unless_the_user_chose(monkeypatch):
+    from ds_adaptiveload.train.config import ALLOC_CONF, default_alloc_conf
+
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    assert default_alloc_conf() == ALLOC_CONF == os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert default_alloc_conf() == "max_split_size_mb:512"  # the user's own setting is kept
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    assert default_alloc_conf() == "expandable_segments:False" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
 def test_loss_scale_equals_one_big_batch_in_one_process():
     torch.manual_seed(0)
     cfg = WanConfig.from_yaml(TINY)

@@ -13,6 +13,21 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
 
 
+ALLOC_CONF = "expandable_segments:True"
+
+
+def default_alloc_conf():
+    """Micro-batch shapes change every step here, which fragments PyTorch's caching allocator: blocks cut
+    for one shape sit half-used under the next, until a large activation finds no contiguous room although
+    the total would fit. Expandable segments grow one mapped range per stream instead (NeMo sets it for
+    dynamic batch shapes too). Must run before the first CUDA allocation; a user's own
+    PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF is kept. Calibration and training both call it, so the
+    profile is measured under the allocator the training run uses. Returns the setting in effect."""
+    if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+
+
 @dataclass
 class AdaptiveLoadConfig:
     """The `adaptive_load` section of the DeepSpeed JSON."""
