@@ -32,9 +32,9 @@ timeout "${RUN_CAP:-400}" deepspeed --num_gpus 2 --master_port 29641 launch/trai
   --no-final-save --num-workers 2 --output $D/run > "$OUT/budget-run.log" 2>&1
 echo "train exit $?"
 cp $D/run/steps.rank0.jsonl "$OUT/" 2>/dev/null
-python3 - <<'PY'
-import json
-for l in open("/tmp/budget_run/run/steps.rank0.jsonl"):
+python3 - "$D/run/steps.rank0.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
     r = json.loads(l)
     print({k: r.get(k) for k in ("step", "samples", "tokens", "mem_peak_gib", "step_ms", "oom", "loss")})
 PY

@@ -480,22 +480,25 @@ def budget_probes(small, points, capacity, safety, step_fn, clock, deadline, pre
                           + f"predicted peak {predict_peak(mem, p.tokens, p.B) / 2**30:.1f} GiB before it ran")
         return p.status
 
-    first = probe_point(small, capacity, safety, fit_memory(points), bound)
+    # An out-of-memory point adds no peak, so the fit that sized a probe is also the one its bound uses.
+    mem = fit_memory(points)
+    first = probe_point(small, capacity, safety, mem, bound)
     if anchor and first.tokens * anchor >= ANCHOR_MIN_RATIO * largest:
         a = replace(first, B=max(1, int(first.B * anchor)), role="anchor", ms=[], step_ms=[])
         if run(a) == "oom":
             if not retry:
                 return probes
-            bound = a.tokens + a.B * sample_tokens(fit_memory(points))
+            bound = a.tokens + a.B * sample_tokens(mem)
     last_oom = None
     while True:
-        p = probe_point(small, capacity, safety, fit_memory(points), bound)
+        mem = fit_memory(points)  # with the anchor's peak once it ran
+        p = probe_point(small, capacity, safety, mem, bound)
         if last_oom and p.B >= last_oom.B:  # nothing smaller to try
             break
         if run(p) != "oom" or not retry:
             break
         last_oom = p
-        bound = p.tokens + p.B * sample_tokens(fit_memory(points))
+        bound = p.tokens + p.B * sample_tokens(mem)
     return probes
 
 
