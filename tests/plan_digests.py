@@ -1,0 +1,55 @@
+"""Digests of dumped plans over a grid of configs: the scheduler's output, frozen before the layout move
+(issue #17), so a refactor that changes any plan fails tests/test_plan_digests.py.
+Regenerate only for an intended plan change:  python tests/plan_digests.py --write"""
+import hashlib
+import itertools
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STORE = os.path.join(ROOT, "tests", "data", "plan_digests.json")
+PROFILE = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml")
+GRID = {"policy": ("equal-tokens", "dual", "balanced"), "world_size": (2, 8, 64), "grad_accum": (1, 4),
+        "lockstep": (False, True)}
+SAMPLES = 3000  # video-heavy: enough for 64 ranks x G = 4 to hold several steps
+
+
+def grid():
+    keys = list(GRID)
+    for values in itertools.product(*(GRID[k] for k in keys)):
+        yield dict(zip(keys, values))
+
+
+def digest(plan, samples) -> str:
+    """sha256 of the --dump lines (step, rank, micro, ids, pad) of a plan."""
+    h = hashlib.sha256()
+    for s, step in enumerate(plan.steps):
+        for r, mbs in enumerate(step):
+            for m, mb in enumerate(mbs):
+                rec = {"step": s, "rank": r, "micro": m, "ids": [samples[i].id for i in mb]}
+                if (s, r, m) in plan.pad:
+                    rec["pad"] = True
+                h.update((json.dumps(rec) + "\n").encode())
+    return h.hexdigest()
+
+
+def compute() -> dict:
+    from ds_adaptiveload.mixes import make_mix
+    from ds_adaptiveload.planner import PlanConfig, make_plan
+    from ds_adaptiveload.profile import CostProfile
+
+    profile = CostProfile.load(PROFILE)
+    samples = make_mix("video-heavy", SAMPLES, seed=0)
+    out = {}
+    for cfg in grid():
+        plan = make_plan(samples, profile, PlanConfig(seed=0, **cfg), epoch=1)
+        out[json.dumps(cfg, sort_keys=True)] = digest(plan, samples)
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit(__doc__)
+    with open(STORE, "w") as f:
+        json.dump(compute(), f, indent=1, sort_keys=True)
