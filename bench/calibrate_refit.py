@@ -59,7 +59,7 @@ def refit(doc, safety=0.9, capacity=None, extra_oom=()):
 
 def refit_profile(doc, res, source, path, safety=0.9):
     """Write the profile of `res` (refit) with the raw run's meta; the run's points stay the evidence."""
-    from ds_adaptiveload.geometry import Geometry
+    from ds_adaptiveload.schedule.geometry import Geometry
 
     c, m = res["time_coef"], res["memory"]
     ok = [p for p in doc["points"] if p["status"] == "ok"]

@@ -12,9 +12,9 @@ PROFILE=${PROFILE:-configs/profiles/h200x2-wan1.3b-sp2-calibrated.yaml}
 D=/tmp/budget_run; mkdir -p $D
 python3 - "$D" "$PROFILE" <<'PY' || exit 1
 import json, sys
-from ds_adaptiveload.manifest import Sample
-from ds_adaptiveload.profile import CostProfile
-from ds_adaptiveload.train.data import write_synthetic
+from ds_adaptiveload.schedule.manifest import Sample
+from ds_adaptiveload.schedule.profile import CostProfile
+from ds_adaptiveload.data.latents import write_synthetic
 d, profile = sys.argv[1:]
 prof = CostProfile.load(profile)
 b = prof.mem_batch(780)  # per-GPU tokens of a 1x480x832 image at sp = 2

@@ -34,8 +34,8 @@ el "kernel tests: $(tail -1 "$L/kernel_pytest.log")"
 
 python3 - <<'PY' > "$L/data.log" 2>&1
 import json
-from ds_adaptiveload.mixes import make_mix
-from ds_adaptiveload.train.data import write_synthetic
+from ds_adaptiveload.schedule.mixes import make_mix
+from ds_adaptiveload.data.latents import write_synthetic
 write_synthetic("/tmp/final_data", make_mix("video-heavy", 96, seed=5), text_dim=4096, max_text_len=512, dtype="bf16")
 for name, base, g in (("one", "configs/ds_zero3_bf16.json", 1), ("sp2", "configs/ds_zero3_bf16_sp2.json", 1)):
     ds = json.load(open(base))

@@ -33,8 +33,8 @@ el "op build / cache load || synthetic data"
 BUILD=$!
 python3 - "$DS" > "$L/data.log" 2>&1 <<'PY'
 import json, os, sys
-from ds_adaptiveload.mixes import make_mix
-from ds_adaptiveload.train.data import write_synthetic
+from ds_adaptiveload.schedule.mixes import make_mix
+from ds_adaptiveload.data.latents import write_synthetic
 ds_dir = sys.argv[1]
 for d, n, seed in (("/tmp/session_data", 96, 5), ("/tmp/session_e2e", int(os.environ.get("E2E_NUM", 120)), 0)):
     if not os.path.exists(f"{d}/manifest.jsonl"):

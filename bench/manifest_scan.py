@@ -22,7 +22,7 @@ import av
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ds_adaptiveload.dataset import scan  # noqa: E402
+from ds_adaptiveload.data import scan  # noqa: E402
 
 
 def write_video(path, codec, fps, n, width, height):

@@ -18,8 +18,8 @@ export PYTHONUNBUFFERED=1
 W=/tmp/oom_work; rm -rf "$W"; mkdir -p "$W"
 python3 - "$W" <<'PY' || exit 1
 import json, sys
-from ds_adaptiveload.manifest import Sample
-from ds_adaptiveload.train.data import write_synthetic
+from ds_adaptiveload.schedule.manifest import Sample
+from ds_adaptiveload.data.latents import write_synthetic
 w = sys.argv[1]
 clip, image = (81, 720, 1280), (1, 480, 832)
 for name, shapes in (("mixed", [clip, clip, image, image]), ("clips", [clip, clip])):

@@ -1,5 +1,5 @@
 """Planner benchmark: predicted idle, step composition and wall time per policy, world size and G, on the
-video-heavy synthetic mix (ds_adaptiveload/mixes.py) with the H200 Wan-1.3B profile; plus planning time and
+video-heavy synthetic mix (ds_adaptiveload/schedule/mixes.py) with the H200 Wan-1.3B profile; plus planning time and
 peak memory for 1M samples at 1024 ranks. Pure CPU.
 
     python bench/plan_bench.py [--samples 200000] [--big 1000000] [--out bench/results/plan-DATE-cpu.json]
@@ -13,9 +13,9 @@ import subprocess
 import sys
 import time
 
-from ds_adaptiveload.mixes import make_mix
-from ds_adaptiveload.planner import POLICIES, PlanConfig, make_plan
-from ds_adaptiveload.profile import CostProfile
+from ds_adaptiveload.schedule.mixes import make_mix
+from ds_adaptiveload.schedule.planner import POLICIES, PlanConfig, make_plan
+from ds_adaptiveload.schedule.profile import CostProfile
 
 PROFILE = "configs/profiles/h200-wan1.3b-blocks.yaml"
 
@@ -28,9 +28,9 @@ def plan_row(samples, profile, policy, ranks, g):
 
 def big_run(n, ranks, g):
     """In a fresh process so that its peak RSS is the planner's own."""
-    code = (f"import json,time,resource\nfrom ds_adaptiveload.mixes import make_mix\n"
-            f"from ds_adaptiveload.planner import PlanConfig, make_plan\n"
-            f"from ds_adaptiveload.profile import CostProfile\n"
+    code = (f"import json,time,resource\nfrom ds_adaptiveload.schedule.mixes import make_mix\n"
+            f"from ds_adaptiveload.schedule.planner import PlanConfig, make_plan\n"
+            f"from ds_adaptiveload.schedule.profile import CostProfile\n"
             f"s = make_mix('video-heavy', {n}); p = CostProfile.load('{PROFILE}')\n"
             f"rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
             f"t = time.perf_counter(); plan = make_plan(s, p, PlanConfig('balanced', {ranks}, grad_accum={g}))\n"

@@ -10,9 +10,9 @@ import datetime
 import json
 import platform
 
-from ds_adaptiveload.mixes import make_mix
-from ds_adaptiveload.planner import PlanConfig, make_plan
-from ds_adaptiveload.profile import CostProfile
+from ds_adaptiveload.schedule.mixes import make_mix
+from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+from ds_adaptiveload.schedule.profile import CostProfile
 
 PROFILE = "configs/profiles/h200-wan1.3b-calibrated-2026-11-29.yaml"  # the profile of the committed results
 BUDGET = 75600

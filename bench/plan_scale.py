@@ -15,9 +15,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ds_adaptiveload.mixes import make_mix  # noqa: E402
-from ds_adaptiveload.planner import PlanConfig, make_plan  # noqa: E402
-from ds_adaptiveload.profile import CostProfile  # noqa: E402
+from ds_adaptiveload.schedule.mixes import make_mix  # noqa: E402
+from ds_adaptiveload.schedule.planner import PlanConfig, make_plan  # noqa: E402
+from ds_adaptiveload.schedule.profile import CostProfile  # noqa: E402
 
 
 def measure(n, ranks, g=4):

@@ -9,10 +9,10 @@ import argparse
 import json
 
 from ds_adaptiveload.calibrate import sp_profile
-from ds_adaptiveload.geometry import per_gpu_tokens
-from ds_adaptiveload.mixes import make_mix
+from ds_adaptiveload.schedule.geometry import per_gpu_tokens
+from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.model import WanConfig
-from ds_adaptiveload.profile import CostProfile
+from ds_adaptiveload.schedule.profile import CostProfile
 
 
 def step_ms(profile, rec, shapes, sp):

@@ -189,8 +189,8 @@ def lockstep_of(ds_json):
 def plan_step_s(manifest, profile, policy, sp, world, grad_accum, lockstep, seed=0):
     """Predicted wall seconds of every step of the run's epoch-0 plan (what the trainer runs), and the
     plan summary (what `python -m ds_adaptiveload plan` prints)."""
-    from ds_adaptiveload.manifest import load_manifest
-    from ds_adaptiveload.planner import PlanConfig, make_plan
+    from ds_adaptiveload.schedule.manifest import load_manifest
+    from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
 
     samples = load_manifest(manifest, profile.geometry)
     plan = make_plan(samples, profile, PlanConfig(policy=policy, world_size=world, sp=sp, grad_accum=grad_accum,
@@ -230,7 +230,7 @@ def profile_for(sp, run_profile, model_config):
     the 1.3B sp = 2 run was predicted 33% low)."""
     from ds_adaptiveload.calibrate import sp_profile
     from ds_adaptiveload.model import WanConfig
-    from ds_adaptiveload.profile import CostProfile
+    from ds_adaptiveload.schedule.profile import CostProfile
 
     prof = CostProfile.load(run_profile)
     if sp == prof.meta.get("sp", 1) or prof.meta.get("sp", 1) != 1:
@@ -327,8 +327,8 @@ def run_variant(name, args, manifest, profile_path, steps, timeout, port):
 
 def simulate(profile, ranks_list, samples_per_rank, grad_accum, mix, lockstep):
     """The planner alone at larger scale: predicted idle and wall per policy (what `plan` prints)."""
-    from ds_adaptiveload.mixes import make_mix
-    from ds_adaptiveload.planner import PlanConfig, make_plan
+    from ds_adaptiveload.schedule.mixes import make_mix
+    from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
 
     rows = []
     for ranks in ranks_list:
@@ -386,7 +386,7 @@ def merge(args):
             run = {**run, **reduce_run(logs, doc["warmup_steps"], run["dp"])}
             res["runs"].append(run)
     # The simulation is planning only (CPU): redone here with this file's settings and the runs' profile.
-    from ds_adaptiveload.profile import CostProfile
+    from ds_adaptiveload.schedule.profile import CostProfile
     res["simulation"] = simulate(CostProfile.from_dict(res["profile_used"]),
                                  [int(v) for v in args.sim_ranks.split(",") if v], args.sim_samples_per_rank,
                                  res["grad_accum"], res["mix"], res.get("lockstep", False)) if args.sim_ranks else []
@@ -411,7 +411,7 @@ def main(argv=None):
     os.makedirs(args.out_dir, exist_ok=True)
     args.work = args.work or os.path.join(args.out_dir, "runs")
     os.makedirs(args.work, exist_ok=True)
-    from ds_adaptiveload.profile import CostProfile
+    from ds_adaptiveload.schedule.profile import CostProfile
 
     t_start = time.monotonic()
     # The runs' profile: the calibrated one, with the planning budget override recorded in meta.

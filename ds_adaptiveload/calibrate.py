@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
-from ds_adaptiveload.profile import smooth_max
+from ds_adaptiveload.schedule.profile import smooth_max
 
 # Fitted grid: an image, then 480p clips of growing length, then 720p clips up to the longest (81 frames).
 GRID_SHAPES = [(1, 480, 832), (9, 480, 832), (21, 480, 832), (45, 480, 832), (81, 480, 832),
@@ -118,7 +118,7 @@ def run(args) -> int:
         if doc is None:  # not rank 0 of a multi-rank calibration
             return 0
     write_profile(doc, args.out)
-    from ds_adaptiveload.profile import CostProfile
+    from ds_adaptiveload.schedule.profile import CostProfile
 
     prof = CostProfile.load(args.out)  # what the planner will read: must load
     print(f"wrote {args.out}: fixed {prof.fixed_ms:.2f} ms, floor {prof.floor_ms:.1f} ms, per_token {prof.per_token_ms:.4g} ms, "
@@ -652,7 +652,7 @@ def dual_report(profile, dual, sizes):
 
 def profile_doc(geometry, coef, step_fixed, mem, capacity, safety, budget, meta, fit, dual_range=None,
                 dual_sizes=None, pin_dual=False):
-    from ds_adaptiveload.profile import CostProfile, derive_dual
+    from ds_adaptiveload.schedule.profile import CostProfile, derive_dual
 
     doc = {
         "geometry": {"vae_stride": list(geometry.vae_stride), "patch_size": list(geometry.patch_size)},
@@ -750,7 +750,7 @@ def estimate_profile(cfg, ds, args):
     - Memory per token: checkpointed block inputs (layers x dim bf16) + one block's saved activations
       while it is recomputed (bf16 2 ffn + 16 dim, fp32 6 dim) + the loss tensors; fixed: 16 bytes/param
       over N (ZeRO-3 shards) + two gathered blocks in bf16 + 1 GiB of buffers and workspace."""
-    from ds_adaptiveload.geometry import Geometry
+    from ds_adaptiveload.schedule.geometry import Geometry
 
     sp = int(ds.get("sequence_parallel_size", 1))
     world = args.train_world_size or max(2, sp)
@@ -807,7 +807,7 @@ def measure_profile(cfg, ds, args, shapes, heldout):
     t_start = time.monotonic()
     import torch
 
-    from ds_adaptiveload.geometry import Geometry
+    from ds_adaptiveload.schedule.geometry import Geometry
 
     engine, dims, seq_shard, device, dtype = _init_engine(cfg, ds, args)
     init_s = time.monotonic() - t_start

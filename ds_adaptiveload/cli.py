@@ -12,8 +12,8 @@ COMMANDS = {
     "plan": ("ds_adaptiveload.plan_cli", "plan an epoch of micro-batches from a manifest and a cost profile"),
     "report": ("ds_adaptiveload.report_cli",
                "without --manifest: the fused op's build state and versions; with it: a dataset report"),
-    "manifest": ("ds_adaptiveload.dataset.scan", "write a manifest from a folder of videos and images"),
-    "synthesize": ("ds_adaptiveload.train.data", "write a synthetic latent dataset of realistic shapes"),
+    "manifest": ("ds_adaptiveload.data.scan", "write a manifest from a folder of videos and images"),
+    "synthesize": ("ds_adaptiveload.data.latents", "write a synthetic latent dataset of realistic shapes"),
     "calibrate": ("ds_adaptiveload.calibrate", "measure the training step and write a cost profile"),
 }
 

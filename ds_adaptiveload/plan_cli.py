@@ -33,9 +33,9 @@ def add_arguments(p):
 
 def load_samples(args, geometry):
     if args.manifest:
-        from ds_adaptiveload.manifest import load_manifest
+        from ds_adaptiveload.schedule.manifest import load_manifest
         return load_manifest(args.manifest, geometry)
-    from ds_adaptiveload.mixes import make_mix
+    from ds_adaptiveload.schedule.mixes import make_mix
     name, _, n = args.mix.partition(":")
     try:
         return make_mix(name, int(n or 10000), seed=args.seed)
@@ -44,8 +44,8 @@ def load_samples(args, geometry):
 
 
 def run(args):
-    from ds_adaptiveload.planner import PlanConfig, make_plan
-    from ds_adaptiveload.profile import CostProfile
+    from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+    from ds_adaptiveload.schedule.profile import CostProfile
 
     profile = CostProfile.load(args.profile)
     samples = load_samples(args, profile.geometry)

@@ -21,7 +21,7 @@ from ds_adaptiveload.errors import UserError  # noqa: E402
 def parse_args(argv=None):
     import deepspeed
 
-    from ds_adaptiveload.mixes import MIXES
+    from ds_adaptiveload.schedule.mixes import MIXES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-config", required=True, help="WanConfig YAML (configs/wan_*.yaml)")
@@ -62,12 +62,13 @@ def train(args) -> None:
     from deepspeed.accelerator import get_accelerator
     from tqdm import tqdm
 
-    from ds_adaptiveload.manifest import load_manifest
+    from ds_adaptiveload.schedule.manifest import load_manifest
     from ds_adaptiveload.model import WanConfig, WanModel
-    from ds_adaptiveload.planner import PlanConfig
-    from ds_adaptiveload.profile import CostProfile
-    from ds_adaptiveload.sampler import AdaptiveSampler
-    from ds_adaptiveload.train import checkpoint, config, data, faults, flow, metrics, sp
+    from ds_adaptiveload.schedule.planner import PlanConfig
+    from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.schedule.sampler import AdaptiveSampler
+    from ds_adaptiveload.data import latents as data
+    from ds_adaptiveload.train import checkpoint, config, faults, flow, metrics, sp
 
     # -- distributed init: gloo on the CPU accelerator, nccl on CUDA -----------------------------------
     accel = get_accelerator()
@@ -110,7 +111,7 @@ def train(args) -> None:
     if args.synthetic:
         manifest = os.path.join(args.output, "synthetic", "manifest.jsonl")
         if rank == 0:
-            from ds_adaptiveload.mixes import make_mix
+            from ds_adaptiveload.schedule.mixes import make_mix
 
             data.write_synthetic(os.path.dirname(manifest), make_mix(args.synthetic_mix, args.synthetic_num, al.seed),
                                  text_dim=model_cfg.text_dim, max_text_len=model_cfg.text_len, seed=al.seed,

@@ -35,9 +35,9 @@ def digest(plan, samples) -> str:
 
 
 def compute() -> dict:
-    from ds_adaptiveload.mixes import make_mix
-    from ds_adaptiveload.planner import PlanConfig, make_plan
-    from ds_adaptiveload.profile import CostProfile
+    from ds_adaptiveload.schedule.mixes import make_mix
+    from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+    from ds_adaptiveload.schedule.profile import CostProfile
 
     profile = CostProfile.load(PROFILE)
     samples = make_mix("video-heavy", SAMPLES, seed=0)

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from ds_adaptiveload import calibrate as cal
-from ds_adaptiveload.geometry import Geometry
-from ds_adaptiveload.profile import CostProfile, smooth_max
+from ds_adaptiveload.schedule.geometry import Geometry
+from ds_adaptiveload.schedule.profile import CostProfile, smooth_max
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEO = Geometry()
@@ -560,7 +560,7 @@ def test_e2e_reduce_run_idle_throughput_and_simulator_error():
 
 def test_e2e_sp_variant_plans_with_a_converted_profile(tmp_path):
     e2e = _e2e()
-    from ds_adaptiveload.profile import CostProfile
+    from ds_adaptiveload.schedule.profile import CostProfile
 
     src = tmp_path / "p.yaml"
     CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml").to_yaml(src)

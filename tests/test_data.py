@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.geometry import Geometry
-from ds_adaptiveload.manifest import load_manifest
-from ds_adaptiveload.train import data, flow
+from ds_adaptiveload.schedule.geometry import Geometry
+from ds_adaptiveload.schedule.manifest import load_manifest
+from ds_adaptiveload.data import latents as data
+from ds_adaptiveload.train import flow
 
 GEO = Geometry()
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from ds_adaptiveload.dataset import report  # noqa: E402
+from ds_adaptiveload.data import report  # noqa: E402
 from ds_adaptiveload.errors import UserError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +81,7 @@ def test_scan_then_report(tmp_path):
     av = pytest.importorskip("av")
     from test_dataset_scan import scan_args, write_video
 
-    from ds_adaptiveload.dataset import scan
+    from ds_adaptiveload.data import scan
     media = tmp_path / "media"
     media.mkdir()
     write_video(media / "v.mp4", "mpeg4", 16, 40, 96, 64)

@@ -9,11 +9,11 @@ import pytest
 av = pytest.importorskip("av")
 np = pytest.importorskip("numpy")
 
-from ds_adaptiveload.dataset import scan  # noqa: E402
-from ds_adaptiveload.dataset.scan import (  # noqa: E402
+from ds_adaptiveload.data import scan  # noqa: E402
+from ds_adaptiveload.data.scan import (  # noqa: E402
     MapConfig, longest_4n1, resampled_frames, target_frames, target_size)
 from ds_adaptiveload.errors import UserError  # noqa: E402
-from ds_adaptiveload.geometry import Geometry  # noqa: E402
+from ds_adaptiveload.schedule.geometry import Geometry  # noqa: E402
 
 
 def write_video(path, codec, fps, n, width, height, pix_fmt="yuv420p", fmt=None):
@@ -162,7 +162,7 @@ def test_scan_manifest_and_errors(media, tmp_path):
         assert word in errs[sid], (sid, errs[sid])
 
     # The lead's loader accepts what we wrote.
-    from ds_adaptiveload.manifest import load_manifest
+    from ds_adaptiveload.schedule.manifest import load_manifest
     assert len(load_manifest(out)) == len(EXPECTED)
 
 

@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from ds_adaptiveload.cli import main
-from ds_adaptiveload.manifest import write_manifest
-from ds_adaptiveload.mixes import make_mix
+from ds_adaptiveload.schedule.manifest import write_manifest
+from ds_adaptiveload.schedule.mixes import make_mix
 
 H200 = "configs/profiles/h200-wan1.3b-blocks.yaml"
 KEYS = {"policy", "world_size", "sp", "grad_accum", "steps", "micro_batches", "samples_total", "samples_planned",

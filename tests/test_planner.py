@@ -8,12 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.geometry import Geometry, per_gpu_tokens
-from ds_adaptiveload.manifest import Sample, load_manifest
-from ds_adaptiveload.mixes import make_mix
-from ds_adaptiveload.planner import POLICIES, PlanConfig, make_plan
-from ds_adaptiveload.profile import CostProfile
-from ds_adaptiveload.sampler import AdaptiveSampler
+from ds_adaptiveload.schedule.geometry import Geometry, per_gpu_tokens
+from ds_adaptiveload.schedule.manifest import Sample, load_manifest
+from ds_adaptiveload.schedule.mixes import make_mix
+from ds_adaptiveload.schedule.planner import POLICIES, PlanConfig, make_plan
+from ds_adaptiveload.schedule.profile import CostProfile
+from ds_adaptiveload.schedule.sampler import AdaptiveSampler
 
 H200 = "configs/profiles/h200-wan1.3b-blocks.yaml"
 GEO = Geometry()

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.geometry import Geometry
-from ds_adaptiveload.manifest import load_manifest
+from ds_adaptiveload.schedule.geometry import Geometry
+from ds_adaptiveload.schedule.manifest import load_manifest
 from ds_adaptiveload.model import WanConfig
-from ds_adaptiveload.train import checkpoint, config, data, faults, metrics
+from ds_adaptiveload.data import latents as data
+from ds_adaptiveload.train import checkpoint, config, faults, metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -83,7 +84,7 @@ def dataset(tmp_path_factory):
 
 
 def _mix():
-    from ds_adaptiveload.mixes import make_mix
+    from ds_adaptiveload.schedule.mixes import make_mix
 
     return make_mix("tiny", NUM, 0)
 
@@ -277,8 +278,8 @@ def test_oom_and_bad_samples_skipped_on_every_rank(tmp_path, dataset, reference)
         f.truncate(100)
     cfg = write_config(tmp_path / "ds.json", on_oom="skip", on_bad_sample="skip")
     # find which sample step 4 trains in the plan of the remaining samples, and put an Inf into it
-    from ds_adaptiveload.planner import PlanConfig, make_plan
-    from ds_adaptiveload.profile import CostProfile
+    from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+    from ds_adaptiveload.schedule.profile import CostProfile
 
     left = [s for s in samples if s not in truncated]
     plan = make_plan(left, CostProfile.load(os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")),

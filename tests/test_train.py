@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 
-from ds_adaptiveload.geometry import Geometry
-from ds_adaptiveload.manifest import load_manifest
+from ds_adaptiveload.schedule.geometry import Geometry
+from ds_adaptiveload.schedule.manifest import load_manifest
 from ds_adaptiveload.model import WanConfig, WanModel
-from ds_adaptiveload.train import data, flow
+from ds_adaptiveload.data import latents as data
+from ds_adaptiveload.train import flow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
@@ -217,7 +218,7 @@ def test_gradient_equals_one_big_batch(tmp_path, sp):
 def test_nonfinite_loss_names_step_and_samples(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from ds_adaptiveload.mixes import make_mix
+    from ds_adaptiveload.schedule.mixes import make_mix
 
     cfg_model = WanConfig.from_yaml(TINY)
     d = tmp_path / "data"
@@ -238,7 +239,7 @@ def test_nonfinite_loss_names_step_and_samples(tmp_path):
 
 def test_missing_shard_exits_2_naming_it(tmp_path):
     cfg_model = WanConfig.from_yaml(TINY)
-    from ds_adaptiveload.mixes import make_mix
+    from ds_adaptiveload.schedule.mixes import make_mix
 
     d = tmp_path / "data"
     manifest = data.write_synthetic(str(d), make_mix("tiny", 8, 0), text_dim=cfg_model.text_dim,

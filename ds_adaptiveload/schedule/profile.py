@@ -20,7 +20,7 @@ import yaml
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_yaml
-from ds_adaptiveload.geometry import Geometry
+from ds_adaptiveload.schedule.geometry import Geometry
 
 # Allowed keys per section; anything else is a typo we refuse rather than ignore.
 _SCHEMA = {

@@ -8,7 +8,7 @@ import hashlib
 from dataclasses import dataclass
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.planner import Plan, PlanConfig, make_plan
+from ds_adaptiveload.schedule.planner import Plan, PlanConfig, make_plan
 
 
 @dataclass

@@ -3,7 +3,7 @@ scheduler will do with a dataset, before any GPU time is spent.
 
 Writes DIR/report.md with three PNGs: the token-length histogram, the predicted per-rank load of the first
 steps under each policy, and the idle fraction by policy and world size. Every number is a prediction of
-the cost profile through the planner (ds_adaptiveload.planner), not a measurement.
+the cost profile through the planner (ds_adaptiveload.schedule.planner), not a measurement.
 """
 import os
 import statistics
@@ -35,10 +35,10 @@ def run(args) -> int:
     import matplotlib
     matplotlib.use("Agg")
 
-    from ds_adaptiveload.geometry import per_gpu_tokens
-    from ds_adaptiveload.manifest import load_manifest
-    from ds_adaptiveload.planner import PlanConfig, make_plan
-    from ds_adaptiveload.profile import CostProfile
+    from ds_adaptiveload.schedule.geometry import per_gpu_tokens
+    from ds_adaptiveload.schedule.manifest import load_manifest
+    from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+    from ds_adaptiveload.schedule.profile import CostProfile
 
     profile = CostProfile.load(args.profile)
     samples = load_manifest(args.manifest, profile.geometry)

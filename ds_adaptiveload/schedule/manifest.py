@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, field
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.geometry import Geometry
+from ds_adaptiveload.schedule.geometry import Geometry
 
 REQUIRED = ("id", "frames", "height", "width")
 _INTS = {}

@@ -23,12 +23,12 @@ LATENT_CHANNELS = 16
 
 
 def add_arguments(p):
-    from ds_adaptiveload.mixes import MIXES
+    from ds_adaptiveload.schedule.mixes import MIXES
 
     p.add_argument("--out", required=True, help="folder for manifest.jsonl and the safetensors shards")
     p.add_argument("--num", type=int, required=True, help="number of samples")
     p.add_argument("--mix", default="video-heavy", choices=sorted(MIXES),
-                   help="shape mix (ds_adaptiveload/mixes.py); 'tiny' suits the tiny model on CPU")
+                   help="shape mix (ds_adaptiveload/schedule/mixes.py); 'tiny' suits the tiny model on CPU")
     p.add_argument("--seed", type=int, default=0, help="seed of the shapes and the random values")
     p.add_argument("--text-dim", type=int, default=4096, help="text embedding width (umT5-XXL: 4096)")
     p.add_argument("--text-len", type=int, default=512, help="longest text context; lengths are drawn in [8, this]")
@@ -39,7 +39,7 @@ def add_arguments(p):
 def run(args) -> int:
     if args.num < 1:
         raise UserError(f"--num must be >= 1, got {args.num}")
-    from ds_adaptiveload.mixes import make_mix
+    from ds_adaptiveload.schedule.mixes import make_mix
 
     path = write_synthetic(args.out, make_mix(args.mix, args.num, args.seed), text_dim=args.text_dim,
                            max_text_len=args.text_len, seed=args.seed, shard_size=args.shard_size,
@@ -55,8 +55,8 @@ def write_synthetic(out_dir, samples, text_dim=4096, max_text_len=512, seed=0, s
     import torch
     from safetensors.torch import save_file
 
-    from ds_adaptiveload.geometry import Geometry
-    from ds_adaptiveload.manifest import write_manifest
+    from ds_adaptiveload.schedule.geometry import Geometry
+    from ds_adaptiveload.schedule.manifest import write_manifest
 
     geometry = geometry or Geometry()
     tdtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]

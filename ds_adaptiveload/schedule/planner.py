@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.geometry import per_gpu_tokens
+from ds_adaptiveload.schedule.geometry import per_gpu_tokens
 
 # Same-shape run length (in micro-batches) of the stratified stream; measured best of 1/2/4/8 on the
 # video-heavy mix at 8-1024 ranks (docs/scheduler.md).

@@ -266,7 +266,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from ds_adaptiveload.errors import UserError
-    from ds_adaptiveload.geometry import Geometry
+    from ds_adaptiveload.schedule.geometry import Geometry
 
     cfg = MapConfig(fps=args.fps, max_frames=args.max_frames, max_area=args.max_area)
     check_config(cfg)

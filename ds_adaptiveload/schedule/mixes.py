@@ -9,7 +9,7 @@ video-heavy (by sample count; by tokens it is dominated by clips):
 import random
 from types import MappingProxyType
 
-from ds_adaptiveload.manifest import Sample
+from ds_adaptiveload.schedule.manifest import Sample
 
 _NO_EXTRA = MappingProxyType({})  # shared and read-only: 10M synthetic samples need no dict each
 
