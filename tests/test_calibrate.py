@@ -517,11 +517,11 @@ def test_multi_rank_memory_limit_skips_points_predicted_to_run_out():
 
 
 # ----------------------------------------------------------------------------------------------------
-# bench/train_e2e.py: the reductions the end-to-end benchmark reports
+# bench/e2e/train_e2e.py: the reductions the end-to-end benchmark reports
 
 
 def _e2e():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "bench", "e2e"))
     import train_e2e
     return train_e2e
 

@@ -3,8 +3,8 @@
 Ulysses sp=2, each run a `deepspeed --num_gpus 2 launch/train_wan.py` subprocess; then the trainer's step
 logs are reduced side by side with the planner's simulation of the same run and of 8/64/1024 ranks.
 
-    python bench/train_e2e.py --profile configs/profiles/h200-wan1.3b-calibrated.yaml --out-dir OUT
-    E2E_SMOKE=1 python bench/train_e2e.py --out-dir /tmp/e2e     # CPU: tiny model, 2 gloo ranks
+    python bench/e2e/train_e2e.py --profile configs/profiles/h200-wan1.3b-calibrated.yaml --out-dir OUT
+    E2E_SMOKE=1 python bench/e2e/train_e2e.py --out-dir /tmp/e2e     # CPU: tiny model, 2 gloo ranks
 
 Settings go to the trainer the documented way: a generated DeepSpeed JSON per run (its `adaptive_load`
 section: profile, policy, seed) and the env var DS_ADAPTIVELOAD_LN_MODULATE (cuda = fused op required,
@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 SMOKE = os.environ.get("E2E_SMOKE") == "1"
@@ -421,7 +421,7 @@ def main(argv=None):
     if args.budget_tokens:
         prof_doc.budget_tokens = args.budget_tokens
         prof_doc.meta = {**prof_doc.meta, "budget_tokens_calibrated": calibrated_budget,
-                         "budget_override": "bench/train_e2e.py --budget-tokens (a planning choice)"}
+                         "budget_override": "bench/e2e/train_e2e.py --budget-tokens (a planning choice)"}
     prof_doc.to_yaml(run_profile)
     profile = CostProfile.load(run_profile)
 

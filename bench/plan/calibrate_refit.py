@@ -2,7 +2,7 @@
 memory fit/held-out errors and the memory budget for the training world size recorded in the file; with
 --profile-out, the profile YAML the calibrate command now writes from those points.
 
-    python bench/calibrate_refit.py bench/results/calibrate-2026-11-29-h200-run3.json [--out REFIT.json]
+    python bench/plan/calibrate_refit.py bench/results/calibrate-2026-11-29-h200-run3.json [--out REFIT.json]
         [--profile-out PROFILE.yaml] [--oom 303x1560,...]
 
 --oom adds micro-batches (B x per-GPU tokens s) that ran out of memory in other runs of the same setup (same
@@ -16,8 +16,8 @@ import sys
 
 import yaml
 
-# the repository, as in the other bench/ scripts: `python bench/calibrate_refit.py` runs without an install
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the repository, as in the other bench/ scripts: `python bench/plan/calibrate_refit.py` runs without an install
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from ds_adaptiveload import calibrate as cal  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def refit_profile(doc, res, source, path, safety=0.9):
     c, m = res["time_coef"], res["memory"]
     ok = [p for p in doc["points"] if p["status"] == "ok"]
     sizes = [p["s"] for p in ok if p["role"] == "fit"]
-    meta = {**doc["meta"], "refit": f"bench/calibrate_refit.py on {source}: the points this calibrate run "
+    meta = {**doc["meta"], "refit": f"bench/plan/calibrate_refit.py on {source}: the points this calibrate run "
                                     "measured, fitted by the current fit code"}
     fit = {"method": "NNLS, relative weighting; medians of timed steps after one warm-up; time floor (fit_time)",
            "time_model": res["time_model"],

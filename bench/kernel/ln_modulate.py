@@ -1,6 +1,6 @@
 """Benchmark the fused LayerNorm-Modulate op against the baselines users would reach for.
 
-    python bench/ln_modulate.py --out bench/results/ln_modulate-$(date +%F)-h200.json
+    python bench/kernel/ln_modulate.py --out bench/results/ln_modulate-$(date +%F)-h200.json
 
 One run measures: device copy bandwidth (the ceiling), then for each shape and x dtype, forward and
 forward+backward of: ours; the Wan eager chain (LN_fp32(x).to(x.dtype).float() * (1 + scale) + shift ->
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from ds_adaptiveload.ops import ln_modulate  # noqa: E402
 from ds_adaptiveload.ops import layernorm_modulate as lnm  # noqa: E402
 

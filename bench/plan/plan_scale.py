@@ -2,7 +2,7 @@
 video-heavy mix at R ranks, G = 4, balanced. The samples list is built in the same process (as a loaded
 manifest would be), so the peak includes it.
 
-    python bench/plan_scale.py [--samples 10000000] [--ranks 1024] [--out bench/results/plan-scale-DATE-cpu.json]
+    python bench/plan/plan_scale.py [--samples 10000000] [--ranks 1024] [--out bench/results/plan-scale-DATE-cpu.json]
 """
 import argparse
 import datetime
@@ -13,7 +13,7 @@ import resource
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from ds_adaptiveload.schedule.mixes import make_mix  # noqa: E402
 from ds_adaptiveload.schedule.planner import PlanConfig, make_plan  # noqa: E402

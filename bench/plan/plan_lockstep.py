@@ -2,7 +2,7 @@
 rounds (and the balanced window trade-off) on the video-heavy mix, with the calibrated ZeRO-3 profile and
 memory for one 720p clip per micro-batch. Pure CPU, seconds.
 
-    python bench/plan_lockstep.py [--out bench/results/plan-lockstep-DATE-cpu.json]
+    python bench/plan/plan_lockstep.py [--out bench/results/plan-lockstep-DATE-cpu.json]
 """
 import argparse
 import dataclasses

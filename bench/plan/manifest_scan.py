@@ -1,6 +1,6 @@
 """Files per second of `python -m ds_adaptiveload manifest` on synthetic videos written with PyAV.
 
-    python bench/manifest_scan.py [--small 200] [--large 16] [--out bench/results/manifest_scan-<date>-cpu.json]
+    python bench/plan/manifest_scan.py [--small 200] [--large 16] [--out bench/results/manifest_scan-<date>-cpu.json]
 
 Two sets: `small` (128x96, 33 frames, half mp4/mpeg4 with a frame count in the container, half
 webm/vp8 without one: open + header cost dominates) and `480p` (480x832, 81 frames, libx264 with its
@@ -21,7 +21,7 @@ import time
 import av
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from ds_adaptiveload.data import scan  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def main():
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/manifest_scan-<date>-cpu.json)")
     a = ap.parse_args()
     date = datetime.date.today().isoformat()
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+    out = a.out or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
                                 f"manifest_scan-{date}-cpu.json")
     root = tempfile.mkdtemp(prefix="manifest_scan_")
     try:

@@ -2,7 +2,7 @@
 video-heavy synthetic mix (ds_adaptiveload/schedule/mixes.py) with the H200 Wan-1.3B profile; plus planning time and
 peak memory for 1M samples at 1024 ranks. Pure CPU.
 
-    python bench/plan_bench.py [--samples 200000] [--big 1000000] [--out bench/results/plan-DATE-cpu.json]
+    python bench/plan/plan_bench.py [--samples 200000] [--big 1000000] [--out bench/results/plan-DATE-cpu.json]
 """
 import argparse
 import datetime
