@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -35,6 +34,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from bench.harness import environment, quantile as percentile  # noqa: E402
 
 SMOKE = os.environ.get("E2E_SMOKE") == "1"
 # Variants in priority order: what is cut first when the time budget is short is at the end.
@@ -107,15 +107,6 @@ def parse_args(argv=None):
 def read_steps(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def percentile(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def pred_step_ms(rec):
@@ -345,24 +336,11 @@ def simulate(profile, ranks_list, samples_per_rank, grad_accum, mix, lockstep):
 
 
 def env_info():
-    info = {"python": platform.python_version(), "host": platform.node()}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["device"] = torch.cuda.get_device_name(0)
-            info["gpus"] = torch.cuda.device_count()
+    try:  # the GPU's name needs torch imported (the runs themselves are subprocesses)
+        import torch  # noqa: F401
     except ImportError:
         pass
-    try:
-        import importlib.metadata as md
-
-        info["deepspeed"] = md.version("deepspeed")
-    except Exception:  # noqa: BLE001
-        pass
-    info.setdefault("device", "cpu")
-    return info
+    return environment()
 
 
 def merge(args):

@@ -22,6 +22,7 @@ import av
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench.harness import environment  # noqa: E402
 from ds_adaptiveload.data import scan  # noqa: E402
 
 
@@ -104,7 +105,7 @@ def main():
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = dict(
-        bench="manifest_scan", date=date, device="cpu", machine=machine(),
+        bench="manifest_scan", date=date, device="cpu", machine=machine(), env=environment(),
         versions=dict(python=platform.python_version(), av=av.__version__,
                       ffmpeg={k: ".".join(map(str, v)) for k, v in av.library_versions.items()},
                       numpy=np.__version__),

@@ -5,16 +5,15 @@ manifest would be), so the peak includes it.
     python bench/plan/plan_scale.py [--samples 10000000] [--ranks 1024] [--out bench/results/plan-scale-DATE-cpu.json]
 """
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from bench.harness import environment  # noqa: E402
 from ds_adaptiveload.schedule.mixes import make_mix  # noqa: E402
 from ds_adaptiveload.schedule.planner import PlanConfig, make_plan  # noqa: E402
 from ds_adaptiveload.schedule.profile import CostProfile  # noqa: E402
@@ -43,8 +42,7 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     row = measure(args.samples, args.ranks)
-    row.update(date=datetime.date.today().isoformat(), machine=platform.machine(), cpus=os.cpu_count(),
-               python=platform.python_version())
+    row.update(environment())  # date, machine, cpus, python, versions, git commit
     print(json.dumps(row))
     if args.out:
         with open(args.out, "w") as f:
