@@ -231,7 +231,11 @@ def profile_for(sp, run_profile, model_config):
     return path
 
 
-def write_ds_json(path, base, profile_path, policy, sp, grad_accum, seed):
+def write_ds_json(path, base, profile_path=None, policy=None, sp=1, grad_accum=1, seed=0, **adaptive):
+    """The one DeepSpeed JSON derivation of bench/ (the coordinator moves bench to
+    ds_adaptiveload.train.config.derive_ds_config once it is merged): micro-batch 1, G, SP, monitors off;
+    with a profile, an adaptive_load section of its own (policy, seed, oversize and OOM steps skipped), without
+    one the base's; adaptive: further adaptive_load keys (on_oom, profile, policy, ...)."""
     with open(base) as f:
         ds = json.load(f)
     ds["gradient_accumulation_steps"] = grad_accum
@@ -245,14 +249,18 @@ def write_ds_json(path, base, profile_path, policy, sp, grad_accum, seed):
     for key in ("csv_monitor", "tensorboard", "wandb"):
         if key in ds:
             ds[key] = {**ds[key], "enabled": False}
-    ds["adaptive_load"] = {"profile": os.path.abspath(profile_path), "policy": policy, "seed": seed,
-                           "on_oversize": "skip"}
-    from dataclasses import fields
+    if profile_path is not None:
+        ds["adaptive_load"] = {"profile": os.path.abspath(profile_path), "policy": policy, "seed": seed,
+                               "on_oversize": "skip"}
+        from dataclasses import fields
 
-    from ds_adaptiveload.train.config import AdaptiveLoadConfig
-    if "on_oom" in {f.name for f in fields(AdaptiveLoadConfig)}:
-        # An OOM step is skipped and logged (counted below) instead of ending the run.
-        ds["adaptive_load"]["on_oom"] = "skip"
+        from ds_adaptiveload.train.config import AdaptiveLoadConfig
+        if "on_oom" in {f.name for f in fields(AdaptiveLoadConfig)}:
+            # An OOM step is skipped and logged (counted below) instead of ending the run.
+            ds["adaptive_load"]["on_oom"] = "skip"
+    elif policy is not None:
+        adaptive["policy"] = policy
+    ds.setdefault("adaptive_load", {}).update(adaptive)
     with open(path, "w") as f:
         json.dump(ds, f, indent=1)
 
