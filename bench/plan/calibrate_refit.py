@@ -2,7 +2,7 @@
 memory fit/held-out errors and the memory budget for the training world size recorded in the file; with
 --profile-out, the profile YAML the calibrate command now writes from those points.
 
-    python bench/plan/calibrate_refit.py bench/results/calibrate-2026-11-29-h200-run3.json [--out REFIT.json]
+    python bench/plan/calibrate_refit.py bench/results/calibrate-2026-11-30-h200x2gpu0-run6.json [--out REFIT.json]
         [--profile-out PROFILE.yaml] [--oom 303x1560,...]
 
 --oom adds micro-batches (B x per-GPU tokens s) that ran out of memory in other runs of the same setup (same
