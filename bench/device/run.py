@@ -112,7 +112,7 @@ STAGES = {
     "e2e": Stage([py("bench/e2e/train_e2e.py", "--profile", "configs/profiles/h200-wan1.3b-calibrated.yaml", "--num",
                      "120", "--epoch", "--warmup", "1", "--grad-accum", "4", "--variants", "balanced,equal-tokens",
                      "--time-budget", "{inner}", "--out-dir", "{out}", "--work", E2E_RUNS, "--tag",
-                     "train_e2e-{date}-h200x2")], 500, "policies side by side over one epoch (bench/e2e/train_e2e.py)",
+                     "train_e2e-{date}-h200x2")], 420, "policies side by side over one epoch (bench/e2e/train_e2e.py)",
                  op=True, margin=40, collect=(f"{E2E_RUNS}/*/train.log", f"{E2E_RUNS}/*/steps.rank*.jsonl",
                                               f"{E2E_RUNS}/*/ds.json", f"{E2E_RUNS}/profile.yaml")),
     # Registered by name for the scripts other work adds; they run once the file exists.
