@@ -411,7 +411,7 @@ def tiny_sp2_config(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
 def test_two_rank_sp2_calibration_on_cpu(tmp_path):
-    """bench/device_session.sh's calib_sp2 command on CPU: `deepspeed --num_gpus 2 --no_local_rank --module
+    """bench/device/run.py's calib_sp2 stage on CPU: `deepspeed --num_gpus 2 --no_local_rank --module
     ds_adaptiveload calibrate` with Ulysses sp=2 (2 gloo ranks, ZeRO-3, the tiny model). Every rank must
     take the same measure/skip decisions (else a collective hangs), only rank 0 writes, and the profile is
     in per-GPU tokens s = ceil(S/2) with meta.sp 2. ~25 s on 2 cores."""
@@ -517,11 +517,11 @@ def test_multi_rank_memory_limit_skips_points_predicted_to_run_out():
 
 
 # ----------------------------------------------------------------------------------------------------
-# bench/train_e2e.py: the reductions the end-to-end benchmark reports
+# bench/e2e/train_e2e.py: the reductions the end-to-end benchmark reports
 
 
 def _e2e():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "bench", "e2e"))
     import train_e2e
     return train_e2e
 

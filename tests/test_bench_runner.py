@@ -1,0 +1,75 @@
+"""bench/device/run.py on CPU with fake stages: what fits runs (side by side where asked), what does not fit
+the budget or lacks its script is skipped and says so, a failing or cut stage is reported, and everything
+comes back packed in at most 6 files."""
+import importlib.util
+import json
+import os
+import sys
+import tarfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _runner():
+    spec = importlib.util.spec_from_file_location("bench_device_run", os.path.join(ROOT, "bench", "device", "run.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _py(code):
+    return [[sys.executable, "-c", code]]
+
+
+def test_runner_fits_skips_fails_and_packs(tmp_path, capsys):
+    run = _runner()
+    S = run.Stage
+    write = "import os; open(os.environ['OUT'] + '/result.txt', 'w').write('{}'); print('wrote {}')"
+    stages = {
+        "fits": S(_py(write.format("a", "a")) + _py("print('second command')"), 20, "fits"),
+        "fits2": S(_py(write.format("b", "b")), 20, "fits beside fails"),
+        "fits3": S([["{py}", "-c", "import sys; print('args', sys.argv[1:])"]], 20, "takes --args"),
+        "fails": S(_py("import sys; print('boom'); sys.exit(3)"), 20, "fails"),
+        "slow": S(_py("import time; print('sleeping', flush=True); time.sleep(60)"), 2, "cut at its limit"),
+        "big": S(_py("print('never')"), 10_000, "does not fit"),
+        "later": S(_py("print('never')"), 5, "its script is not there", needs_file="bench/no_such_script.py"),
+    }
+    out = tmp_path / "out"
+    rc = run.main(["--stages", "fits,fits2+fails,big,slow,later,fits3=5", "--out", str(out), "--budget-s", "60",
+                   "--args", "fits3=--x 'a b'"], stages=stages)
+    assert rc == 1  # a stage failed
+    files = sorted(os.listdir(out))
+    assert len(files) <= 6 and {"summary.txt", "report.json"} <= set(files), files
+    assert all(f.endswith(".tgz") for f in files if f not in ("summary.txt", "report.json"))
+    rep = json.loads((out / "report.json").read_text())
+    status = {r["stage"]: r["status"] for r in rep["records"]}
+    assert status["fits"] == status["fits2"] == status["fits3"] == "ok"
+    assert status["fails"] == "failed (exit 3)"
+    assert status["slow"].startswith("timeout")
+    assert status["big"].startswith("skipped: needs 10000 s")
+    assert status["later"] == "skipped: bench/no_such_script.py not there yet"
+    assert sorted(rep["files"]) == files
+    # 5 stage folders ran: the 3 largest packed alone, the other 2 together
+    members = {}
+    for f in files:
+        if f.endswith(".tgz"):
+            with tarfile.open(out / f) as t:
+                members.update({m.name: t.extractfile(m).read().decode() for m in t.getmembers() if m.isfile()})
+    assert members["fits/result.txt"] == "a" and members["fits2/result.txt"] == "b"
+    assert "second command" in members["fits/stage.log"] and "boom" in members["fails/stage.log"]
+    assert "args ['--x', 'a b']" in members["fits3/stage.log"]
+    assert {n.split("/")[0] for n in members} == {"fits", "fits2", "fits3", "fails", "slow"}
+    summary = (out / "summary.txt").read_text()
+    assert "big: skipped: needs 10000 s" in summary and "fails: failed (exit 3)" in summary
+    assert "[fits] wrote a" in capsys.readouterr().out  # teed to stdout with the stage's name
+
+
+def test_stage_table_parses_and_adds_the_build():
+    run = _runner()
+    groups = run.parse_stages("calib=300+kernel_test,env", run.STAGES)
+    assert groups == [[("build", None)], [("calib", 300.0), ("kernel_test", None)], [("env", None)]]
+    assert run.parse_stages("env,oom", run.STAGES) == [[("env", None)], [("oom", None)]]
+    for st in run.STAGES.values():  # every script a stage names is in the checkout (or registered for later)
+        for cmd in st.cmds:
+            scripts = [a for a in cmd if a.endswith(".py") and "/" in a]
+            assert st.needs_file or all(os.path.exists(os.path.join(ROOT, s)) for s in scripts), cmd
