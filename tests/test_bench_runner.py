@@ -35,7 +35,9 @@ def test_runner_fits_skips_fails_and_packs(tmp_path, capsys):
         "later": S(_py("print('never')"), 5, "its script is not there", needs_file="bench/no_such_script.py"),
     }
     out = tmp_path / "out"
+    # --wheels: a checkout that carries .whl/ for the GPU machine must not make the CPU test install them
     rc = run.main(["--stages", "fits,fits2+fails,big,slow,later,fits3=5", "--out", str(out), "--budget-s", "60",
+                   "--wheels", str(tmp_path / "no-wheels"),
                    "--args", "fits3=--x 'a b'"], stages=stages)
     assert rc == 1  # a stage failed
     files = sorted(os.listdir(out))

@@ -152,11 +152,11 @@ class Log:
             f.write(line + "\n")
 
 
-def install_wheels(out, budget, log):
-    """The wheels the machine lacks (.whl/, from ../shared/device/prepare-wheels.sh) into /tmp/site once per
+def install_wheels(out, budget, log, wheel_dir):
+    """The wheels the machine lacks (wheel_dir: .whl/ from ../shared/device/prepare-wheels.sh) into /tmp/site once per
     machine (a warm one keeps /tmp); returns the environment that uses them, None when pip failed."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
+    wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
     path = [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if wheels and not os.path.exists(f"{SITE}/.done"):
         os.makedirs(f"{out}/install", exist_ok=True)
@@ -341,6 +341,7 @@ def main(argv=None, stages=None):
     ap.add_argument("--budget-s", type=float, default=540, help="seconds for the whole call (install included)")
     ap.add_argument("--args", action="append", default=[], metavar="STAGE=ARGS",
                     help="more arguments for the stage's last command, one shell-quoted string")
+    ap.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="folder of wheels to install first")
     ap.add_argument("--list", action="store_true", help="print the stages and exit")
     a = ap.parse_args(argv)
     if a.list:
@@ -353,7 +354,7 @@ def main(argv=None, stages=None):
     os.makedirs(a.out, exist_ok=True)
     log = Log(os.path.join(a.out, "summary.txt"), budget)
     log(f"stages {a.stages} (budget {a.budget_s:.0f} s), {ROOT}")
-    env = install_wheels(a.out, budget, log)
+    env = install_wheels(a.out, budget, log, a.wheels)
     records = [] if env is not None else [{"stage": "install", "status": "failed"}]
     for group in groups if env is not None else []:
         records += run_group(group, stages, budget, a.out, env, extra, log)
