@@ -177,8 +177,7 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
     from ds_adaptiveload.schedule.planner import PlanConfig
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.schedule.sampler import AdaptiveSampler
-    from ds_adaptiveload.train import config as train_config, sp
-    from ds_adaptiveload.train.lr_scaling import BatchSizeLR
+    from ds_adaptiveload.train import config as train_config, lr_scaling, sp
 
     ds, source = _engine_config(engine, config)
     al = train_config.adaptive_load_section(ds, source or "DeepSpeed config")
@@ -200,11 +199,7 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
                           on_oversize=al.on_oversize, window=al.window, fill=al.fill,
                           lockstep=engine.zero_optimization_stage() >= 2)
     sampler = AdaptiveSampler(samples, profile, plan_cfg, dims.dp_rank)
-    base = engine.lr_scheduler
-    base = base.base if isinstance(base, BatchSizeLR) else base  # called again: wrap the original once
-    lr = BatchSizeLR(engine.optimizer, base, al.lr_scaling_method,
-                     al.lr_reference_batch_size or engine.train_batch_size())
-    engine.lr_scheduler = lr
+    lr = lr_scaling.install(engine, al.lr_scaling_method, al.lr_reference_batch_size)
     if collate_fn is None:
         import torch.utils.data
 

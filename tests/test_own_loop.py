@@ -208,7 +208,9 @@ def test_loader_yields_weighted_steps_covering_the_epoch_and_resumes():
     samples = make_mix("tiny", 30, seed=0)
     engine = stand_in_engine({"lr_scaling_method": "linear", "lr_reference_batch_size": 10})
     loader, lr = get_dataloader_and_lr_scheduler(engine, ShapeDataset(samples), samples)
-    assert engine.lr_scheduler is lr
+    assert engine.lr_scheduler is lr and lr.base is None and lr.reference == 10
+    _, again = get_dataloader_and_lr_scheduler(engine, ShapeDataset(samples), samples)
+    assert engine.lr_scheduler is again and again.base is None  # the original schedule, not a wrapper
     seen = []
     for _ in range(len(loader)):
         step = next(loader)

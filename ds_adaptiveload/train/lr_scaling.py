@@ -76,7 +76,8 @@ class BatchSizeLR:
         keys = {"base", "method", "reference", "unscaled"}
         if not isinstance(state, dict) or set(state) != keys:
             raise UserError(f"LR scheduler state: expected keys {sorted(keys)}, got "
-                            f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+                            f"{sorted(state) if isinstance(state, dict) else type(state).__name__} (a checkpoint "
+                            f"saved without LR scaling; resume it without, or start the scaled run afresh)")
         if (state["base"] is None) != (self.base is None):
             raise UserError("LR scheduler state: saved with" + ("out" if state["base"] is None else "") +
                             " a wrapped schedule, this run has" + ("out" if self.base is None else "") + " one")
@@ -85,3 +86,15 @@ class BatchSizeLR:
         # method and reference come from this run's config: a resumed run may change how it scales
         self.unscaled = list(state["unscaled"])
         self._set(self.unscaled)
+
+
+def install(engine, method: str, reference: int = None) -> BatchSizeLR:
+    """Wrap the engine's LR schedule (or its constant LR) and install the wrapper as engine.lr_scheduler;
+    reference None: engine.train_batch_size(), as DeepSpeed's dynamic batching. Call it before
+    engine.load_checkpoint, so a resumed run restores the wrapped state. Installing again wraps the
+    original schedule, not the wrapper."""
+    base = engine.lr_scheduler
+    base = base.base if isinstance(base, BatchSizeLR) else base
+    lr = BatchSizeLR(engine.optimizer, base, method, reference or engine.train_batch_size())
+    engine.lr_scheduler = lr
+    return lr
