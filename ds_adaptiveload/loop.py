@@ -54,12 +54,7 @@ class MicroBatch:
         adaptive_load.loss_weighting (needs the timesteps t unless it is none)."""
         from ds_adaptiveload.train import flow
 
-        kind = self._settings.loss_weighting
-        if kind != "none":
-            if t is None:
-                raise UserError(f"adaptive_load.loss_weighting is {kind!r}: pass the timesteps, mb.loss(losses, t)")
-            per_sample = per_sample.float() * flow.timestep_weight(t, kind, self._settings.shift).to(per_sample.device)
-        return per_sample.float().sum() * self.weight
+        return flow.weighted_sum(per_sample, t, self._settings.loss_weighting, self._settings.shift) * self.weight
 
 
 @dataclass

@@ -90,6 +90,9 @@ def test_bell_weights_are_diffsynth_studios_at_its_timesteps(shift):
 
 def test_no_weighting_is_ones_and_unknown_names_the_key():
     assert torch.equal(flow.timestep_weight(torch.rand(5), "none", 5.0), torch.ones(5))
+    losses, t = torch.rand(5), torch.rand(5)
+    assert flow.weighted_sum(losses, None, "none", 5.0) == losses.sum()
+    assert flow.weighted_sum(losses, t, "bell", 5.0) == pytest.approx(float((losses * flow.timestep_weight(t, "bell", 5.0)).sum()))
     with pytest.raises(UserError, match="adaptive_load.loss_weighting"):
         flow.timestep_weight(torch.rand(5), "snr", 5.0)
 
@@ -242,7 +245,7 @@ def test_loss_applies_weighting_and_weight():
     losses = torch.rand(len(mb.indices))
     want = (losses * flow.timestep_weight(t, "bell", 3.0)).sum() * mb.weight
     assert float(mb.loss(losses, t)) == pytest.approx(float(want), rel=1e-6)
-    with pytest.raises(UserError, match="pass the timesteps"):
+    with pytest.raises(UserError, match="the timesteps are needed"):
         mb.loss(losses)
 
 

@@ -90,3 +90,15 @@ def timestep_weight(t: torch.Tensor, kind: str, shift: float) -> torch.Tensor:
         raise UserError(f"adaptive_load.loss_weighting must be none or bell, got {kind!r}")
     y = torch.exp(-2 * (t.double() - 0.5) ** 2) - math.exp(-0.5)
     return (y / bell_normaliser(shift)).float()
+
+
+def weighted_sum(per_sample: torch.Tensor, t, kind: str, shift: float) -> torch.Tensor:
+    """sum_i w(t_i) l_i (fp32): the micro-batch's loss sum under adaptive_load.loss_weighting, before the
+    loss_scale factor. t may be None only for kind "none"."""
+    if kind == "none":
+        return per_sample.float().sum()
+    if t is None:
+        from ds_adaptiveload.errors import UserError
+
+        raise UserError(f"adaptive_load.loss_weighting is {kind!r}: the timesteps are needed, mb.loss(losses, t)")
+    return (per_sample.float() * timestep_weight(t, kind, shift).to(per_sample.device)).sum()
