@@ -11,9 +11,11 @@ from dataclasses import asdict, dataclass, fields
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
+from ds_adaptiveload.train.lr_scaling import METHODS as LR_SCALING_METHODS
 
 
 ALLOC_CONF = "expandable_segments:True"
+LOSS_WEIGHTINGS = ("none", "bell")  # flow.timestep_weight
 
 
 def default_alloc_conf():
@@ -38,7 +40,8 @@ class AdaptiveLoadConfig:
     policy: str = "balanced"
     """balanced | dual | equal-tokens (planner.py)."""
     seed: int = 0
-    """Plan shuffling seed, and the seed of model init, noise and timesteps."""
+    """Plan shuffling seed, and the seed of model init, noise and timesteps. `data_efficiency.seed`, when
+    given, sets it (DeepSpeed's data-efficiency seed)."""
     on_oversize: str = "error"
     """error | skip: a sample whose per-GPU tokens exceed the profile's memory budget."""
     window: int = None
@@ -55,6 +58,17 @@ class AdaptiveLoadConfig:
     on_oom: str = "error"
     """error | skip: an accelerator out-of-memory error in a micro-batch. skip drops that step on every
     rank (no optimizer update) and continues; needs ZeRO-3 (docs/reliability.md)."""
+    loss_weighting: str = "none"
+    """none | bell: per-sample loss weight by timestep. bell is the bell-shaped weighting of
+    DiffSynth-Studio's Wan training, centred on t = 0.5, zero at t = 1, mean 1 over the training
+    timesteps (flow.timestep_weight)."""
+    lr_scaling_method: str = "none"
+    """none | linear | sqrt: scale each step's learning rate by (N / lr_reference_batch_size) or its square
+    root, N the step's samples over all ranks (DeepSpeed's dynamic_batching.lr_scaling_method; DeepSpeed's
+    default is linear, ours none, so the configured LR is the LR applied)."""
+    lr_reference_batch_size: int = None
+    """Samples per step that the configured LR refers to; None: the engine's train_batch_size(), as
+    DeepSpeed's dynamic batching uses."""
 
     @classmethod
     def from_dict(cls, d, source) -> "AdaptiveLoadConfig":
@@ -69,13 +83,20 @@ class AdaptiveLoadConfig:
         for key in ("on_oversize", "on_bad_sample", "on_oom"):
             if d.get(key, "error") not in ("error", "skip"):
                 raise UserError(f"{source}: adaptive_load.{key} must be \"error\" or \"skip\", got {d[key]!r}")
+        for key, choices in (("loss_weighting", LOSS_WEIGHTINGS), ("lr_scaling_method", LR_SCALING_METHODS)):
+            if d.get(key, "none") not in choices:
+                raise UserError(f"{source}: adaptive_load.{key} must be one of {', '.join(choices)}, got {d[key]!r}")
+        ref = d.get("lr_reference_batch_size")
+        if ref is not None and (not isinstance(ref, int) or isinstance(ref, bool) or ref < 1):
+            raise UserError(f"{source}: adaptive_load.lr_reference_batch_size must be a positive integer, got {ref!r}")
         return cls(**d)
 
     def resolve_profile(self, json_path) -> str:
+        """json_path None (a config given as a dict): only the working directory is tried."""
         if os.path.isabs(self.profile) or os.path.exists(self.profile):
             return self.profile
-        alt = os.path.join(os.path.dirname(os.path.abspath(json_path)), self.profile)
-        if os.path.exists(alt):
+        alt = json_path and os.path.join(os.path.dirname(os.path.abspath(json_path)), self.profile)
+        if alt and os.path.exists(alt):
             return alt
         raise UserError(f"{json_path}: adaptive_load.profile {self.profile!r} not found (looked in the working "
                         f"directory and next to the JSON)")
@@ -84,13 +105,38 @@ class AdaptiveLoadConfig:
         return asdict(self)
 
 
+NESTED = "data_efficiency.data_sampling.adaptive_load"
+
+
+def adaptive_load_section(ds: dict, source, pop=False) -> AdaptiveLoadConfig:
+    """The `adaptive_load` section of a DeepSpeed dict, at the top level or (DeepSpeed's data-efficiency
+    convention, beside `dynamic_batching`) at data_efficiency.data_sampling.adaptive_load; giving both is an
+    error. `data_efficiency.seed`, when given, is the seed. pop: remove the section from `ds`."""
+    de = ds.get("data_efficiency")
+    de = de if isinstance(de, dict) else {}
+    sampling = de.get("data_sampling")
+    sampling = sampling if isinstance(sampling, dict) else {}
+    top, nested = "adaptive_load" in ds, "adaptive_load" in sampling
+    if top and nested:
+        raise UserError(f"{source}: adaptive_load is given twice, at the top level and at {NESTED}; keep one")
+    if not (top or nested):
+        raise UserError(f"{source}: no adaptive_load section (profile, policy, seed, on_oversize) at the top "
+                        f"level or at {NESTED}")
+    owner = ds if top else sampling
+    section = owner.pop("adaptive_load") if pop else owner["adaptive_load"]
+    if isinstance(section, dict) and "seed" in de:
+        if "seed" in section and section["seed"] != de["seed"]:
+            raise UserError(f"{source}: adaptive_load.seed {section['seed']!r} and data_efficiency.seed "
+                            f"{de['seed']!r} differ; give one")
+        section = {**section, "seed": de["seed"]}
+    return AdaptiveLoadConfig.from_dict(section, source)
+
+
 def load_ds_config(path):
     """-> (DeepSpeed dict without `adaptive_load`, AdaptiveLoadConfig). DeepSpeed's config parser tolerates
-    unknown top-level keys, but it stores the dict in every checkpoint and prints it, so ours is removed."""
+    unknown keys, but it stores the dict in every checkpoint and prints it, so ours is removed."""
     ds = read_json_object(path, "DeepSpeed config")
-    if "adaptive_load" not in ds:
-        raise UserError(f"{path}: no adaptive_load section (profile, policy, seed, on_oversize)")
-    al = AdaptiveLoadConfig.from_dict(ds.pop("adaptive_load"), path)
+    al = adaptive_load_section(ds, path, pop=True)
     gas = ds.get("gradient_accumulation_steps", 1)
     if not isinstance(gas, int) or gas < 1:
         raise UserError(f"{path}: gradient_accumulation_steps must be a positive integer, got {gas!r}")

@@ -11,6 +11,8 @@ shifting keeps training on the noisy end where the structure is decided (Wan, SD
 Noise and t of a sample come from a generator seeded by (seed, epoch, sample index), so they do not
 depend on the rank, the micro-batch or whether the run was resumed, and SP peers draw the same values.
 """
+import math
+
 import torch
 
 
@@ -60,3 +62,43 @@ def loss_scale(grad_divisor: int, grad_accum: int, global_samples: int) -> float
     N comes from the plan (every rank knows every rank's micro-batches): no communication is needed.
     """
     return grad_divisor * grad_accum / global_samples
+
+
+# Timestep loss weighting. "bell" follows the weighting of DiffSynth-Studio's Wan training: a Gaussian
+# exp(-2 (t - 1/2)^2) in t = timestep / 1000, shifted so that its minimum over the training timesteps is 0
+# (at t = 1, pure noise; t = 0 has the same value) and scaled to mean 1 over them. DiffSynth-Studio trains on a grid of 1000
+# shifted timesteps and looks the weight up at the nearest one; here t is continuous, so the same curve is
+# evaluated at t, normalised over the same grid (uniform u = 1, 0.999, ..., 0.001, shifted), which is the
+# distribution draw_noise samples from. With Wan's shift 5 most draws have t > 0.7, so the mean-1 scaling
+# puts ~2.1x on t = 0.5 and 1.46x on t = 0.75; the weight falls to 0 towards pure noise.
+BELL_GRID = 1000
+
+
+def bell_normaliser(shift: float) -> float:
+    """Mean of exp(-2 (t - 1/2)^2) - exp(-1/2) over the shifted training grid."""
+    u = torch.arange(BELL_GRID, 0, -1, dtype=torch.float64) / BELL_GRID
+    return float((torch.exp(-2 * (shift_t(u, shift) - 0.5) ** 2) - math.exp(-0.5)).mean())
+
+
+def timestep_weight(t: torch.Tensor, kind: str, shift: float) -> torch.Tensor:
+    """Per-sample loss weights [B] (fp32) for timesteps t in [0, 1]: kind "none" (ones) or "bell"."""
+    if kind == "none":
+        return torch.ones_like(t, dtype=torch.float32)
+    if kind != "bell":
+        from ds_adaptiveload.errors import UserError
+
+        raise UserError(f"adaptive_load.loss_weighting must be none or bell, got {kind!r}")
+    y = torch.exp(-2 * (t.double() - 0.5) ** 2) - math.exp(-0.5)
+    return (y / bell_normaliser(shift)).float()
+
+
+def weighted_sum(per_sample: torch.Tensor, t, kind: str, shift: float) -> torch.Tensor:
+    """sum_i w(t_i) l_i (fp32): the micro-batch's loss sum under adaptive_load.loss_weighting, before the
+    loss_scale factor. t may be None only for kind "none"."""
+    if kind == "none":
+        return per_sample.float().sum()
+    if t is None:
+        from ds_adaptiveload.errors import UserError
+
+        raise UserError(f"adaptive_load.loss_weighting is {kind!r}: the timesteps are needed, mb.loss(losses, t)")
+    return (per_sample.float() * timestep_weight(t, kind, shift).to(per_sample.device)).sum()
