@@ -11,7 +11,7 @@ from ds_adaptiveload.errors import UserError
 COMMANDS = {
     "plan": ("ds_adaptiveload.plan_cli", "plan an epoch of micro-batches from a manifest and a cost profile"),
     "report": ("ds_adaptiveload.report_cli",
-               "without --manifest: the fused op's build state and versions; with it: a dataset report"),
+               "report op: the fused op's build state and versions; report data --manifest ...: a dataset report"),
     "manifest": ("ds_adaptiveload.data.scan", "write a manifest from a folder of videos and images"),
     "synthesize": ("ds_adaptiveload.data.latents", "write a synthetic latent dataset of realistic shapes"),
     "calibrate": ("ds_adaptiveload.calibrate", "measure the training step and write a cost profile"),

@@ -95,3 +95,19 @@ def test_scan_then_report(tmp_path):
     md = (out / "report.md").read_text()
     assert "| 3 | 1 | 2 | 3 |" in md  # samples, images, videos, shapes
     assert "| 37x272x368 |" in md and "| 57x320x320 |" in md and "| 1x320x320 |" in md
+
+
+def test_report_subcommands_and_the_older_forms(tmp_path, capsys):
+    from ds_adaptiveload.cli import main
+
+    m = tmp_path / "m.jsonl"
+    write_manifest(m, n=60)
+    out = tmp_path / "r"
+    base = ["--manifest", str(m), "--profile", PROFILE, "--world-size", "2", "--out", str(out)]
+    assert main(["report", "data", *base]) == 0 and (out / "report.md").exists()
+    (out / "report.md").unlink()
+    assert main(["report", *base]) == 0 and (out / "report.md").exists()  # the older form
+    assert main(["report", "data"]) == 2
+    assert "report data needs --manifest" in capsys.readouterr().err
+    assert main(["report", "op", *base]) == 2
+    assert "report op takes no --manifest" in capsys.readouterr().err
