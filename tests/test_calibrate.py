@@ -334,6 +334,25 @@ def test_fit_time_needs_three_points():
         cal.fit_time(pts)
 
 
+PROFILES = sorted(f for f in os.listdir(os.path.join(ROOT, "configs", "profiles")) if f.endswith(".yaml"))
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_profile_files_round_trip_through_the_one_writer(tmp_path, name):
+    """Every stored profile, loaded and written again by CostProfile.to_yaml (the only profile writer),
+    loads as the same profile, its comment header included; one that calibrate wrote comes back byte for
+    byte (to_yaml writes what calibrate's own writer did)."""
+    path = os.path.join(ROOT, "configs", "profiles", name)
+    prof = CostProfile.load(path)
+    out = tmp_path / name
+    prof.to_yaml(out)
+    assert CostProfile.load(out) == prof
+    text = open(path).read()
+    assert bool(prof.header) == text.startswith("#")
+    if text.startswith("# Cost profile written by `python -m ds_adaptiveload calibrate`"):
+        assert out.read_text() == text
+
+
 def run_cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "ds_adaptiveload", "calibrate", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
