@@ -310,7 +310,7 @@ def test_time_budget_skips_points_and_keeps_a_fit():
 
 def test_probe_is_one_step_without_warm_up():
     """The budget probe (warmup=0, repeats=1) runs exactly one step: it checks memory, and the grid keeps
-    only that much time for it (calibrate.PROBE_RESERVE_S)."""
+    only that much time for it (calibrate.probe.PROBE_RESERVE_S)."""
     calls = []
 
     def step(p):
@@ -318,11 +318,11 @@ def test_probe_is_one_step_without_warm_up():
         return 10.0, 1.0, 123
 
     p = cal.Point(356, (1, 480, 832), 1560, 1560, role="probe")
-    cal._measure_point(p, step, time.monotonic, (), repeats=1, big_s=0.0, warmup=0)
+    cal.measure_point(p, step, time.monotonic, (), repeats=1, big_s=0.0, warmup=0)
     assert calls == [356] and p.status == "ok" and p.peak_bytes == 123 and p.ms == [10.0]
     calls.clear()
     q = cal.Point(2, (1, 480, 832), 1560, 1560)
-    cal._measure_point(q, step, time.monotonic, (), repeats=3, big_s=5.0)
+    cal.measure_point(q, step, time.monotonic, (), repeats=3, big_s=5.0)
     assert len(calls) == 4 and len(q.ms) == 3  # one warm-up, then the repeats
 
 
@@ -332,6 +332,15 @@ def test_fit_time_needs_three_points():
         p.status, p.ms = "ok", [model_ms(p)]
     with pytest.raises(ValueError, match="time fit needs 3"):
         cal.fit_time(pts)
+
+
+def test_calibrate_imports_without_torch():
+    """Everything but the measured run is pure: the package, its command module and the measured run's
+    modules import without torch or DeepSpeed (engine imports them inside its functions)."""
+    code = ("import sys, ds_adaptiveload.calibrate, ds_adaptiveload.calibrate.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')]; "
+            "sys.exit(f'imported {bad[:3]}' if bad else 0)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 PROFILES = sorted(f for f in os.listdir(os.path.join(ROOT, "configs", "profiles")) if f.endswith(".yaml"))
@@ -468,11 +477,11 @@ FAKE_MEMORY_DRIVER = """
 import os, sys
 import torch
 sys.argv[1:1] = ["calibrate"]
-from ds_adaptiveload import calibrate as cal
+from ds_adaptiveload.calibrate import engine
 from ds_adaptiveload.train import flow
 
-cal._capacity = lambda device: 2**30
-cal._StepFn._peak = lambda self, p: int(1e8 + 1e5 * p.tokens + 1e6 * self.rank)  # ranks differ: the max wins
+engine.capacity = lambda device: 2**30
+engine.StepFn._peak = lambda self, p: int(1e8 + 1e5 * p.tokens + 1e6 * self.rank)  # ranks differ: the max wins
 orig_loss = flow.flow_matching_loss
 def loss(engine, x0, *a, **k):
     if int(os.environ["RANK"]) == 0 and x0.shape[0] > 800:  # only the budget probe is that large (anchor: ~540)
