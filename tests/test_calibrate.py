@@ -528,6 +528,56 @@ def test_two_rank_budget_probe_oom_stops_fast_and_leaves_a_profile(tmp_path):
     assert all(abs(r["peak_gib"] * 2**30 - (1e8 + 1e5 * r["B"] * r["s"] + 1e6)) < 0.002 * 2**30 for r in ok)
 
 
+class FakeStepFn:
+    """engine.StepFn's interface without DeepSpeed: a ZeRO-3-like floored time, a peak with a floor, a
+    per-sample term and a slope that steepens past the grid."""
+
+    def __init__(self, *args):
+        self.reserved, self.before_exit = None, None
+
+    def __call__(self, p):
+        peak = int(max(30.8e9, 23e9 + 2.24e5 * p.tokens * (1 + 0.1 * max(0, p.tokens - 80_000) / 4e5) + 2.07e7 * p.B))
+        self.reserved = peak + 2**30
+        return max(1500.0, model_ms(p)), 130.0, peak
+
+
+def test_calibration_stages_with_a_fake_engine(tmp_path, monkeypatch):
+    """measure.Calibration's single-rank device path on CPU, the engine faked at calibrate.engine: the memory
+    budget, anchor and probe, a budget no larger than what the probe held plus the shards the training run
+    does not hold, the sp conversion, --json."""
+    import argparse
+    import json
+    import types
+
+    import torch
+
+    from ds_adaptiveload.calibrate import cli, engine, measure
+    from ds_adaptiveload.model import WanConfig
+
+    cap = 140 * 2**30
+    monkeypatch.setattr(engine, "init_engine", lambda cfg, ds, args: (
+        None, types.SimpleNamespace(world=1, sp=1, rank=0), None, torch.device("cpu"), torch.bfloat16))
+    monkeypatch.setattr(engine, "StepFn", FakeStepFn)
+    monkeypatch.setattr(engine, "capacity", lambda device: cap)
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    args = ap.parse_args(["--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", "sp2.json",
+                          "--out", str(tmp_path / "p.yaml"), "--json", str(tmp_path / "p.json")])
+    cfg = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_1_3b.yaml"))
+    ds = {"sequence_parallel_size": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    prof = measure.measure_profile(cfg, ds, args, cal.GRID_SHAPES, cal.HELDOUT_SHAPES)
+    rows = prof.fit["points"]
+    assert [r["role"] for r in rows[-2:]] == ["anchor", "probe"] and {r["status"] for r in rows} == {"ok"}
+    probe = rows[-1]
+    # the training run (2 GPUs) may take what the probe held plus the ZeRO-3 shards it does not hold
+    shards = cal.ZERO_BYTES_PER_PARAM * cfg.num_params() / 2 / prof.memory["bytes_per_token"]
+    held = probe["B"] * (probe["s"] + prof.sample_tokens)
+    assert held < prof.budget_tokens <= held + shards + 1
+    assert prof.meta["train_world_size"] == 2 and prof.fit["sp_from_one_gpu"]["k"] == 2
+    raw = json.loads((tmp_path / "p.json").read_text())
+    assert len(raw["points"]) == len(rows) and raw["fit"]["budget_probe"] == prof.fit["budget_probe"]
+
+
 def test_multi_rank_memory_limit_skips_points_predicted_to_run_out():
     """With several ranks an OOM cannot be recovered: points the memory fit puts over mem_limit are skipped,
     not run (the step would raise here)."""
