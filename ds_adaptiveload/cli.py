@@ -14,7 +14,7 @@ COMMANDS = {
                "report op: the fused op's build state and versions; report data --manifest ...: a dataset report"),
     "manifest": ("ds_adaptiveload.data.scan", "write a manifest from a folder of videos and images"),
     "synthesize": ("ds_adaptiveload.data.latents", "write a synthetic latent dataset of realistic shapes"),
-    "calibrate": ("ds_adaptiveload.calibrate", "measure the training step and write a cost profile"),
+    "calibrate": ("ds_adaptiveload.calibrate.cli", "measure the training step and write a cost profile"),
 }
 
 

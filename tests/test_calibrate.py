@@ -310,7 +310,7 @@ def test_time_budget_skips_points_and_keeps_a_fit():
 
 def test_probe_is_one_step_without_warm_up():
     """The budget probe (warmup=0, repeats=1) runs exactly one step: it checks memory, and the grid keeps
-    only that much time for it (calibrate.PROBE_RESERVE_S)."""
+    only that much time for it (calibrate.probe.PROBE_RESERVE_S)."""
     calls = []
 
     def step(p):
@@ -318,11 +318,11 @@ def test_probe_is_one_step_without_warm_up():
         return 10.0, 1.0, 123
 
     p = cal.Point(356, (1, 480, 832), 1560, 1560, role="probe")
-    cal._measure_point(p, step, time.monotonic, (), repeats=1, big_s=0.0, warmup=0)
+    cal.measure_point(p, step, time.monotonic, (), repeats=1, big_s=0.0, warmup=0)
     assert calls == [356] and p.status == "ok" and p.peak_bytes == 123 and p.ms == [10.0]
     calls.clear()
     q = cal.Point(2, (1, 480, 832), 1560, 1560)
-    cal._measure_point(q, step, time.monotonic, (), repeats=3, big_s=5.0)
+    cal.measure_point(q, step, time.monotonic, (), repeats=3, big_s=5.0)
     assert len(calls) == 4 and len(q.ms) == 3  # one warm-up, then the repeats
 
 
@@ -332,6 +332,34 @@ def test_fit_time_needs_three_points():
         p.status, p.ms = "ok", [model_ms(p)]
     with pytest.raises(ValueError, match="time fit needs 3"):
         cal.fit_time(pts)
+
+
+def test_calibrate_imports_without_torch():
+    """Everything but the measured run is pure: the package, its command module and the measured run's
+    modules import without torch or DeepSpeed (engine imports them inside its functions)."""
+    code = ("import sys, ds_adaptiveload.calibrate, ds_adaptiveload.calibrate.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')]; "
+            "sys.exit(f'imported {bad[:3]}' if bad else 0)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+PROFILES = sorted(f for f in os.listdir(os.path.join(ROOT, "configs", "profiles")) if f.endswith(".yaml"))
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_profile_files_round_trip_through_the_one_writer(tmp_path, name):
+    """Every stored profile, loaded and written again by CostProfile.to_yaml (the only profile writer),
+    loads as the same profile, its comment header included; one that calibrate wrote comes back byte for
+    byte (to_yaml writes what calibrate's own writer did)."""
+    path = os.path.join(ROOT, "configs", "profiles", name)
+    prof = CostProfile.load(path)
+    out = tmp_path / name
+    prof.to_yaml(out)
+    assert CostProfile.load(out) == prof
+    text = open(path).read()
+    assert bool(prof.header) == text.startswith("#")
+    if text.startswith("# Cost profile written by `python -m ds_adaptiveload calibrate`"):
+        assert out.read_text() == text
 
 
 def run_cli(*args, timeout=120):
@@ -449,11 +477,11 @@ FAKE_MEMORY_DRIVER = """
 import os, sys
 import torch
 sys.argv[1:1] = ["calibrate"]
-from ds_adaptiveload import calibrate as cal
+from ds_adaptiveload.calibrate import engine
 from ds_adaptiveload.train import flow
 
-cal._capacity = lambda device: 2**30
-cal._StepFn._peak = lambda self, p: int(1e8 + 1e5 * p.tokens + 1e6 * self.rank)  # ranks differ: the max wins
+engine.capacity = lambda device: 2**30
+engine.StepFn._peak = lambda self, p: int(1e8 + 1e5 * p.tokens + 1e6 * self.rank)  # ranks differ: the max wins
 orig_loss = flow.flow_matching_loss
 def loss(engine, x0, *a, **k):
     if int(os.environ["RANK"]) == 0 and x0.shape[0] > 800:  # only the budget probe is that large (anchor: ~540)
@@ -498,6 +526,56 @@ def test_two_rank_budget_probe_oom_stops_fast_and_leaves_a_profile(tmp_path):
     ok = [r for r in doc["fit"]["points"] if r["status"] == "ok"]
     # peaks are the maximum over ranks: rank 1's, 1 MB above rank 0's
     assert all(abs(r["peak_gib"] * 2**30 - (1e8 + 1e5 * r["B"] * r["s"] + 1e6)) < 0.002 * 2**30 for r in ok)
+
+
+class FakeStepFn:
+    """engine.StepFn's interface without DeepSpeed: a ZeRO-3-like floored time, a peak with a floor, a
+    per-sample term and a slope that steepens past the grid."""
+
+    def __init__(self, *args):
+        self.reserved, self.before_exit = None, None
+
+    def __call__(self, p):
+        peak = int(max(30.8e9, 23e9 + 2.24e5 * p.tokens * (1 + 0.1 * max(0, p.tokens - 80_000) / 4e5) + 2.07e7 * p.B))
+        self.reserved = peak + 2**30
+        return max(1500.0, model_ms(p)), 130.0, peak
+
+
+def test_calibration_stages_with_a_fake_engine(tmp_path, monkeypatch):
+    """measure.Calibration's single-rank device path on CPU, the engine faked at calibrate.engine: the memory
+    budget, anchor and probe, a budget no larger than what the probe held plus the shards the training run
+    does not hold, the sp conversion, --json."""
+    import argparse
+    import json
+    import types
+
+    import torch
+
+    from ds_adaptiveload.calibrate import cli, engine, measure
+    from ds_adaptiveload.model import WanConfig
+
+    cap = 140 * 2**30
+    monkeypatch.setattr(engine, "init_engine", lambda cfg, ds, args: (
+        None, types.SimpleNamespace(world=1, sp=1, rank=0), None, torch.device("cpu"), torch.bfloat16))
+    monkeypatch.setattr(engine, "StepFn", FakeStepFn)
+    monkeypatch.setattr(engine, "capacity", lambda device: cap)
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    args = ap.parse_args(["--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", "sp2.json",
+                          "--out", str(tmp_path / "p.yaml"), "--json", str(tmp_path / "p.json")])
+    cfg = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_1_3b.yaml"))
+    ds = {"sequence_parallel_size": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    prof = measure.measure_profile(cfg, ds, args, cal.GRID_SHAPES, cal.HELDOUT_SHAPES)
+    rows = prof.fit["points"]
+    assert [r["role"] for r in rows[-2:]] == ["anchor", "probe"] and {r["status"] for r in rows} == {"ok"}
+    probe = rows[-1]
+    # the training run (2 GPUs) may take what the probe held plus the ZeRO-3 shards it does not hold
+    shards = cal.ZERO_BYTES_PER_PARAM * cfg.num_params() / 2 / prof.memory["bytes_per_token"]
+    held = probe["B"] * (probe["s"] + prof.sample_tokens)
+    assert held < prof.budget_tokens <= held + shards + 1
+    assert prof.meta["train_world_size"] == 2 and prof.fit["sp_from_one_gpu"]["k"] == 2
+    raw = json.loads((tmp_path / "p.json").read_text())
+    assert len(raw["points"]) == len(rows) and raw["fit"]["budget_probe"] == prof.fit["budget_probe"]
 
 
 def test_multi_rank_memory_limit_skips_points_predicted_to_run_out():

@@ -70,13 +70,13 @@ def refit_profile(doc, res, source, path, safety=0.9):
            "time_model": res["time_model"],
            **{k: res[k] for k in ("time_fit", "time_heldout", "memory_fit", "memory_heldout")},
            "time_coef_measured": c, "budget_oom_bounds": res["oom_micro_batches"], "points": res["rows"]}
-    out, _ = cal.profile_doc(Geometry(), (c["fixed"], c["per_token"], c["per_token_sq"], c["floor"]),
+    prof = cal.build_profile(Geometry(), (c["fixed"], c["per_token"], c["per_token_sq"], c["floor"]),
                              statistics.median(v for p in ok for v in p["step_ms"]),
                              (m["train_fixed_bytes"], m["bytes_per_token"], m["bytes_per_sample"]),
                              m["capacity_bytes"], safety,
                              res["budget_tokens_with_oom_bound"], meta, fit, dual_range=(min(sizes), max(sizes)),
                              dual_sizes=sizes)
-    cal.write_profile(out, path)
+    prof.to_yaml(path)
 
 
 def main():

@@ -14,6 +14,7 @@ section the planner derives it from the time model and
 the data's token range (see `derive_dual`). Pure Python: no torch.
 """
 import math
+import os
 from dataclasses import dataclass, field
 
 import yaml
@@ -58,8 +59,13 @@ class CostProfile:
     """M_comp of the compute constraint (None: derived per dataset)."""
     geometry: Geometry = field(default_factory=Geometry)
     memory: dict = field(default_factory=dict)
+    """The memory section as read or written, in its order: the typed fields above (budget_tokens,
+    sample_tokens) win over the copies here; the rest (fixed_bytes, capacity_bytes, ...) is kept as is."""
     meta: dict = field(default_factory=dict)
     fit: dict = field(default_factory=dict)
+    header: str = ""
+    """The comment block at the top of the YAML (without the '# '): how the profile was made. Read by
+    load, written by to_yaml."""
 
     def __post_init__(self):
         for name in ("fixed_ms", "per_token_ms", "per_token_sq_ms", "step_fixed_ms", "floor_ms", "sample_tokens"):
@@ -110,9 +116,11 @@ class CostProfile:
     def load(cls, path) -> "CostProfile":
         doc = read_yaml(path, "cost profile")
         try:
-            return cls.from_dict(doc)
+            prof = cls.from_dict(doc)
         except UserError as e:
             raise UserError(f"{path}: {e}") from None
+        prof.header = _read_header(path)
+        return prof
 
     @classmethod
     def from_dict(cls, doc) -> "CostProfile":
@@ -158,6 +166,8 @@ class CostProfile:
                         **({"floor_q": self.floor_q} if math.isfinite(self.floor_q) else {})},
             "memory": {**self.memory, "budget_tokens": self.budget_tokens},
         }
+        if self.sample_tokens or "sample_tokens" in self.memory:  # in memory's place when it has one
+            doc["memory"]["sample_tokens"] = self.sample_tokens
         if self.dual_p is not None:
             doc["dual"] = {"p": self.dual_p, "m_comp": self.dual_m_comp}
         if self.meta:
@@ -167,8 +177,22 @@ class CostProfile:
         return doc
 
     def to_yaml(self, path) -> None:
+        """The one profile writer: the header as comments, then to_dict (short sections on one line)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
-            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+            f.writelines(f"# {line}\n" if line else "#\n" for line in self.header.splitlines())
+            yaml.safe_dump(self.to_dict(), f, sort_keys=False, default_flow_style=None, width=120)
+
+
+def _read_header(path) -> str:
+    """The comment lines before the first YAML line, without their '# '."""
+    lines = []
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("#"):
+                break
+            lines.append(line[2:] if line.startswith("# ") else line[1:])
+    return "".join(lines).rstrip("\n")
 
 
 def smooth_max(floor: float, line: float, q: float = math.inf) -> float:

@@ -1,0 +1,197 @@
+"""Calibration's engine glue (torch + DeepSpeed): the engine set up as launch/train_wan.py sets it up, one
+training step on random inputs (the micro-step) with its OOM recovery, device facts, and a clock that
+agrees over ranks. The one module of calibrate that knows DeepSpeed: train/engine.py can replace it."""
+import json
+import os
+import sys
+import time
+
+
+def init_engine(cfg, ds, args):
+    """deepspeed.initialize exactly as launch/train_wan.py does; a single process needs no launcher."""
+    import torch
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from ds_adaptiveload.model import WanModel
+    from ds_adaptiveload.train import config as tconfig, sp as tsp
+
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", str(29600 + os.getpid() % 300))):
+        os.environ.setdefault(k, v)
+    accel = get_accelerator()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if accel.device_name() == "cpu":
+        device = torch.device("cpu")
+        # Ranks share the host's cores (as launch/train_wan.py): not one thread per core each.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", 1))))
+    else:
+        accel.set_device(local_rank)
+        device = torch.device(accel.device_name(local_rank))
+    ds = json.loads(json.dumps(ds))
+    ds.pop("adaptive_load", None)
+    # Calibrate on the JSON's sequence_parallel_size only when launched on enough ranks for it.
+    k = int(ds.get("sequence_parallel_size", 1))
+    if world % k:
+        k = 1
+    if k == 1:
+        ds.pop("sequence_parallel_size", None)
+    dims = tsp.ParallelDims(world=world, sp=k, rank=rank)
+    mpu = tsp.init_sequence_parallel(dims)
+    # Every micro-batch is one optimizer step here, so fwd+bwd and the step are timed apart.
+    ds["gradient_accumulation_steps"] = 1
+    tconfig.ds_batch_keys(ds, dims.dp)
+    ds.pop("tensorboard", None), ds.pop("csv_monitor", None), ds.pop("wandb", None)
+    ds["steps_per_print"] = 10**9
+    torch.manual_seed(args.seed)
+    model = WanModel(cfg, checkpoint_blocks=args.checkpoint_blocks)
+    with torch.no_grad():  # the zero-initialised head would make every other gradient zero
+        model.head.head.weight.normal_(std=0.02)
+    seq_shard = tsp.apply_ulysses(model, mpu, cfg.num_heads)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds,
+                                           mpu=mpu)
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+    return engine, dims, seq_shard, device, dtype
+
+
+class StepFn:
+    """One training step on random inputs of a point's shape: flow-matching loss (train/flow.py),
+    engine.backward, engine.step. Returns (fwd+bwd ms, step ms, peak bytes).
+
+    Several ranks (`dims.world` > 1): every rank draws the same inputs (SP peers must hold the same
+    samples), and the returned times and peak are the maximum over ranks, so that every rank schedules and
+    fits on the same numbers. An out-of-memory error there is not recoverable (the peers wait inside a
+    collective the failed rank will not join): the rank says so and exits, and the launcher stops the
+    others, instead of the job hanging until its timeout."""
+
+    def __init__(self, engine, cfg, geometry, seq_shard, device, dtype, seed, dims=None):
+        from deepspeed.accelerator import get_accelerator
+
+        self.engine, self.cfg, self.geo, self.seq_shard = engine, cfg, geometry, seq_shard
+        self.device, self.dtype, self.seed = device, dtype, seed
+        self.world = dims.world if dims is not None else 1
+        self.rank = dims.rank if dims is not None else 0
+        self.accel = get_accelerator()
+        self.calls = 0
+        self.reserved = None  # max_memory_reserved of the last step (max over ranks), read by grid.measure_point
+        self.before_exit = None  # several ranks: called with the point before an out-of-memory exit
+
+    def __call__(self, p):
+        import torch
+
+        from ds_adaptiveload.train import flow
+
+        cuda = self.device.type == "cuda"
+        try:
+            lat = self.geo.latent_shape(*p.shape)
+            g = torch.Generator(device=self.device).manual_seed(self.seed + self.calls)
+            x0 = torch.randn(p.B, 16, *lat, generator=g, device=self.device).to(self.dtype)
+            text = torch.randn(p.B, self.cfg.text_len, self.cfg.text_dim, generator=g, device=self.device)
+            text = text.to(self.dtype)
+            eps, t = flow.draw_noise(x0, list(range(p.B)), self.seed, self.calls, 5.0)
+            self.calls += 1
+            if cuda:
+                if p.role in ("anchor", "probe"):  # the budget checks start from an empty cache, not the grid's
+                    torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self.accel.synchronize()
+            t0 = time.perf_counter()
+            loss = flow.flow_matching_loss(self.engine, x0, text, eps, t, seq_shard=self.seq_shard).mean()
+            self.engine.backward(loss)
+            self.accel.synchronize()
+            t1 = time.perf_counter()
+            self.engine.step()
+            self.accel.synchronize()
+            t2 = time.perf_counter()
+            peak = self._peak(p)
+            self.reserved = torch.cuda.max_memory_reserved(self.device) if cuda else None
+        except torch.cuda.OutOfMemoryError as e:
+            if self.world > 1:
+                print(f"calibrate: rank {self.rank} ran out of memory at B={p.B} x s={p.s} ({p.tokens} tokens per "
+                      f"GPU, role {p.role}): not recoverable with {self.world} ranks, stopping. Lower "
+                      f"--probe-tokens/--batches, or --no-probe-budget. ({str(e).splitlines()[0][:200]})",
+                      file=sys.stderr, flush=True)
+                if self.before_exit:
+                    self.before_exit(p)
+                sys.stdout.flush()
+                os._exit(3)
+            self._recover()
+            raise
+        ms = ((t1 - t0) * 1000, (t2 - t1) * 1000, peak)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            v = torch.tensor([ms[0], ms[1], float(peak or 0), float(self.reserved or 0)], dtype=torch.float64,
+                             device=self.device)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX)
+            ms = (float(v[0]), float(v[1]), int(v[2]) if peak is not None else None)
+            self.reserved = int(v[3]) if self.reserved is not None else None
+        return ms
+
+    def _peak(self, p):
+        """This rank's peak allocated bytes over the step just run (None on CPU)."""
+        import torch
+
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def _recover(self):
+        """After an OOM mid-step: drop gradients and cached blocks so the next point starts clean."""
+        import gc
+
+        import torch
+
+        try:
+            self.engine.zero_grad()
+        except Exception:  # noqa: BLE001 - best effort; the point is already recorded as oom
+            pass
+        try:  # ZeRO-3: forget the half-finished step's parameter-fetch trace
+            coord = self.engine.optimizer.parameter_offload.get_param_coordinator()
+            coord.reset_step()
+        except Exception:  # noqa: BLE001
+            pass
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def capacity(device):
+    """Device memory in bytes; None on CPU (no peak memory statistics there)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def op_state(device):
+    """Which LN-modulate the measured steps ran: the fused CUDA op, or PyTorch and why."""
+    if device.type != "cuda":
+        return "torch (CPU)"
+    if os.environ.get("DS_ADAPTIVELOAD_LN_MODULATE") == "torch":
+        return "torch (DS_ADAPTIVELOAD_LN_MODULATE=torch)"
+    from ds_adaptiveload.ops import layernorm_modulate as lm
+
+    return "cuda" if lm.load_op() is not None else f"torch (op unavailable: {lm.op_error()})"
+
+
+class Clock:
+    """Seconds since start. With several ranks, the maximum over ranks: every rank then takes the same
+    measure/skip decisions in the same order (a rank that skipped a point alone would hang the others
+    in the next collective)."""
+
+    def __init__(self, t_start, device=None):
+        self.t_start, self.device = t_start, device
+
+    def __call__(self):
+        t = time.monotonic() - self.t_start
+        if self.device is None:
+            return t
+        import torch
+        import torch.distributed as dist
+
+        v = torch.tensor([t], dtype=torch.float64, device=self.device)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        return float(v)
+
