@@ -13,6 +13,8 @@ COMMANDS = {
     "report": ("ds_adaptiveload.report_cli",
                "without --manifest: the fused op's build state and versions; with it: a dataset report"),
     "manifest": ("ds_adaptiveload.data.scan", "write a manifest from a folder of videos and images"),
+    "encode": ("ds_adaptiveload.data.encode",
+               "encode a manifest's videos and captions into the latent dataset (Wan VAE + umT5)"),
     "synthesize": ("ds_adaptiveload.data.latents", "write a synthetic latent dataset of realistic shapes"),
     "calibrate": ("ds_adaptiveload.calibrate", "measure the training step and write a cost profile"),
 }
