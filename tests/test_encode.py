@@ -226,6 +226,7 @@ def test_bad_inputs(dataset, tmp_path):
         encode.run(encode_args(d, bad, tmp_path / "o"))
 
 
+@pytest.mark.slow
 def test_two_ranks_write_the_same_dataset(dataset, tmp_path):
     """torchrun, 2 CPU processes over gloo: disjoint shards, one merged manifest equal to 1 rank's."""
     out = tmp_path / "out2"
@@ -246,6 +247,7 @@ def test_two_ranks_write_the_same_dataset(dataset, tmp_path):
         assert torch.allclose(a[r["latent_key"]].float(), b[r["latent_key"]].float(), atol=0.02)
 
 
+@pytest.mark.slow
 def test_train_two_steps_on_the_encoded_data(dataset, tmp_path):
     """launch/train_wan.py --data OUT/manifest.jsonl, the tiny model, one rank via the deepspeed launcher;
     the tiny CPU profile's 192-token budget is raised for 240p clips (780 tokens)."""

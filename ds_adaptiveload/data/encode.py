@@ -169,6 +169,20 @@ def _grouped(items, size):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+def _decode_ahead(pool, samples, decode, ahead):
+    """Futures of decode(record) in sample order, at most `ahead` submitted beyond the one consumed: decoded
+    clips are large (81 x 720 x 1280 x 3 bytes = 224 MB), so they must not pile up faster than encoding."""
+    from collections import deque
+
+    queue, it = deque(), iter(samples)
+    for s in it:
+        queue.append(pool.submit(decode, {"id": s.id, "frames": s.frames, "height": s.height, "width": s.width,
+                                          **s.extra}))
+        if len(queue) > ahead:
+            yield queue.popleft()
+    yield from queue
+
+
 def encode_shard(models, samples, path, args, pool, bar):
     """Encode one shard's samples and write it atomically; returns the number of errors."""
     import torch
@@ -184,8 +198,7 @@ def encode_shard(models, samples, path, args, pool, bar):
                                             args.text_len, models.device)):
             tensors[f"{samples[i].id}/text"] = t.to("cpu", save).contiguous()
     # Decode ahead in threads (PyAV releases the GIL), encode in order, batching equal shapes.
-    futures = [pool.submit(decode_sample, {"id": s.id, "frames": s.frames, "height": s.height,
-                                           "width": s.width, **s.extra}) for s in samples]
+    futures = _decode_ahead(pool, samples, decode_sample, ahead=2 * args.decode_workers + args.batch_size)
     pending = {}  # (frames, height, width) -> [(sample, pixels)]
 
     def flush(key):
