@@ -22,6 +22,9 @@ COMMANDS = {
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # `deepspeed --module ds_adaptiveload encode ...` puts --local_rank=N before the command; the launcher
+    # also sets LOCAL_RANK, which is what the commands read.
+    argv = [a for a in argv if not a.startswith("--local_rank=")]
     parser = argparse.ArgumentParser(prog="python -m ds_adaptiveload")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_) in COMMANDS.items():

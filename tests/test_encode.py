@@ -224,6 +224,9 @@ def test_bad_inputs(dataset, tmp_path):
     bad.write_text("\n".join([lines[0], json.dumps(rec)]) + "\n")
     with pytest.raises(UserError, match=rf"bad.jsonl:2: sample '{rec['id']}' has no caption"):
         encode.run(encode_args(d, bad, tmp_path / "o"))
+    # Through the CLI as the deepspeed launcher calls it (--local_rank first): a one-line error, exit 2.
+    from ds_adaptiveload import cli
+    assert cli.main(["--local_rank=0", "encode", *encode_argv(d, bad, tmp_path / "o")]) == 2
 
 
 @pytest.mark.slow
