@@ -49,7 +49,7 @@ def tiny_models(d):
     return d
 
 
-CAPTIONS = {"a.mp4": "a red bar moves right", "sub/b.mkv": "b", "c.png": "", "d.mp4": "broken later"}
+CAPTIONS = {"a.mp4": "a red  bar\nmoves right", "sub/b.mkv": "b", "c.png": "", "d.mp4": "broken later"}
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +185,8 @@ def test_encode_writes_the_training_format(dataset):
     assert torch.allclose(text.float(), encode.encode_texts(te, tok, ["b"], TEXT_LEN, "cpu")[0], atol=0.05)
     with safe_open(out / recs["c.png"]["shard"], framework="pt") as f:
         assert f.get_tensor("c.png/text").shape == (1, TEXT_DIM)  # empty caption: </s> only
+        # Cleaned as WanPipeline cleans prompts: "a red bar moves right" (21 characters) + </s>.
+        assert f.get_tensor("a.mp4/text").shape == (22, TEXT_DIM)
 
 
 def test_resume_skips_done_shards_and_rewrites_an_interrupted_one(dataset, tmp_path):

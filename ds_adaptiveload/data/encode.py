@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ds_adaptiveload.errors import UserError
 
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp32")  # no fp16: T5-family encoders overflow in it
 SAVE_DTYPE = "bf16"
 
 
@@ -96,7 +96,7 @@ def load_models(args, folders, device) -> Models:
 
     from ds_adaptiveload.data.latents import LATENT_CHANNELS
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     vae_dir, te_dir, tok_dir = folders
     vae = AutoencoderKLWan.from_pretrained(vae_dir, torch_dtype=dtype).to(device).eval()
     if vae.config.z_dim != LATENT_CHANNELS:
@@ -131,10 +131,12 @@ def encode_videos(vae, x):
 
 def encode_texts(text_encoder, tokenizer, captions, text_len, device):
     """Captions -> list of unpadded hidden states [L_i, text_dim] (L_i <= text_len), as Wan's pipeline
-    computes them before padding."""
+    computes them before padding, from captions cleaned as it cleans prompts (so training and inference
+    see the same text)."""
     import torch
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-    tokens = tokenizer(list(captions), padding="max_length", max_length=text_len, truncation=True,
+    tokens = tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=text_len, truncation=True,
                        add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
     ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
     with torch.inference_mode():
