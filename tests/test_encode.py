@@ -213,6 +213,15 @@ def test_resume_skips_done_shards_and_rewrites_an_interrupted_one(dataset, tmp_p
         encode.run(encode_args(d, dataset["raw"], out, shard_size=2, text_len=16))
 
 
+def test_model_folders_of_a_diffusers_repo(dataset):
+    """The fixture is laid out as the Wan2.1 diffusers repo: its root, or its vae/ and text_encoder/."""
+    d = dataset["dir"]
+    want = (str(d / "vae"), str(d / "text_encoder"), str(d / "tokenizer"))
+    for vae, te in ((d, d), (d / "vae", d / "text_encoder")):
+        args = argparse.Namespace(vae=str(vae), text_encoder=str(te), tokenizer=None)
+        assert tuple(os.path.normpath(x) for x in encode.model_folders(args)) == want
+
+
 def test_bad_inputs(dataset, tmp_path):
     d, raw = dataset["dir"], dataset["raw"]
     with pytest.raises(UserError, match="--vae .*: not a folder"):
