@@ -45,7 +45,9 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "deepspeed>=0.16", "einops", "pyyaml", "safetensors", "tqdm"],
     extras_require={
-        "test": ["pytest", "hypothesis", "diffusers", "av", "matplotlib"],
+        "test": ["pytest", "hypothesis", "diffusers", "transformers", "tokenizers", "av", "matplotlib"],
         "dataset": ["av", "matplotlib"],
+        # `encode`: Wan's VAE (diffusers AutoencoderKLWan) and umT5 (transformers UMT5EncoderModel)
+        "encode": ["av", "diffusers>=0.33", "transformers>=4.45", "tokenizers"],
     },
 )

@@ -13,6 +13,8 @@ COMMANDS = {
     "report": ("ds_adaptiveload.report_cli",
                "report op: the fused op's build state and versions; report data --manifest ...: a dataset report"),
     "manifest": ("ds_adaptiveload.data.scan", "write a manifest from a folder of videos and images"),
+    "encode": ("ds_adaptiveload.data.encode",
+               "encode a manifest's videos and captions into the latent dataset (Wan VAE + umT5)"),
     "synthesize": ("ds_adaptiveload.data.latents", "write a synthetic latent dataset of realistic shapes"),
     "calibrate": ("ds_adaptiveload.calibrate.cli", "measure the training step and write a cost profile"),
 }
@@ -20,6 +22,9 @@ COMMANDS = {
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # `deepspeed --module ds_adaptiveload encode ...` puts --local_rank=N before the command; the launcher
+    # also sets LOCAL_RANK, which is what the commands read.
+    argv = [a for a in argv if not a.startswith("--local_rank=")]
     parser = argparse.ArgumentParser(prog="python -m ds_adaptiveload")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_) in COMMANDS.items():

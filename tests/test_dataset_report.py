@@ -89,7 +89,7 @@ def test_scan_then_report(tmp_path):
     write_video(media / "i.png", "png", 1, 1, 64, 64, pix_fmt="rgb24", fmt="image2")
     assert av  # used by write_video
     m = tmp_path / "m.jsonl"
-    scan.run(scan_args(media, m, workers=1))
+    scan.run(scan_args(media, m, workers=1, allow_empty_caption=True))
     out = tmp_path / "rep"
     report.run(report_args(manifest=m, profile=PROFILE, world_size=2, out=out))
     md = (out / "report.md").read_text()

@@ -70,15 +70,19 @@ def media(tmp_path_factory):
     (d / "fake.mp4").write_text("not a video")
     (d / "notes.txt").write_text("ignored: no media extension")
     shutil.copy(d / "a.mp4", d / ".hidden.mp4")
+    for sid in (*EXPECTED, "short.mp4"):  # sidecar captions; the broken files have none, their media fail first
+        (d / sid).with_suffix(".txt").write_text(f"  caption of {sid}\n")
     return d
 
 
 def scan_args(media, out, **kw):
+    """Parsed `manifest` arguments; a keyword set to True is a flag (allow_empty_caption=True)."""
     p = argparse.ArgumentParser()
     scan.add_arguments(p)
     argv = [str(media), "--out", str(out)]
     for k, v in kw.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
+        flag = f"--{k.replace('_', '-')}"
+        argv += [flag] if v is True else [flag, str(v)]
     return p.parse_args(argv)
 
 
@@ -155,6 +159,7 @@ def test_scan_manifest_and_errors(media, tmp_path):
     assert (recs["a.mp4"]["source"]["width"], recs["a.mp4"]["source"]["height"]) == (96, 64)
     assert recs["a.mp4"]["source"]["duration"] == pytest.approx(1.5)
     assert recs["a.mp4"]["fps"] == 16.0 and recs["img.png"]["fps"] is None
+    assert all(recs[sid]["caption"] == f"caption of {sid}" for sid in EXPECTED)  # stripped
 
     errs = {e["id"]: e["reason"] for e in read_jsonl(str(out) + ".errors.jsonl")}
     assert set(errs) == set(ERRORS)
@@ -211,3 +216,128 @@ def test_fps_zero_keeps_source_rate(media, tmp_path):
 def test_not_a_folder(tmp_path):
     with pytest.raises(UserError, match="not a folder"):
         scan.run(scan_args(tmp_path / "missing", tmp_path / "m.jsonl"))
+
+
+# ---------------------------------------------------------------------------------------------------- captions
+
+
+def test_missing_caption_is_an_error_unless_allowed(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    write_video(d / "a.mkv", "ffv1", 16, 20, 64, 64)
+    write_video(d / "b.mkv", "ffv1", 16, 20, 64, 64)
+    (d / "b.txt").write_text("\n")  # empty counts as missing
+    (d / "a.txt").write_bytes(b"\xff\xfe bad")
+    out = tmp_path / "m.jsonl"
+    scan.run(scan_args(d, out, workers=1))
+    assert not out.read_text()
+    errs = {e["id"]: e["reason"] for e in read_jsonl(str(out) + ".errors.jsonl")}
+    assert errs == {"a.mkv": "caption a.txt is not UTF-8 text",
+                    "b.mkv": "no caption (b.txt is empty); write one, or pass --allow-empty-caption"}
+    out2 = tmp_path / "m2.jsonl"
+    (d / "a.txt").unlink()
+    scan.run(scan_args(d, out2, workers=1, allow_empty_caption=True))
+    assert [r["caption"] for r in read_jsonl(out2)] == ["", ""]
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+def test_captions_file(tmp_path, fmt):
+    d = tmp_path / "m"
+    (d / "sub").mkdir(parents=True)
+    for sid in ("a.mkv", "sub/b.mkv", "c.mkv"):
+        write_video(d / sid, "ffv1", 16, 20, 64, 64)
+    (d / "a.txt").write_text("sidecar: ignored when --captions is given")
+    rows = [("a.mkv", 'a, with "quotes"'), (str(d / "sub" / "b.mkv"), "b\nsecond line")]  # relative, absolute
+    cap = tmp_path / f"caps.{fmt}"
+    if fmt == "csv":
+        import csv
+        with open(cap, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["path", "caption"])
+            w.writerows(rows)
+    else:
+        cap.write_text("".join(json.dumps(dict(path=p, caption=c)) + "\n" for p, c in rows))
+    out = tmp_path / "m.jsonl"
+    scan.run(scan_args(d, out, workers=1, captions=cap))
+    assert {r["id"]: r["caption"] for r in read_jsonl(out)} == {"a.mkv": 'a, with "quotes"',
+                                                                 "sub/b.mkv": "b\nsecond line"}
+    errs = {e["id"]: e["reason"] for e in read_jsonl(str(out) + ".errors.jsonl")}
+    assert errs == {"c.mkv": "no caption (no line for it in --captions); write one, or pass --allow-empty-caption"}
+
+
+def test_bad_captions_file(tmp_path):
+    (tmp_path / "m").mkdir()
+    bad = {"x.csv": ("path,text\na,b\n", r"x.csv:1: the header needs the column\(s\) caption"),
+           "y.jsonl": ('{"path": "a", "caption": "b"}\n[1]\n', "y.jsonl:2: expected a JSON object"),
+           "z.jsonl": ('{"path": "a", "caption": "b"}\n{"path": "a", "caption": "c"}\n',
+                       r"z.jsonl:2: second caption for 'a' \(first on line 1\)"),
+           "w.txt": ("", "expected a .csv or .jsonl")}
+    for name, (text, match) in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(UserError, match=match):
+            scan.run(scan_args(tmp_path / "m", tmp_path / "m.jsonl", captions=tmp_path / name))
+
+
+# ---------------------------------------------------------------------------------------------------- nothing skipped silently
+
+
+def test_symlinked_folders_followed_once(tmp_path):
+    d, outside = tmp_path / "m", tmp_path / "outside"
+    (d / "real").mkdir(parents=True)
+    outside.mkdir()
+    write_video(d / "real" / "a.mkv", "ffv1", 16, 20, 64, 64)
+    write_video(outside / "b.mkv", "ffv1", 16, 20, 64, 64)
+    os.symlink(outside, d / "linked")           # data outside the tree: followed
+    os.symlink(d / "real", d / "zz_again")      # a second path to a scanned folder: reported
+    os.symlink(d, d / "real" / "loop")          # a loop back to the root: reported, ends
+    out = tmp_path / "m.jsonl"
+    scan.run(scan_args(d, out, workers=1, allow_empty_caption=True))
+    assert [r["id"] for r in read_jsonl(out)] == ["linked/b.mkv", "real/a.mkv"]
+    errs = {e["id"]: e["reason"] for e in read_jsonl(str(out) + ".errors.jsonl")}
+    assert set(errs) == {"real/loop", "zz_again"}
+    assert errs["real/loop"].startswith("symlinked folder already scanned as '.'")
+    assert errs["zz_again"].startswith("symlinked folder already scanned as 'real'")
+    scan.run(scan_args(d, out, workers=1, allow_empty_caption=True))  # resume: nothing written twice
+    assert len(read_jsonl(str(out) + ".errors.jsonl")) == 2
+
+
+def test_unreadable_folder_is_an_error(tmp_path, monkeypatch):
+    d = tmp_path / "m"
+    (d / "locked").mkdir(parents=True)
+    write_video(d / "locked" / "a.mkv", "ffv1", 16, 20, 64, 64)
+    write_video(d / "b.mkv", "ffv1", 16, 20, 64, 64)
+    real = os.scandir
+
+    def scandir(path="."):  # as chmod 000 would (tests may run as root, which chmod does not stop)
+        if os.fspath(path) == str(d / "locked"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    out = tmp_path / "m.jsonl"
+    scan.run(scan_args(d, out, workers=1, allow_empty_caption=True))
+    assert [r["id"] for r in read_jsonl(out)] == ["b.mkv"]
+    assert read_jsonl(str(out) + ".errors.jsonl") == [
+        dict(id="locked", path=str(d / "locked"), reason="cannot read folder: Permission denied")]
+
+
+def test_empty_file_and_animated_webp(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "empty.mp4").write_bytes(b"")
+    (d / "empty.png").write_bytes(b"")
+    with av.open(str(d / "anim.webp"), "w", format="webp") as c:
+        s = c.add_stream("libwebp_anim", rate=10)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for i in range(3):
+            for p in s.encode(av.VideoFrame.from_ndarray(np.full((48, 64, 3), i * 60, np.uint8), format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    write_video(d / "still.webp", "libwebp", 1, 1, 64, 48, fmt="webp")  # a still WebP reads
+    out = tmp_path / "m.jsonl"
+    scan.run(scan_args(d, out, workers=1, allow_empty_caption=True))
+    assert [(r["id"], r["frames"]) for r in read_jsonl(out)] == [("still.webp", 1)]
+    errs = {e["id"]: e["reason"] for e in read_jsonl(str(out) + ".errors.jsonl")}
+    assert errs["empty.mp4"] == errs["empty.png"] == "empty file (0 bytes)"
+    assert errs["anim.webp"].startswith("animated WebP is not supported")

@@ -9,6 +9,14 @@ Mapping rules (docs/dataset.md has the worked examples):
   area is <= --max-area, then the bucket of that tier nearest the source aspect ratio (log scale).
   Training resizes to cover the bucket, keeping the aspect ratio, and center-crops.
 
+Captions: a sidecar `<stem>.txt` next to each file (as musubi-tuner reads them), or --captions FILE (CSV
+`path,caption` or JSONL `{path, caption}`); a file without one goes to the errors file unless
+--allow-empty-caption.
+
+Nothing is skipped without a word: symlinked folders are followed (each real folder once, so a link loop
+ends), and an unreadable folder, a repeated folder, an empty file and an animated WebP (FFmpeg cannot
+decode one) each get a line in the errors file.
+
 The output is appended and flushed line by line, so a killed run resumes where it stopped: files whose
 id is already in the output or in the errors file are skipped.
 """
@@ -183,11 +191,57 @@ def _decode_until(container, stream, t: float):
     return last
 
 
-def scan_one(task):
-    """Worker: (path, id, kind, MapConfig, verify) -> ('ok', manifest record) or ('error', entry).
-    Never raises, so one bad file cannot stop the run."""
-    path, sid, kind, cfg, verify = task
+@dataclass(frozen=True)
+class Task:
+    """One file for a worker."""
+    path: str
+    id: str
+    kind: str
+    cfg: MapConfig
+    verify: str
+    captions: str = "sidecar"
+    """'sidecar': read <stem>.txt next to the file; 'file': `caption` comes from --captions FILE."""
+    caption: str = None
+    allow_empty: bool = False
+
+
+def _animated_webp(path: str) -> bool:
+    """RIFF/WEBP with a VP8X chunk whose animation flag (bit 1) is set."""
+    with open(path, "rb") as f:
+        head = f.read(21)
+    return len(head) == 21 and head[:4] == b"RIFF" and head[8:16] == b"WEBPVP8X" and bool(head[20] & 2)
+
+
+def find_caption(task: Task) -> str:
+    """The caption of a file, '' when it has none and empty ones are allowed; else ProbeError."""
+    if task.captions == "file":
+        text, why = task.caption, "no line for it in --captions" if task.caption is None else "empty in --captions"
+    else:
+        side = os.path.splitext(task.path)[0] + ".txt"
+        name = os.path.basename(side)
+        try:
+            with open(side, encoding="utf-8") as f:
+                text, why = f.read(), f"{name} is empty"
+        except FileNotFoundError:
+            text, why = None, f"no sidecar {name}"
+        except UnicodeDecodeError:
+            raise ProbeError(f"caption {name} is not UTF-8 text") from None
+    text = (text or "").strip()
+    if not text and not task.allow_empty:
+        raise ProbeError(f"no caption ({why}); write one, or pass --allow-empty-caption")
+    return text
+
+
+def scan_one(task: Task):
+    """Worker: Task -> ('ok', manifest record) or ('error', entry). Never raises, so one bad file cannot
+    stop the run."""
+    path, sid, kind, cfg, verify = task.path, task.id, task.kind, task.cfg, task.verify
     try:
+        if os.path.getsize(path) == 0:
+            raise ProbeError("empty file (0 bytes)")
+        if path.lower().endswith(".webp") and _animated_webp(path):
+            raise ProbeError("animated WebP is not supported (FFmpeg cannot decode it); convert it to a "
+                             "video, e.g. with Pillow or libwebp's anim_dump")
         src = probe(path, kind, verify)
         if kind == "image":
             frames = 1
@@ -198,8 +252,9 @@ def scan_one(task):
                                  f"at {cfg.fps:g} fps")
         height, width = target_size(src["height"], src["width"], cfg)
         fps = None if kind == "image" else (cfg.fps or src["fps"])
+        caption = find_caption(task)
         return "ok", dict(id=sid, frames=frames, height=height, width=width, fps=fps, kind=kind,
-                          path=path, source=src)
+                          path=path, caption=caption, source=src)
     except ProbeError as e:
         reason = str(e)
     except Exception as e:  # a decoder or OS error specific to this file: record it, keep going
@@ -208,19 +263,90 @@ def scan_one(task):
 
 
 def find_media(root: str):
-    """Sorted (path, id, kind) of media files under root; id is the POSIX path relative to root.
-    Hidden files and folders are skipped; so are files without a media extension."""
-    found = []
-    for d, dirs, files in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+    """(media, problems): sorted (path, id, kind) of media files under root, id being the POSIX path
+    relative to root, and {id, path, reason} for each folder that was not scanned. Hidden files and
+    folders are skipped, so are files without a media extension. Symlinked folders are followed; each
+    real folder is scanned once (the first path in sorted order), which also ends a link loop."""
+    found, problems = [], []
+
+    def rel(path):
+        return os.path.relpath(path, root).replace(os.sep, "/")
+
+    def unreadable(e):
+        problems.append(dict(id=rel(e.filename), path=e.filename, reason=f"cannot read folder: {_err(e)}"))
+
+    st = os.stat(root)
+    seen = {(st.st_dev, st.st_ino): "."}  # real folder -> the id it is scanned under
+    for d, dirs, files in os.walk(root, onerror=unreadable, followlinks=True):
+        keep = []
+        for x in sorted(x for x in dirs if not x.startswith(".")):
+            path = os.path.join(d, x)
+            try:
+                st = os.stat(path)
+            except OSError as e:  # a link whose target vanished between listing and stat
+                problems.append(dict(id=rel(path), path=path, reason=f"cannot read folder: {_err(e)}"))
+                continue
+            first = seen.setdefault((st.st_dev, st.st_ino), rel(path))
+            if first != rel(path):
+                problems.append(dict(id=rel(path), path=path, reason=f"symlinked folder already scanned as "
+                                     f"{first!r} (links to {os.path.realpath(path)}); skipped"))
+                continue
+            keep.append(x)
+        dirs[:] = keep
         for name in files:
             ext = os.path.splitext(name)[1].lower()
             kind = "video" if ext in VIDEO_EXTS else "image" if ext in IMAGE_EXTS else None
             if kind and not name.startswith("."):
                 path = os.path.join(d, name)
-                found.append((path, os.path.relpath(path, root).replace(os.sep, "/"), kind))
+                found.append((path, rel(path), kind))
     found.sort(key=lambda t: t[1])
-    return found
+    problems.sort(key=lambda p: p["id"])
+    return found, problems
+
+
+def load_captions(path: str, root: str) -> dict:
+    """--captions FILE -> {sample id: caption}. CSV with a header row naming `path` and `caption`, or JSONL
+    of {"path", "caption"}; path is relative to the scanned folder (the sample id) or absolute."""
+    import csv
+
+    from ds_adaptiveload.errors import UserError
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".csv", ".jsonl", ".json"):
+        raise UserError(f"--captions {path}: expected a .csv or .jsonl file")
+    try:
+        f = open(path, encoding="utf-8", newline="")
+    except OSError as e:
+        raise UserError(f"--captions {path}: cannot read: {_err(e)}") from None
+    out, first_line = {}, {}
+    with f:
+        if ext == ".csv":
+            reader = csv.DictReader(f)
+            missing = {"path", "caption"} - set(reader.fieldnames or ())
+            if missing:
+                raise UserError(f"{path}:1: the header needs the column(s) {', '.join(sorted(missing))}")
+            rows = ((reader.line_num, r) for r in reader)
+        else:
+            rows = ((n, _json_row(line, path, n)) for n, line in enumerate(f, 1) if line.strip())
+        for lineno, r in rows:
+            if not isinstance(r.get("path"), str) or not isinstance(r.get("caption"), str):
+                raise UserError(f"{path}:{lineno}: needs a string `path` and a string `caption`")
+            p = r["path"]
+            sid = os.path.relpath(p, root).replace(os.sep, "/") if os.path.isabs(p) else p.replace(os.sep, "/")
+            if sid in out:
+                raise UserError(f"{path}:{lineno}: second caption for {sid!r} (first on line {first_line[sid]})")
+            out[sid], first_line[sid] = r["caption"], lineno
+    return out
+
+
+def _json_row(line, path, lineno):
+    from ds_adaptiveload.errors import UserError
+    try:
+        r = json.loads(line)
+    except ValueError as e:
+        raise UserError(f"{path}:{lineno}: not valid JSON ({e})") from None
+    if not isinstance(r, dict):
+        raise UserError(f"{path}:{lineno}: expected a JSON object")
+    return r
 
 
 def _read_ids(path: str) -> set:
@@ -260,6 +386,10 @@ def add_arguments(parser):
     parser.add_argument("--verify", choices=("first", "end", "full"), default="end",
                         help="first: decode the first frame; end (default): also seek to the last frame "
                         "and decode it, catching files cut short; full: decode and count every frame")
+    parser.add_argument("--captions", help="CSV (path,caption) or JSONL ({path, caption}) of captions, path "
+                        "relative to DIR or absolute; default: a sidecar <stem>.txt next to each file")
+    parser.add_argument("--allow-empty-caption", action="store_true",
+                        help="keep files without a caption (caption \"\") instead of listing them as errors")
 
 
 def run(args) -> int:
@@ -292,12 +422,20 @@ def run(args) -> int:
         json.dump(params, f, indent=1)
 
     done = _read_ids(out) | _read_ids(errors_path)
-    media = find_media(root)
-    todo = [(p, sid, kind, cfg, args.verify) for p, sid, kind in media if sid not in done]
+    captions = load_captions(args.captions, root) if args.captions else None
+    media, problems = find_media(root)
+    todo = [Task(p, sid, kind, cfg, args.verify, "file" if captions is not None else "sidecar",
+                 captions.get(sid) if captions is not None else None, args.allow_empty_caption)
+            for p, sid, kind in media if sid not in done]
     geometry = Geometry()
     n_ok = n_err = 0
     t0 = time.perf_counter()
     with open(out, "a") as fout, open(errors_path, "a") as ferr:
+        for p in problems:  # folders not scanned: listed first, once
+            if p["id"] not in done:
+                ferr.write(json.dumps(p) + "\n")
+                n_err += 1
+        ferr.flush()
         pool = None
         if args.workers > 1 and len(todo) > 1:
             import multiprocessing
