@@ -466,7 +466,10 @@ def test_two_rank_sp2_calibration_on_cpu(tmp_path):
     rows = doc["fit"]["points"]
     assert all(r["s"] == -(-r["S"] // 2) for r in rows)
     assert sum(r["role"] == "fit" and r["status"] == "ok" for r in rows) >= 3
-    assert prof.fixed_ms > 0 and prof.step_fixed_ms > 0 and prof.per_token_ms + prof.per_token_sq_ms > 0
+    # NNLS may fit fixed = 0 when the per-token terms explain noisy CPU timings (seen under load, old code
+    # too): what must hold is a non-negative fit that predicts positive time.
+    assert min(prof.fixed_ms, prof.per_token_ms, prof.per_token_sq_ms) >= 0 and prof.step_fixed_ms > 0
+    assert prof.per_token_ms + prof.per_token_sq_ms > 0 and prof.micro_ms(1, 8) > 0
     assert prof.budget_tokens == max(r["B"] * r["s"] for r in rows if r["status"] == "ok")
     assert doc["fit"]["dual"]["s_range"] == [min(r["s"] for r in rows if r["role"] == "fit" and r["status"] == "ok"),
                                              max(r["s"] for r in rows if r["role"] == "fit" and r["status"] == "ok")]
