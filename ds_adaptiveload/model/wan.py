@@ -218,8 +218,8 @@ class WanModel(nn.Module):
     """Wan 2.1 DiT. WanModel(cfg)(x, t, context) -> [B, out_dim, F, H, W].
 
     checkpoint_blocks: recompute each block in backward (torch.utils.checkpoint, non-reentrant).
-    self_attn_fn: the self-attention core, (q, k, v) [B, S, heads, head_dim] -> same layout; None for
-        sdpa_attention. Under sequence parallelism it also receives valid_len=<full token count> when
+    self_attn_fn: the self-attention core, (q, k, v) [B, S, heads, head_dim] -> same layout, called once
+        per shape group of a packed micro-batch ([n_g, S_g, heads, head_dim]); None for sdpa_attention. Under sequence parallelism it also receives valid_len=<full token count> when
         the sequence was padded to a multiple of the SP world size (sdpa_attention handles it)."""
 
     def __init__(self, cfg: WanConfig, checkpoint_blocks: bool = False,
