@@ -202,3 +202,26 @@ def test_packed_sequence_parallel_matches_single_process(tmp_path):
         assert rel_err(y, ref.detach()) < 1e-5
     for n, p in m.named_parameters():
         assert rel_err(res["grads"][n], p.grad) < 1e-4, n
+
+
+# ---------------------------------------------------------------- the GPU benchmark's CPU smoke mode
+
+@pytest.mark.slow
+def test_packed_bench_smoke(tmp_path):
+    """bench/packed_model.py end to end on CPU (tiny model and shapes): every case runs, the JSON has the
+    summary the GPU run is read from."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PACKED_SMOKE="1", PYTHONPATH=root)
+    subprocess.run([sys.executable, "bench/packed_model.py", "--out", str(tmp_path), "--reps", "1"], cwd=root,
+                   env=env, check=True, capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("packed-model-*.json")
+    res = json.loads(path.read_text())
+    assert {"date", "device", "torch"} <= set(res)
+    assert len(res["cases"]) == 13  # checkpointed: 2 mixed, 3 sweep points, 2 image-heavy; plain: 2 sweep points
+    assert all(c["status"] == "ok" for c in res["cases"]), res["cases"]
+    for s in res["summary"]:
+        assert {"mixed_packed_ms", "mixed_separate_ms", "image_heavy_vs_best"} <= set(s), s
