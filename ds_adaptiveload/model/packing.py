@@ -40,14 +40,6 @@ class Group:
     def rows(self) -> int:
         return self.n * self.local
 
-    def view(self, h: torch.Tensor) -> torch.Tensor:
-        """This group's rows of a [T, ...] tensor as [n_g, local, ...] (a view)."""
-        return h[self.offset:self.offset + self.rows].unflatten(0, (self.n, self.local))
-
-    def samples(self, v: torch.Tensor) -> torch.Tensor:
-        """This group's rows of a per-sample tensor [n, ...] in packed order."""
-        return v[self.first:self.first + self.n]
-
 
 @dataclass(frozen=True)
 class Packing:
@@ -67,9 +59,20 @@ class Packing:
     def is_identity(self) -> bool:
         return self.order == tuple(range(self.n))
 
+    def views(self, h: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's rows of a [T, ...] tensor as [n_g, local, ...] views. One split, not a slice per
+        group: the backward of a split is one cat, where each slice would add a zero-filled [T, ...] tensor."""
+        parts = h.split([g.rows for g in self.groups]) if len(self.groups) > 1 else (h,)
+        return [p.unflatten(0, (g.n, g.local)) for g, p in zip(self.groups, parts)]
+
+    def sample_views(self, v: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's rows [n_g, ...] of a per-sample tensor [n, ...] in packed order."""
+        return list(v.split([g.n for g in self.groups])) if len(self.groups) > 1 else [v]
+
     def map(self, fn: Callable, rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = ()):
-        """fn(*group views of `rows`, *group slices of `samples`) per group, results merged into [T, ...]."""
-        return merge([fn(*(g.view(r) for r in rows), *(g.samples(s) for s in samples)) for g in self.groups])
+        """fn(*group views of `rows`, *group rows of `samples`) per group, results merged into [T, ...]."""
+        cols = [self.views(r) for r in rows] + [self.sample_views(s) for s in samples]
+        return merge([fn(*args) for args in zip(*cols)])
 
     def to_packed(self, v: torch.Tensor) -> torch.Tensor:
         """A per-sample tensor [n, ...] from input order into packed order."""
@@ -84,10 +87,29 @@ class Packing:
         return out
 
 
+class _Merge(torch.autograd.Function):
+    """Concatenate per-group [n_g, local, ...] parts along their flattened rows with one copy per part, also for
+    a strided part (SDPA's output is [n, heads, S, d] underneath), where flatten + cat would copy it twice.
+    Backward hands each part its rows of the gradient, as cat's backward does."""
+
+    @staticmethod
+    def forward(ctx, *parts):
+        ctx.shapes = [p.shape for p in parts]
+        rows = [p.shape[0] * p.shape[1] for p in parts]
+        out = parts[0].new_empty((sum(rows), *parts[0].shape[2:]))
+        for dst, p in zip(out.split(rows), parts):
+            dst.view(p.shape).copy_(p)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        rows = [s[0] * s[1] for s in ctx.shapes]
+        return tuple(x.reshape(s) for x, s in zip(g.split(rows), ctx.shapes))
+
+
 def merge(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-group [n_g, local, ...] results -> one [T, ...] tensor (a view for a single group)."""
-    flat = [p.flatten(0, 1) for p in parts]
-    return flat[0] if len(flat) == 1 else torch.cat(flat)
+    """Per-group [n_g, local, ...] results -> one [T, ...] tensor (a view for a single contiguous group)."""
+    return parts[0].flatten(0, 1) if len(parts) == 1 else _Merge.apply(*parts)
 
 
 def plan_packing(grids: Sequence[tuple[int, int, int]], world: int = 1) -> Packing:

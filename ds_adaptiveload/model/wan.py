@@ -122,13 +122,11 @@ class SelfAttention(nn.Module):
     def forward(self, x, lay: Layout):
         """x [T, dim] -> [T, dim]: projections over all tokens, RoPE and the core per group."""
         heads = (self.num_heads, -1)
-        q, k, v = self.norm_q(self.q(x)), self.norm_k(self.k(x)), self.v(x)
-        out = []
-        for g, (cos, sin), kw in zip(lay.packing.groups, lay.rope, lay.attn_kwargs):
-            qg = apply_rope(g.view(q).unflatten(-1, heads), cos, sin)
-            kg = apply_rope(g.view(k).unflatten(-1, heads), cos, sin)
-            out.append(lay.attn_fn(qg, kg, g.view(v).unflatten(-1, heads), **kw).flatten(2))
-        return self.o(merge(out))
+        p = lay.packing
+        q, k, v = (p.views(t.unflatten(-1, heads)) for t in (self.norm_q(self.q(x)), self.norm_k(self.k(x)), self.v(x)))
+        out = [lay.attn_fn(apply_rope(qg, cos, sin), apply_rope(kg, cos, sin), vg, **kw)
+               for qg, kg, vg, (cos, sin), kw in zip(q, k, v, lay.rope, lay.attn_kwargs)]
+        return self.o(merge(out).flatten(1))
 
 
 class CrossAttention(SelfAttention):
@@ -140,7 +138,7 @@ class CrossAttention(SelfAttention):
         q = self.norm_q(self.q(x)).unflatten(-1, heads)
         k = self.norm_k(self.k(context)).unflatten(-1, heads)
         v = self.v(context).unflatten(-1, heads)
-        return self.o(lay.packing.map(lambda qg, kg, vg: sdpa_attention(qg, kg, vg).flatten(2), (q,), (k, v)))
+        return self.o(lay.packing.map(sdpa_attention, (q,), (k, v)).flatten(1))
 
 
 def _gated_add(x, y, gate):
@@ -370,8 +368,7 @@ class WanModel(nn.Module):
         if shard is not None:
             h = _GatherSeq.apply(h, shard).transpose(0, 1)                     # [T_local, world, C]
         outs = []
-        for g in packing.groups:
-            hg = g.view(h)
+        for g, hg in zip(packing.groups, packing.views(h)):
             if shard is not None:                                               # [n_g, local, world, C]
                 hg = hg.transpose(1, 2).flatten(1, 2)[:, :g.tokens]
             outs.append(self.unpatchify(hg, g.grid))
