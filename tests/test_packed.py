@@ -63,6 +63,24 @@ def test_packed_equals_each_sample_alone():
     assert all(g.abs().sum() > 0 for g in g_packed.values())
 
 
+def test_packed_bf16_equals_each_sample_alone():
+    """bf16 activations: the merges round the fp32 gated residuals to bf16 in their copy, as .to() does."""
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg).to(torch.bfloat16)
+    xs, t, ctxs = packed_inputs(cfg)
+    ys = m([x.bfloat16() for x in xs], t, [c.bfloat16() for c in ctxs])
+    assert all(y.dtype == torch.bfloat16 for y in ys)
+    loss_of([y.float() for y in ys]).backward()
+    g_packed = grads(m)
+    m.zero_grad()
+    alone = [m(x[None].bfloat16(), t[i:i + 1], [ctxs[i].bfloat16()])[0] for i, x in enumerate(xs)]
+    loss_of([y.float() for y in alone]).backward()
+    for y, ref in zip(ys, alone):
+        assert rel_err(y.detach().float(), ref.detach().float()) < 1e-2
+    for n, p in m.named_parameters():
+        assert rel_err(g_packed[n].float(), p.grad.float()) < 2e-2, n
+
+
 def test_one_shape_list_is_the_tensor_form():
     cfg = tiny_cfg()
     m = perturbed_model(cfg).eval()

@@ -69,10 +69,11 @@ class Packing:
         """Each group's rows [n_g, ...] of a per-sample tensor [n, ...] in packed order."""
         return list(v.split([g.n for g in self.groups])) if len(self.groups) > 1 else [v]
 
-    def map(self, fn: Callable, rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = ()):
-        """fn(*group views of `rows`, *group rows of `samples`) per group, results merged into [T, ...]."""
+    def map(self, fn: Callable, rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = (), dtype=None):
+        """fn(*group views of `rows`, *group rows of `samples`) per group, results merged into [T, ...] (cast
+        to dtype in the merge's copy if given)."""
         cols = [self.views(r) for r in rows] + [self.sample_views(s) for s in samples]
-        return merge([fn(*args) for args in zip(*cols)])
+        return merge([fn(*args) for args in zip(*cols)], dtype)
 
     def to_packed(self, v: torch.Tensor) -> torch.Tensor:
         """A per-sample tensor [n, ...] from input order into packed order."""
@@ -89,14 +90,14 @@ class Packing:
 
 class _Merge(torch.autograd.Function):
     """Concatenate per-group [n_g, local, ...] parts along their flattened rows with one copy per part, also for
-    a strided part (SDPA's output is [n, heads, S, d] underneath), where flatten + cat would copy it twice.
-    Backward hands each part its rows of the gradient, as cat's backward does."""
+    a strided part (SDPA's output is [n, heads, S, d] underneath), where flatten + cat would copy it twice,
+    and cast to `dtype` in that copy. Backward hands each part its rows of the gradient, as cat's does."""
 
     @staticmethod
-    def forward(ctx, *parts):
-        ctx.shapes = [p.shape for p in parts]
+    def forward(ctx, dtype, *parts):
+        ctx.shapes, ctx.dtypes = [p.shape for p in parts], [p.dtype for p in parts]
         rows = [p.shape[0] * p.shape[1] for p in parts]
-        out = parts[0].new_empty((sum(rows), *parts[0].shape[2:]))
+        out = parts[0].new_empty((sum(rows), *parts[0].shape[2:]), dtype=dtype or parts[0].dtype)
         for dst, p in zip(out.split(rows), parts):
             dst.view(p.shape).copy_(p)
         return out
@@ -104,12 +105,15 @@ class _Merge(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         rows = [s[0] * s[1] for s in ctx.shapes]
-        return tuple(x.reshape(s) for x, s in zip(g.split(rows), ctx.shapes))
+        return (None, *(x.reshape(s).to(dt) for x, s, dt in zip(g.split(rows), ctx.shapes, ctx.dtypes)))
 
 
-def merge(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-group [n_g, local, ...] results -> one [T, ...] tensor (a view for a single contiguous group)."""
-    return parts[0].flatten(0, 1) if len(parts) == 1 else _Merge.apply(*parts)
+def merge(parts: Sequence[torch.Tensor], dtype=None) -> torch.Tensor:
+    """Per-group [n_g, local, ...] results -> one [T, ...] tensor (a view for a single contiguous group),
+    cast to dtype if given."""
+    if len(parts) == 1:
+        return parts[0].flatten(0, 1).to(dtype or parts[0].dtype)
+    return _Merge.apply(dtype, *parts)
 
 
 def plan_packing(grids: Sequence[tuple[int, int, int]], world: int = 1) -> Packing:

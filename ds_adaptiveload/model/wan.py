@@ -142,8 +142,8 @@ class CrossAttention(SelfAttention):
 
 
 def _gated_add(x, y, gate):
-    """Residual add with a per-sample gate, in fp32, rounded to the activation dtype."""
-    return (x.float() + y.float() * gate).to(x.dtype)
+    """Residual add with a per-sample gate in fp32 (rounded to the activation dtype by the merge's copy)."""
+    return x.float() + y.float() * gate
 
 
 class WanBlock(nn.Module):
@@ -166,10 +166,10 @@ class WanBlock(nn.Module):
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float() + e0).chunk(6, dim=1)
         p = lay.packing
         y = self.self_attn(p.map(self._modulate, (x,), (scale1, shift1)), lay)
-        x = p.map(_gated_add, (x, y), (gate1,))
+        x = p.map(_gated_add, (x, y), (gate1,), x.dtype)
         x = x + self.cross_attn(self.norm3(x), context, lay)
         y = self.ffn(p.map(self._modulate, (x,), (scale2, shift2)))
-        return p.map(_gated_add, (x, y), (gate2,))
+        return p.map(_gated_add, (x, y), (gate2,), x.dtype)
 
 
 class Head(nn.Module):
