@@ -7,10 +7,11 @@ optimizer), the flow-matching loss of train/flow.py, with and without activation
     PACKED_SMOKE=1 python bench/packed_model.py --out /tmp/packed    # CPU: tiny model and shapes
 
 Timing: wall time of loss + backward with a device sync after it (what a training micro-step pays,
-Python overhead included), after one warm-up run of the same case; noise is drawn before timing. Memory:
-the peak allocated during the timed runs minus what was allocated before them (bf16 weights and their
-gradients), compared with the profile's memory model bytes_per_token * tokens + bytes_per_sample * samples
-(the profile is calibrated with checkpointed blocks, so that comparison applies to the checkpointed runs).
+Python overhead included), after one warm-up run of the same case; noise is drawn before timing. Memory
+(act_gib): the peak allocated during the timed runs minus what was allocated before the case's inputs were
+made (bf16 weights and their gradients), so inputs count as they do in calibration; compared with the
+profile's memory model bytes_per_token * tokens + bytes_per_sample * samples (the profile is calibrated with
+checkpointed blocks, so that comparison applies to the checkpointed runs).
 Writes one JSON (date, device, versions, every case, a summary) to --out, rewritten after each case.
 """
 import argparse
@@ -88,6 +89,8 @@ class Bench:
         with self.device:
             self.model = WanModel(self.cfg).to(torch.bfloat16)
         torch.nn.init.normal_(self.model.head.head.weight, std=0.02)  # a zero head would not train the blocks
+        for p in self.model.parameters():  # gradients held from the start: memory baselines include them
+            p.grad = torch.zeros_like(p)
         op = op_status()
         self.capacity = torch.cuda.get_device_properties(0).total_memory if self.cuda else 0
         self.worst_bytes_per_token = 0.0
@@ -116,14 +119,14 @@ class Bench:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def measure(self, fn, tokens: int, n: int, one_micro_batch: bool):
-        """Warm-up, then timed runs of fn (loss + backward): ms, peak memory above the weights and grads and,
-        for a single micro-batch, the memory model's prediction for it."""
+    def measure(self, fn, base: int, tokens: int, n: int, one_micro_batch: bool):
+        """Warm-up, then timed runs of fn (loss + backward): ms, peak memory above `base` (weights and grads,
+        allocated before the case's inputs, which count as in calibration) and, for a single micro-batch, the
+        memory model's prediction for it."""
         reps = 1 if tokens > HEAVY_TOKENS else self.args.reps
         fn()
         self.sync()
         self.model.zero_grad(set_to_none=False)
-        base = torch.cuda.memory_allocated() if self.cuda else 0
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         times = []
@@ -146,9 +149,8 @@ class Bench:
     def case(self, name, mode, spec, packed: bool):
         """One case: the samples of `spec` as one packed micro-batch or as one micro-batch per shape."""
         rec = {"name": name, "mode": mode, "packed": packed, "spec": spec}
-        smp = self.samples(spec)
-        tokens = sum(self.geo.tokens(f, h, w) * c for c, f, h, w in spec)
-        rec.update(samples=len(smp), tokens=tokens,
+        tokens, n = sum(self.geo.tokens(f, h, w) * c for c, f, h, w in spec), sum(c for c, *_ in spec)
+        rec.update(samples=n, tokens=tokens,
                    tflop=round(sum(self.cfg.flops_per_sample(self.geo.tokens(f, h, w)) * c for c, f, h, w in spec) / 1e12, 2))
         if time.perf_counter() - self.t0 > self.args.budget_s:
             rec["status"] = "skipped: time budget"
@@ -156,9 +158,10 @@ class Bench:
             rec["status"] = "skipped: would not fit (largest measured bytes per token)"
         else:
             self.model.checkpoint_blocks = mode == "ckpt"
-            fn = self.packed_fn(smp) if packed else self.separate_fn(smp)
+            base = torch.cuda.memory_allocated() if self.cuda else 0
+            fn = self.packed_fn(self.samples(spec)) if packed else self.separate_fn(self.samples(spec))
             try:
-                rec.update(self.measure(fn, tokens, len(smp), packed or len(spec) == 1), status="ok")
+                rec.update(self.measure(fn, base, tokens, n, packed or len(spec) == 1), status="ok")
                 rec["tflop_per_s"] = round(rec["tflop"] / rec["ms"] * 1000, 1)
             except torch.cuda.OutOfMemoryError:
                 rec["status"] = "oom"

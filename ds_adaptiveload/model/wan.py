@@ -257,17 +257,17 @@ class WanModel(nn.Module):
                     nn.init.normal_(m.weight, std=0.02)
         nn.init.zeros_(self.head.head.weight)
 
-    def _context(self, context) -> torch.Tensor:
-        """Zero-pad / truncate the text context to text_len tokens; accepts [B, L, C] or a list of [L_i, C]."""
+    def _context(self, context, packing: Packing) -> torch.Tensor:
+        """Zero-pad / truncate the text context to text_len tokens, stacked in packed order; accepts [n, L, C]
+        or a list of n [L_i, C]. Reordering the list before stacking costs no copy of the stacked contexts."""
         L, C = self.cfg.text_len, self.cfg.text_dim
         items = list(context) if isinstance(context, (list, tuple)) else list(context.unbind(0))
-        out = []
+        if len(items) != packing.n:
+            raise UserError(f"WanModel: {len(items)} text contexts for {packing.n} samples")
         for i, c in enumerate(items):
             if c.ndim != 2 or c.shape[1] != C:
                 raise UserError(f"WanModel: context[{i}] has shape {tuple(c.shape)}, expected [L, {C}]")
-            c = c[:L]
-            out.append(F.pad(c, (0, 0, 0, L - c.shape[0])))
-        return torch.stack(out)
+        return torch.stack([F.pad(c[:L], (0, 0, 0, L - c[:L].shape[0])) for c in (items[i] for i in packing.order)])
 
     def forward(self, x, t, context, seq_shard=None):
         """Tensor form: x [B, in_dim, F, H, W] latents, t [B] timesteps (0..1000, float or int; a scalar is
@@ -288,13 +288,11 @@ class WanModel(nn.Module):
         packing = plan_packing(self._grids(x, packed), shard.world if shard else 1)
         device = (x[0] if packed else x).device
         t = self._timesteps(t, packing.n, device)
-        ctx = self._context(context)
-        if ctx.shape[0] != packing.n:
-            raise UserError(f"WanModel: {ctx.shape[0]} text contexts for {packing.n} samples")
+        ctx = self._context(context, packing)
 
         group_x = [torch.stack([x[i] for i in g.index]) for g in packing.groups] if packed else [x]
         h, lay = self._embed(group_x, packing, shard)
-        context = self.text_embedding(packing.to_packed(ctx).to(h.dtype))
+        context = self.text_embedding(ctx.to(h.dtype))
         # Time MLP outside autocast, modulation vectors in fp32 (Wan runs this part in fp32).
         with torch.autocast(device.type, enabled=False):
             tp = packing.to_packed(t)
