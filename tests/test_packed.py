@@ -202,14 +202,7 @@ SP_SHAPES = [(3, 6, 10), (1, 2, 6), (3, 6, 10), (3, 2, 10), (1, 2, 6)]
 @pytest.mark.slow
 def test_packed_sequence_parallel_matches_single_process(tmp_path):
     pytest.importorskip("deepspeed")
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = str(tmp_path / "sp.pt")
-    mp.spawn(_packed_sp_worker, args=(2, port, out), nprocs=2, join=True)
-    res = torch.load(out)
+    res = spawn(_packed_sp_worker, 2, tmp_path)
 
     cfg = tiny_cfg()
     m = perturbed_model(cfg)
@@ -220,6 +213,50 @@ def test_packed_sequence_parallel_matches_single_process(tmp_path):
         assert rel_err(y, ref.detach()) < 1e-5
     for n, p in m.named_parameters():
         assert rel_err(res["grads"][n], p.grad) < 1e-4, n
+
+
+# ---------------------------------------------------------------- through a DeepSpeed ZeRO-3 engine
+
+def _zero3_worker(rank, world, port, result_path):
+    """The packed call through deepspeed.initialize (ZeRO-3, one gloo rank) against the plain module."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    deepspeed.init_distributed("gloo")
+    torch.set_num_threads(1)
+    cfg = tiny_cfg()
+    ref, m = perturbed_model(cfg), perturbed_model(cfg)
+    conf = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=m, config=conf, model_parameters=m.parameters())
+    xs, t, ctxs = packed_inputs(cfg)
+    ys = engine(xs, t, ctxs)
+    engine.backward(loss_of(ys))
+    ys_ref = ref(xs, t, ctxs)
+    loss_of(ys_ref).backward()
+    torch.save({"out": max(rel_err(a.detach(), b.detach()) for a, b in zip(ys, ys_ref)),
+                "grad": max(rel_err(safe_get_full_grad(p), q.grad) for p, q in zip(engine.module.parameters(),
+                                                                                    ref.parameters()))}, result_path)
+
+
+def spawn(worker, world, tmp_path):
+    """Run worker(rank, world, port, result_path) on `world` processes; returns what rank 0 saved."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "result.pt")
+    mp.spawn(worker, args=(world, port, out), nprocs=world, join=True)
+    return torch.load(out)
+
+
+@pytest.mark.slow
+def test_packed_through_zero3_engine(tmp_path):
+    pytest.importorskip("deepspeed")
+    res = spawn(_zero3_worker, 1, tmp_path)
+    assert res["out"] < 1e-5 and res["grad"] < 1e-5, res
 
 
 # ---------------------------------------------------------------- the GPU benchmark's CPU smoke mode
