@@ -222,6 +222,48 @@ def check_outputs(b: Bench) -> dict:
     return rec
 
 
+def attention_compare(b: Bench) -> list:
+    """Self-attention core alone, fwd+bwd, on the tokens of the checkpointed packs: one dense SDPA call per
+    shape group (what the model does) against one torch varlen_attn call over all samples (issue #19: use
+    varlen only where it measures faster)."""
+    from ds_adaptiveload.model import sdpa_attention
+    from ds_adaptiveload.model.packing import plan_packing
+
+    out, heads, d = [], b.cfg.num_heads, b.cfg.head_dim
+    for name, spec in (("mixed", MIXED[True]), ("image-heavy", IMAGE_MIX[True])):
+        pt, ph, pw = b.cfg.patch_size
+        lats = [b.geo.latent_shape(f, h, w) for c, f, h, w in spec for _ in range(c)]
+        pk = plan_packing([(f // pt, h // ph, w // pw) for f, h, w in lats])
+        q, k, v = (torch.randn(pk.rows, heads, d, device=b.device, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        lens = [g.tokens for g in pk.groups for _ in range(g.n)]
+        cu = torch.tensor([0] + lens, device=b.device).cumsum(0).to(torch.int32)
+
+        def dense():
+            o = [sdpa_attention(qg, kg, vg) for qg, kg, vg in zip(pk.views(q), pk.views(k), pk.views(v))]
+            torch.autograd.backward(o, [torch.ones_like(x) for x in o])
+
+        def varlen():
+            from torch.nn.attention.varlen import varlen_attn
+            varlen_attn(q, k, v, cu, cu, max(lens), max(lens)).backward(torch.ones_like(q))
+
+        rec = {"pack": name, "tokens": pk.rows, "groups": len(pk.groups)}
+        for label, fn in (("dense_per_group", dense), ("varlen", varlen)):
+            try:
+                times = []
+                for i in range(1 + b.args.reps):
+                    t = time.perf_counter()
+                    fn()
+                    b.sync()
+                    times.append((time.perf_counter() - t) * 1000)
+                rec[f"{label}_ms"] = round(statistics.median(times[1:]), 2)
+            except Exception as err:  # noqa: BLE001 - varlen may be missing or refuse a layout; record it
+                rec[f"{label}_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        print(json.dumps(rec), flush=True)
+        out.append(rec)
+    return out
+
+
 def run_mode(b: Bench, mode: str) -> dict:
     """Mixed packed vs separate, the one-shape image sweep, image-heavy packed vs separate; a summary."""
     ck = mode == "ckpt"
@@ -248,6 +290,8 @@ def main(argv=None):
     args = parse_args(argv)
     b = Bench(args)
     b.res["output_check"] = check_outputs(b)
+    b.res["attention"] = attention_compare(b)
+    b.save()
     b.res["summary"] = []
     for mode in args.modes.split(","):
         b.res["summary"].append(run_mode(b, mode))

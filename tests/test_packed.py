@@ -277,6 +277,7 @@ def test_packed_bench_smoke(tmp_path):
     res = json.loads(path.read_text())
     assert {"date", "device", "torch"} <= set(res)
     assert res["output_check"]["max_rel_err_packed_vs_alone"] < 0.02
+    assert [a["pack"] for a in res["attention"]] == ["mixed", "image-heavy"] and "dense_per_group_ms" in res["attention"][0]
     assert len(res["cases"]) == 13  # checkpointed: 2 mixed, 3 sweep points, 2 image-heavy; plain: 2 sweep points
     assert all(c["status"] == "ok" for c in res["cases"]), res["cases"]
     for s in res["summary"]:
