@@ -2,7 +2,8 @@
 
 Parameter names equal the original Wan 2.1 checkpoints (see convert.py for diffusers' names), so real
 weights load with load_wan_checkpoint(). Shapes: latent x [B, in_dim, F, H, W], timestep t [B],
-text context [B, L, text_dim] -> prediction [B, out_dim, F, H, W].
+text context [B, L, text_dim] -> prediction [B, out_dim, F, H, W]; or packed: lists of per-sample latents
+[in_dim, F_i, H_i, W_i] and contexts, of any mix of shapes, -> list of predictions (model/packing.py).
 
 Sequence parallelism (Ulysses): the model shards the token sequence after the patch embedding when
 forward() gets `seq_shard`, and gathers it again before unpatchify; the self-attention core, replaceable
@@ -19,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.config import WanConfig
+from ds_adaptiveload.model.packing import Packing, merge, plan_packing
 from ds_adaptiveload.ops import ln_modulate
 
 ROPE_THETA = 10000.0
@@ -96,6 +98,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What the blocks need about one forward's samples: their packing, each group's RoPE table and
+    self-attention keywords (valid_len under SP padding), and the self-attention core."""
+    packing: Packing
+    rope: tuple
+    """(cos, sin) per group, for the group's local token positions."""
+    attn_kwargs: tuple
+    """Keyword arguments of the self-attention core per group."""
+    attn_fn: AttentionFn
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: WanConfig):
         super().__init__()
@@ -105,23 +119,31 @@ class SelfAttention(nn.Module):
         self.norm_q = RMSNorm(d, cfg.eps) if cfg.qk_norm else nn.Identity()
         self.norm_k = RMSNorm(d, cfg.eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(self, x, cos, sin, attn_fn: AttentionFn, attn_kwargs: dict):
+    def forward(self, x, lay: Layout):
+        """x [T, dim] -> [T, dim]: projections over all tokens, RoPE and the core per group."""
         heads = (self.num_heads, -1)
-        q = apply_rope(self.norm_q(self.q(x)).unflatten(-1, heads), cos, sin)
-        k = apply_rope(self.norm_k(self.k(x)).unflatten(-1, heads), cos, sin)
-        v = self.v(x).unflatten(-1, heads)
-        return self.o(attn_fn(q, k, v, **attn_kwargs).flatten(2))
+        p = lay.packing
+        q, k, v = (p.views(t.unflatten(-1, heads)) for t in (self.norm_q(self.q(x)), self.norm_k(self.k(x)), self.v(x)))
+        out = [lay.attn_fn(apply_rope(qg, cos, sin), apply_rope(kg, cos, sin), vg, **kw)
+               for qg, kg, vg, (cos, sin), kw in zip(q, k, v, lay.rope, lay.attn_kwargs)]
+        return self.o(merge(out).flatten(1))
 
 
 class CrossAttention(SelfAttention):
     """Text cross-attention: same parameters as self-attention, k/v from the context, no RoPE."""
 
-    def forward(self, x, context):
+    def forward(self, x, context, lay: Layout):
+        """x [T, dim], context [n, text_len, dim] in packed order -> [T, dim]."""
         heads = (self.num_heads, -1)
         q = self.norm_q(self.q(x)).unflatten(-1, heads)
         k = self.norm_k(self.k(context)).unflatten(-1, heads)
         v = self.v(context).unflatten(-1, heads)
-        return self.o(sdpa_attention(q, k, v).flatten(2))
+        return self.o(lay.packing.map(sdpa_attention, (q,), (k, v)).flatten(1))
+
+
+def _gated_add(x, y, gate):
+    """Residual add with a per-sample gate in fp32 (rounded to the activation dtype by the merge's copy)."""
+    return x.float() + y.float() * gate
 
 
 class WanBlock(nn.Module):
@@ -136,14 +158,18 @@ class WanBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, d))
         self.modulation = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
 
-    def forward(self, x, e0, context, cos, sin, attn_fn, attn_kwargs):
-        # e0: [B, 6, dim] fp32 time projection; modulation math stays fp32 as in Wan.
+    def _modulate(self, x, scale, shift):
+        return ln_modulate(x, scale, shift, eps=self.eps)
+
+    def forward(self, x, e0, context, lay: Layout):
+        # x [T, dim]; e0 [n, 6, dim] fp32 time projection in packed order; modulation math stays fp32 as in Wan.
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float() + e0).chunk(6, dim=1)
-        y = self.self_attn(ln_modulate(x, scale1, shift1, eps=self.eps), cos, sin, attn_fn, attn_kwargs)
-        x = (x.float() + y.float() * gate1).to(x.dtype)
-        x = x + self.cross_attn(self.norm3(x), context)
-        y = self.ffn(ln_modulate(x, scale2, shift2, eps=self.eps))
-        return (x.float() + y.float() * gate2).to(x.dtype)
+        p = lay.packing
+        y = self.self_attn(p.map(self._modulate, (x,), (scale1, shift1)), lay)
+        x = p.map(_gated_add, (x, y), (gate1,), x.dtype)
+        x = x + self.cross_attn(self.norm3(x), context, lay)
+        y = self.ffn(p.map(self._modulate, (x,), (scale2, shift2)))
+        return p.map(_gated_add, (x, y), (gate2,), x.dtype)
 
 
 class Head(nn.Module):
@@ -153,9 +179,9 @@ class Head(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.out_dim * math.prod(cfg.patch_size))
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim ** 0.5)
 
-    def forward(self, x, e):
+    def forward(self, x, e, packing: Packing):
         shift, scale = (self.modulation.float() + e.float()[:, None]).chunk(2, dim=1)
-        return self.head(ln_modulate(x, scale, shift, eps=self.eps))
+        return self.head(packing.map(lambda xg, sc, sh: ln_modulate(xg, sc, sh, eps=self.eps), (x,), (scale, shift)))
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -167,30 +193,31 @@ def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class _GatherSeq(torch.autograd.Function):
-    """All-gather the token shards along dim 1. Backward returns only this rank's slice of the
-    gradient (no sum over ranks): every SP rank computes the same loss on the gathered output, so each
-    rank's parameter gradients are its shard's contribution, and DeepSpeed sums them over the SP group."""
+    """All-gather the token shards [T_local, C] of the SP group into [world, T_local, C]. Backward returns
+    only this rank's slice of the gradient (no sum over ranks): every SP rank computes the same loss on the
+    gathered output, so each rank's parameter gradients are its shard's contribution, and DeepSpeed sums
+    them over the SP group."""
 
     @staticmethod
     def forward(ctx, x, shard: SeqShard):
         import torch.distributed as dist
 
-        ctx.rank, ctx.n = shard.rank, x.shape[1]
+        ctx.rank = shard.rank
         parts = [torch.empty_like(x) for _ in range(shard.world)]
         dist.all_gather(parts, x.contiguous(), group=shard.group)
-        return torch.cat(parts, dim=1)
+        return torch.stack(parts)
 
     @staticmethod
     def backward(ctx, g):
-        return g[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
+        return g[ctx.rank], None
 
 
 class WanModel(nn.Module):
     """Wan 2.1 DiT. WanModel(cfg)(x, t, context) -> [B, out_dim, F, H, W].
 
     checkpoint_blocks: recompute each block in backward (torch.utils.checkpoint, non-reentrant).
-    self_attn_fn: the self-attention core, (q, k, v) [B, S, heads, head_dim] -> same layout; None for
-        sdpa_attention. Under sequence parallelism it also receives valid_len=<full token count> when
+    self_attn_fn: the self-attention core, (q, k, v) [B, S, heads, head_dim] -> same layout, called once
+        per shape group of a packed micro-batch ([n_g, S_g, heads, head_dim]); None for sdpa_attention. Under sequence parallelism it also receives valid_len=<full token count> when
         the sequence was padded to a multiple of the SP world size (sdpa_attention handles it)."""
 
     def __init__(self, cfg: WanConfig, checkpoint_blocks: bool = False,
@@ -230,75 +257,120 @@ class WanModel(nn.Module):
                     nn.init.normal_(m.weight, std=0.02)
         nn.init.zeros_(self.head.head.weight)
 
-    def _context(self, context) -> torch.Tensor:
-        """Zero-pad / truncate the text context to text_len tokens; accepts [B, L, C] or a list of [L_i, C]."""
+    def _context(self, context, packing: Packing) -> torch.Tensor:
+        """Zero-pad / truncate the text context to text_len tokens, stacked in packed order; accepts [n, L, C]
+        or a list of n [L_i, C]. Reordering the list before stacking costs no copy of the stacked contexts."""
         L, C = self.cfg.text_len, self.cfg.text_dim
         items = list(context) if isinstance(context, (list, tuple)) else list(context.unbind(0))
-        out = []
+        if len(items) != packing.n:
+            raise UserError(f"WanModel: {len(items)} text contexts for {packing.n} samples")
         for i, c in enumerate(items):
             if c.ndim != 2 or c.shape[1] != C:
                 raise UserError(f"WanModel: context[{i}] has shape {tuple(c.shape)}, expected [L, {C}]")
-            c = c[:L]
-            out.append(F.pad(c, (0, 0, 0, L - c.shape[0])))
-        return torch.stack(out)
+        return torch.stack([F.pad(c[:L], (0, 0, 0, L - c[:L].shape[0])) for c in (items[i] for i in packing.order)])
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, context, seq_shard=None) -> torch.Tensor:
-        """x: [B, in_dim, F, H, W] latents (F, H, W divisible by patch_size); t: [B] timesteps (0..1000,
-        float or int; a scalar is broadcast); context: [B, L, text_dim] or list of [L_i, text_dim].
+    def forward(self, x, t, context, seq_shard=None):
+        """Tensor form: x [B, in_dim, F, H, W] latents, t [B] timesteps (0..1000, float or int; a scalar is
+        broadcast), context [B, L, text_dim] or a list of [L_i, text_dim] -> [B, out_dim, F, H, W].
+        Packed form: x a list of n latents [in_dim, F_i, H_i, W_i] of any mix of shapes, t [n], context a
+        list of n [L_i, text_dim] -> list of n [out_dim, F_i, H_i, W_i], in input order. F, H, W must be
+        divisible by patch_size. Samples are grouped by shape (model/packing.py): one GEMM per projection
+        over all tokens, one batched attention call per group; the tensor form is a single group.
 
-        seq_shard: None, or SeqShard / (rank, world[, group]) for sequence parallelism. The S tokens are
-        zero-padded to world * ceil(S / world) and this rank keeps tokens [rank*n, (rank+1)*n), with its
-        own RoPE positions; the head output is all-gathered (see _GatherSeq for the gradient rule), so
-        the returned tensor is the full [B, out_dim, F, H, W] on every rank."""
-        cfg = self.cfg
-        if x.ndim != 5 or x.shape[1] != cfg.in_dim:
-            raise UserError(f"WanModel: x has shape {tuple(x.shape)}, expected [B, {cfg.in_dim}, F, H, W]")
-        B, _, nf, nh, nw = x.shape
-        pt, ph, pw = cfg.patch_size
-        if nf % pt or nh % ph or nw % pw:
-            raise UserError(f"WanModel: latent (F, H, W)=({nf}, {nh}, {nw}) not divisible by patch {cfg.patch_size}")
-        grid = (nf // pt, nh // ph, nw // pw)
-        S = math.prod(grid)
-
-        t = torch.as_tensor(t, device=x.device)
-        if t.ndim == 0 or t.numel() == 1:
-            t = t.reshape(1).expand(B)
-        if t.shape != (B,):
-            raise UserError(f"WanModel: t has shape {tuple(t.shape)}, expected [{B}]")
-
-        w_dtype = self.patch_embedding.weight.dtype
-        h = self.patch_embedding(x.to(w_dtype)).flatten(2).transpose(1, 2)       # [B, S, dim]
-        context = self.text_embedding(self._context(context).to(w_dtype))
-
-        # Time MLP outside autocast, modulation vectors in fp32 (Wan runs this part in fp32).
-        with torch.autocast(x.device.type, enabled=False):
-            e = self.time_embedding(timestep_embedding(t, cfg.freq_dim).to(self.time_embedding[0].weight.dtype))
-            e0 = self.time_projection(e).float().unflatten(1, (6, cfg.dim))
-
-        attn_kwargs = {}
-        start, count = 0, S
+        seq_shard: None, or SeqShard / (rank, world[, group]) for sequence parallelism. Each sample's S
+        tokens are zero-padded to world * ceil(S / world) and this rank keeps tokens [rank*c, (rank+1)*c),
+        with their own RoPE positions; the head output is all-gathered (see _GatherSeq for the gradient
+        rule), so every rank returns the full prediction."""
+        packed = isinstance(x, (list, tuple))
+        shard = None
         if seq_shard is not None:
             shard = seq_shard if isinstance(seq_shard, SeqShard) else SeqShard(*seq_shard)
-            count = -(-S // shard.world)
-            start = shard.rank * count
-            if count * shard.world != S:
-                h = F.pad(h, (0, 0, 0, count * shard.world - S))
-                attn_kwargs["valid_len"] = S
-            h = h[:, start:start + count]
-        h = h.contiguous()
-        cos, sin = rope_tables(grid, cfg, start, count, x.device)
+        packing = plan_packing(self._grids(x, packed), shard.world if shard else 1)
+        device = (x[0] if packed else x).device
+        t = self._timesteps(t, packing.n, device)
+        ctx = self._context(context, packing)
 
-        attn_fn = self._attn_fn
+        group_x = [torch.stack([x[i] for i in g.index]) for g in packing.groups] if packed else [x]
+        h, lay = self._embed(group_x, packing, shard)
+        context = self.text_embedding(ctx.to(h.dtype))
+        # Time MLP outside autocast, modulation vectors in fp32 (Wan runs this part in fp32).
+        with torch.autocast(device.type, enabled=False):
+            tp = packing.to_packed(t)
+            e = self.time_embedding(timestep_embedding(tp, self.cfg.freq_dim).to(self.time_embedding[0].weight.dtype))
+            e0 = self.time_projection(e).float().unflatten(1, (6, self.cfg.dim))
+
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                h = checkpoint(block, h, e0, context, cos, sin, attn_fn, attn_kwargs, use_reentrant=False)
+                h = checkpoint(block, h, e0, context, lay, use_reentrant=False)
             else:
-                h = block(h, e0, context, cos, sin, attn_fn, attn_kwargs)
+                h = block(h, e0, context, lay)
+        h = self.head(h, e, packing)                                            # [T, out*pt*ph*pw]
+        outs = self._unpatchify_groups(h, packing, shard)
+        return packing.to_input(outs) if packed else outs[0]
 
-        h = self.head(h, e)                                                     # [B, S, out*pt*ph*pw]
-        if seq_shard is not None:
-            h = _GatherSeq.apply(h, shard)[:, :S]
-        return self.unpatchify(h, grid)
+    def _grids(self, x, packed: bool) -> list:
+        """Patch grid (f, h, w) of every sample; UserError naming the input on a bad shape."""
+        cfg = self.cfg
+        if packed:
+            shapes = []
+            for i, xi in enumerate(x):
+                if not isinstance(xi, torch.Tensor) or xi.ndim != 4 or xi.shape[0] != cfg.in_dim:
+                    got = tuple(xi.shape) if isinstance(xi, torch.Tensor) else type(xi).__name__
+                    raise UserError(f"WanModel: xs[{i}] is {got}, expected a tensor [{cfg.in_dim}, F, H, W]")
+                shapes.append((f"xs[{i}]", tuple(xi.shape[1:])))
+        else:
+            if x.ndim != 5 or x.shape[1] != cfg.in_dim:
+                raise UserError(f"WanModel: x has shape {tuple(x.shape)}, expected [B, {cfg.in_dim}, F, H, W]")
+            shapes = [("x", tuple(x.shape[2:]))] * x.shape[0]
+        if not shapes:
+            raise UserError("WanModel: no samples (empty list or B = 0)")
+        grids = []
+        for name, (nf, nh, nw) in shapes:
+            pt, ph, pw = cfg.patch_size
+            if nf % pt or nh % ph or nw % pw:
+                raise UserError(f"WanModel: {name} latent (F, H, W)=({nf}, {nh}, {nw}) not divisible by "
+                                f"patch {cfg.patch_size}")
+            grids.append((nf // pt, nh // ph, nw // pw))
+        return grids
+
+    @staticmethod
+    def _timesteps(t, n: int, device) -> torch.Tensor:
+        t = torch.as_tensor(t, device=device)
+        if t.ndim == 0 or t.numel() == 1:
+            t = t.reshape(1).expand(n)
+        if t.shape != (n,):
+            raise UserError(f"WanModel: t has shape {tuple(t.shape)}, expected [{n}]")
+        return t
+
+    def _embed(self, group_x, packing: Packing, shard: Optional[SeqShard]):
+        """Patch-embed each group's latents [n_g, in_dim, F, H, W] into this rank's token rows [T, dim],
+        and the Layout (RoPE tables and SP padding per group) the blocks use."""
+        w_dtype = self.patch_embedding.weight.dtype
+        parts, rope, kwargs = [], [], []
+        for g, xg in zip(packing.groups, group_x):
+            hg = self.patch_embedding(xg.to(w_dtype)).flatten(2).transpose(1, 2)    # [n_g, S, dim]
+            start, kw = 0, {}
+            if shard is not None:
+                start = shard.rank * g.local
+                if g.local * shard.world != g.tokens:
+                    hg = F.pad(hg, (0, 0, 0, g.local * shard.world - g.tokens))
+                    kw = {"valid_len": g.tokens}
+                hg = hg[:, start:start + g.local]
+            parts.append(hg)
+            rope.append(rope_tables(g.grid, self.cfg, start, g.local, xg.device))
+            kwargs.append(kw)
+        return merge(parts).contiguous(), Layout(packing, tuple(rope), tuple(kwargs), self._attn_fn)
+
+    def _unpatchify_groups(self, h: torch.Tensor, packing: Packing, shard: Optional[SeqShard]) -> list:
+        """Head output rows [T, C] -> per group [n_g, out_dim, F, H, W]; under SP gathered from all ranks."""
+        if shard is not None:
+            h = _GatherSeq.apply(h, shard).transpose(0, 1)                     # [T_local, world, C]
+        outs = []
+        for g, hg in zip(packing.groups, packing.views(h)):
+            if shard is not None:                                               # [n_g, local, world, C]
+                hg = hg.transpose(1, 2).flatten(1, 2)[:, :g.tokens]
+            outs.append(self.unpatchify(hg, g.grid))
+        return outs
 
     def unpatchify(self, h: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """[B, S, out_dim*pt*ph*pw] -> [B, out_dim, F, H, W]; each token's channels are ordered

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from ds_adaptiveload.errors import UserError
+
 
 def shift_t(u: torch.Tensor, shift: float) -> torch.Tensor:
     """Wan's timestep shift of uniform u in [0, 1)."""
@@ -31,15 +33,30 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return (x ^ (x >> 31)) & (2**63 - 1)
 
 
+def _draw_one(shape, seed: int, device):
+    """(u, eps) of one sample: u first, then eps, from one generator seeded per sample."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    u = torch.rand((), generator=g, device=device)
+    return u, torch.randn(shape, generator=g, device=device)
+
+
 def draw_noise(x0: torch.Tensor, indices, seed: int, epoch: int, shift: float):
     """eps like x0 and t [B] (fp32), one generator per sample."""
     eps = torch.empty(x0.shape, dtype=torch.float32, device=x0.device)
     u = torch.empty(x0.shape[0], dtype=torch.float32, device=x0.device)
     for b, i in enumerate(indices):
-        g = torch.Generator(device=x0.device).manual_seed(sample_seed(seed, epoch, i))
-        u[b] = torch.rand((), generator=g, device=x0.device)
-        eps[b] = torch.randn(x0.shape[1:], generator=g, device=x0.device)
+        u[b], eps[b] = _draw_one(x0.shape[1:], sample_seed(seed, epoch, i), x0.device)
     return eps, shift_t(u, shift)
+
+
+def draw_noise_packed(x0s, indices, seed: int, epoch: int, shift: float):
+    """Packed form of draw_noise: a list of eps (fp32, each like its x0 [C, F, H, W]) and t [n]. A sample
+    gets the same noise and t as draw_noise gives it in a one-shape batch."""
+    if len(x0s) != len(indices):
+        raise UserError(f"draw_noise_packed: {len(x0s)} latents but {len(indices)} sample indices")
+    draws = [_draw_one(x.shape, sample_seed(seed, epoch, i), x.device) for x, i in zip(x0s, indices)]
+    u = torch.stack([d[0] for d in draws]) if draws else torch.empty(0)
+    return [d[1] for d in draws], shift_t(u, shift)
 
 
 def flow_matching_loss(model, x0, context, eps, t, **model_kwargs) -> torch.Tensor:
@@ -49,6 +66,22 @@ def flow_matching_loss(model, x0, context, eps, t, **model_kwargs) -> torch.Tens
     xt = (1 - tb) * x0f + tb * eps
     pred = model(xt.to(x0.dtype), t * 1000, context, **model_kwargs)
     return (pred.float() - (eps - x0f)).pow(2).flatten(1).mean(1)
+
+
+def packed_flow_matching_loss(model, x0s, contexts, eps, t, **model_kwargs) -> torch.Tensor:
+    """Per-sample MSE [n] (fp32) of one packed forward. x0s, eps: lists of [C, F_i, H_i, W_i]; contexts:
+    list of [L_i, text_dim]; t [n] in [0, 1]. Sample i's loss equals flow_matching_loss on it alone."""
+    n = len(x0s)
+    if not (len(eps) == len(contexts) == n and t.shape == (n,)):
+        raise UserError(f"packed_flow_matching_loss: {n} latents, {len(eps)} noises, {len(contexts)} contexts, "
+                        f"t of shape {tuple(t.shape)}: all must hold one entry per sample")
+    xts, targets = [], []
+    for x0, e, ti in zip(x0s, eps, t):
+        x0f = x0.float()
+        xts.append(((1 - ti) * x0f + ti * e).to(x0.dtype))
+        targets.append(e - x0f)
+    preds = model(xts, t * 1000, contexts, **model_kwargs)
+    return torch.stack([(p.float() - v).pow(2).mean() for p, v in zip(preds, targets)])
 
 
 def loss_scale(grad_divisor: int, grad_accum: int, global_samples: int) -> float:

@@ -1,0 +1,131 @@
+"""Packed micro-batches: how the samples of one forward, of any mix of latent shapes, lie in one token tensor.
+
+The tokens of all samples form one [T, dim] tensor, so every linear layer is one GEMM. Samples are grouped
+by patch grid in order of first appearance (stable within a group); a group's n_g samples of `local` tokens
+each are contiguous rows, so its slice views as [n_g, local, dim] without a copy and attention, modulation,
+RoPE, patch embedding and unpatchify run once per group as dense batched calls (docs/model.md). Per-sample
+tensors (timestep, modulation vectors, text context) are kept in the same packed order, so a group's rows
+of them are the slice [first, first + n_g).
+"""
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Group:
+    """The samples of one patch grid."""
+    grid: tuple[int, int, int]
+    """Patch grid (f, h, w) of every sample in the group."""
+    index: tuple[int, ...]
+    """Input positions of the samples, in packed order."""
+    first: int
+    """Packed position of the group's first sample (its row in per-sample tensors)."""
+    local: int
+    """Token rows per sample held here: all S tokens, or ceil(S / world) under sequence parallelism."""
+    offset: int
+    """First row of the group in the [T, dim] token tensor."""
+
+    @property
+    def n(self) -> int:
+        return len(self.index)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens S of one whole sample."""
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def rows(self) -> int:
+        return self.n * self.local
+
+
+@dataclass(frozen=True)
+class Packing:
+    groups: tuple[Group, ...]
+    order: tuple[int, ...]
+    """Packed position -> input position."""
+
+    @property
+    def n(self) -> int:
+        return len(self.order)
+
+    @property
+    def rows(self) -> int:
+        return sum(g.rows for g in self.groups)
+
+    @property
+    def is_identity(self) -> bool:
+        return self.order == tuple(range(self.n))
+
+    def views(self, h: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's rows of a [T, ...] tensor as [n_g, local, ...] views. One split, not a slice per
+        group: the backward of a split is one cat, where each slice would add a zero-filled [T, ...] tensor."""
+        parts = h.split([g.rows for g in self.groups]) if len(self.groups) > 1 else (h,)
+        return [p.unflatten(0, (g.n, g.local)) for g, p in zip(self.groups, parts)]
+
+    def sample_views(self, v: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's rows [n_g, ...] of a per-sample tensor [n, ...] in packed order."""
+        return list(v.split([g.n for g in self.groups])) if len(self.groups) > 1 else [v]
+
+    def map(self, fn: Callable, rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = (), dtype=None):
+        """fn(*group views of `rows`, *group rows of `samples`) per group, results merged into [T, ...] (cast
+        to dtype in the merge's copy if given)."""
+        cols = [self.views(r) for r in rows] + [self.sample_views(s) for s in samples]
+        return merge([fn(*args) for args in zip(*cols)], dtype)
+
+    def to_packed(self, v: torch.Tensor) -> torch.Tensor:
+        """A per-sample tensor [n, ...] from input order into packed order."""
+        return v if self.is_identity else v[torch.tensor(self.order, device=v.device)]
+
+    def to_input(self, per_group: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-group results [n_g, ...] -> list of per-sample results in input order."""
+        out = [None] * self.n
+        for g, y in zip(self.groups, per_group):
+            for j, i in enumerate(g.index):
+                out[i] = y[j]
+        return out
+
+
+class _Merge(torch.autograd.Function):
+    """Concatenate per-group [n_g, local, ...] parts along their flattened rows with one copy per part, also for
+    a strided part (SDPA's output is [n, heads, S, d] underneath), where flatten + cat would copy it twice,
+    and cast to `dtype` in that copy. Backward hands each part its rows of the gradient, as cat's does."""
+
+    @staticmethod
+    def forward(ctx, dtype, *parts):
+        ctx.shapes, ctx.dtypes = [p.shape for p in parts], [p.dtype for p in parts]
+        rows = [p.shape[0] * p.shape[1] for p in parts]
+        out = parts[0].new_empty((sum(rows), *parts[0].shape[2:]), dtype=dtype or parts[0].dtype)
+        for dst, p in zip(out.split(rows), parts):
+            dst.view(p.shape).copy_(p)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        rows = [s[0] * s[1] for s in ctx.shapes]
+        return (None, *(x.reshape(s).to(dt) for x, s, dt in zip(g.split(rows), ctx.shapes, ctx.dtypes)))
+
+
+def merge(parts: Sequence[torch.Tensor], dtype=None) -> torch.Tensor:
+    """Per-group [n_g, local, ...] results -> one [T, ...] tensor (a view for a single contiguous group),
+    cast to dtype if given."""
+    if len(parts) == 1:
+        return parts[0].flatten(0, 1).to(dtype or parts[0].dtype)
+    return _Merge.apply(dtype, *parts)
+
+
+def plan_packing(grids: Sequence[tuple[int, int, int]], world: int = 1) -> Packing:
+    """Group samples by patch grid (first-appearance order, stable within a group). world > 1: each sample's
+    tokens are padded to a multiple of `world` and one rank holds ceil(S / world) of them."""
+    members: dict[tuple, list[int]] = {}
+    for i, grid in enumerate(grids):
+        members.setdefault(tuple(grid), []).append(i)
+    groups, first, offset = [], 0, 0
+    for grid, index in members.items():
+        local = -(-(grid[0] * grid[1] * grid[2]) // world)
+        g = Group(grid, tuple(index), first, local, offset)
+        groups.append(g)
+        first, offset = first + g.n, offset + g.rows
+    return Packing(tuple(groups), tuple(i for g in groups for i in g.index))

@@ -1,0 +1,284 @@
+"""Packed micro-batches (model/packing.py): a list of samples of mixed shapes in one forward equals each
+sample run alone, in outputs and parameter gradients; grouping, checkpointing, Ulysses SP on 2 ranks and
+the packed flow-matching loss."""
+import os
+import socket
+
+import pytest
+import torch
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.model import WanModel, sdpa_attention
+from ds_adaptiveload.model.packing import plan_packing
+from ds_adaptiveload.train import flow
+from tests.test_model import inputs, perturbed_model, rel_err, tiny_cfg
+
+# Mixed shapes with repeats that are not adjacent: grouping must reorder and restore the input order.
+SHAPES = [(3, 8, 12), (1, 6, 4), (2, 4, 6), (1, 6, 4), (3, 8, 12), (1, 6, 4)]
+
+
+def packed_inputs(cfg, shapes=SHAPES, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(cfg.in_dim, *s, generator=g) for s in shapes]
+    t = torch.rand(len(shapes), generator=g) * 1000
+    # Context lengths differ per sample, one longer than text_len (truncated).
+    ctxs = [torch.randn(cfg.text_len - 3 * i + 4, cfg.text_dim, generator=g) for i in range(len(shapes))]
+    return xs, t, ctxs
+
+
+def loss_of(ys):
+    """A loss that weighs samples differently, so a gradient sent to the wrong sample shows."""
+    return sum((i + 1) * y.square().mean() for i, y in enumerate(ys))
+
+
+def grads(m):
+    return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def test_plan_packing_groups_stably():
+    p = plan_packing([(1, 2, 2), (2, 2, 2), (1, 2, 2), (3, 1, 1)], world=3)
+    assert [g.grid for g in p.groups] == [(1, 2, 2), (2, 2, 2), (3, 1, 1)]
+    assert [g.index for g in p.groups] == [(0, 2), (1,), (3,)]
+    assert p.order == (0, 2, 1, 3)
+    assert [(g.first, g.local, g.offset) for g in p.groups] == [(0, 2, 0), (2, 3, 4), (3, 1, 7)]
+    assert p.rows == 8
+
+
+def test_packed_equals_each_sample_alone():
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg)
+    xs, t, ctxs = packed_inputs(cfg)
+    ys = m(xs, t, ctxs)
+    assert [tuple(y.shape) for y in ys] == [(cfg.out_dim, *s) for s in SHAPES]
+    loss_of(ys).backward()
+    g_packed = grads(m)
+
+    m.zero_grad()
+    alone = [m(x[None], t[i:i + 1], [ctxs[i]])[0] for i, x in enumerate(xs)]
+    loss_of(alone).backward()
+    for y, ref in zip(ys, alone):
+        assert rel_err(y.detach(), ref.detach()) < 1e-5
+    for n, p in m.named_parameters():
+        assert rel_err(g_packed[n], p.grad) < 1e-5, n
+    assert all(g.abs().sum() > 0 for g in g_packed.values())
+
+
+def test_packed_bf16_equals_each_sample_alone():
+    """bf16 activations: the merges round the fp32 gated residuals to bf16 in their copy, as .to() does."""
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg).to(torch.bfloat16)
+    xs, t, ctxs = packed_inputs(cfg)
+    ys = m([x.bfloat16() for x in xs], t, [c.bfloat16() for c in ctxs])
+    assert all(y.dtype == torch.bfloat16 for y in ys)
+    loss_of([y.float() for y in ys]).backward()
+    g_packed = grads(m)
+    m.zero_grad()
+    alone = [m(x[None].bfloat16(), t[i:i + 1], [ctxs[i].bfloat16()])[0] for i, x in enumerate(xs)]
+    loss_of([y.float() for y in alone]).backward()
+    for y, ref in zip(ys, alone):
+        assert rel_err(y.detach().float(), ref.detach().float()) < 1e-2
+    for n, p in m.named_parameters():
+        assert rel_err(g_packed[n].float(), p.grad.float()) < 2e-2, n
+
+
+def test_one_shape_list_is_the_tensor_form():
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg).eval()
+    x, t, ctx = inputs(cfg, B=3)
+    with torch.no_grad():
+        ys = m(list(x.unbind(0)), t, list(ctx.unbind(0)))
+        assert torch.equal(torch.stack(ys), m(x, t, ctx))
+
+
+def test_attention_runs_once_per_group():
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg)
+    calls = []
+
+    def core(q, k, v, **kw):
+        calls.append(tuple(q.shape))
+        return sdpa_attention(q, k, v, **kw)
+
+    m.set_attention(core)
+    xs, t, ctxs = packed_inputs(cfg)
+    with torch.no_grad():
+        m(xs, t, ctxs)
+    per_block = [(2, 3 * 4 * 6, 2, 64), (3, 3 * 2, 2, 64), (1, 2 * 2 * 3, 2, 64)]
+    assert calls == per_block * cfg.num_layers
+
+
+def test_packed_checkpointing_same_output_and_grads():
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg)
+    xs, t, ctxs = packed_inputs(cfg)
+    results = []
+    for ckpt in (False, True):
+        m.checkpoint_blocks = ckpt
+        m.zero_grad()
+        ys = m(xs, t, ctxs)
+        loss_of(ys).backward()
+        results.append(([y.detach() for y in ys], grads(m)))
+    (y0, g0), (y1, g1) = results
+    assert all(torch.equal(a, b) for a, b in zip(y0, y1))
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=0, atol=0, msg=n)
+
+
+def test_packed_bad_inputs_are_named():
+    cfg = tiny_cfg()
+    m = WanModel(cfg)
+    xs, t, ctxs = packed_inputs(cfg, shapes=[(1, 4, 4), (1, 2, 2)])
+    with pytest.raises(UserError, match=r"xs\[1\]"):
+        m([xs[0], xs[1][:3]], t, ctxs)
+    with pytest.raises(UserError, match=r"xs\[1\].*not divisible by patch"):
+        m([xs[0], torch.zeros(cfg.in_dim, 1, 3, 2)], t, ctxs)
+    with pytest.raises(UserError, match="1 text contexts for 2 samples"):
+        m(xs, t, ctxs[:1])
+    with pytest.raises(UserError, match=r"t has shape \(3,\)"):
+        m(xs, torch.zeros(3), ctxs)
+    with pytest.raises(UserError, match="no samples"):
+        m([], t, [])
+
+
+# ---------------------------------------------------------------- packed flow matching
+
+def test_packed_noise_equals_one_shape_noise():
+    x0 = torch.randn(3, 16, 1, 4, 4)
+    eps, t = flow.draw_noise(x0, [7, 8, 9], seed=1, epoch=2, shift=5.0)
+    eps_p, t_p = flow.draw_noise_packed([x0[2], torch.zeros(16, 2, 2, 2), x0[0]], [9, 5, 7], 1, 2, 5.0)
+    assert torch.equal(eps_p[0], eps[2]) and torch.equal(eps_p[2], eps[0])
+    assert torch.equal(t_p[[0, 2]], t[[2, 0]])
+    assert eps_p[1].shape == (16, 2, 2, 2)
+    with pytest.raises(UserError, match="2 latents but 1 sample indices"):
+        flow.draw_noise_packed([x0[0], x0[1]], [1], 1, 0, 5.0)
+
+
+def test_packed_flow_loss_equals_per_sample_loss():
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg).eval()
+    xs, _, ctxs = packed_inputs(cfg)
+    eps, t = flow.draw_noise_packed(xs, list(range(len(xs))), seed=0, epoch=0, shift=5.0)
+    with torch.no_grad():
+        packed = flow.packed_flow_matching_loss(m, xs, ctxs, eps, t)
+        alone = torch.cat([flow.flow_matching_loss(m, x[None], [c], e[None], t[i:i + 1])
+                           for i, (x, c, e) in enumerate(zip(xs, ctxs, eps))])
+    assert packed.shape == (len(xs),)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=0)
+    with pytest.raises(UserError, match="one entry per sample"):
+        flow.packed_flow_matching_loss(m, xs, ctxs[:2], eps, t)
+
+
+# ---------------------------------------------------------------- Ulysses SP, 2 gloo ranks
+
+def _packed_sp_worker(rank, world, port, result_path):
+    """One SP rank running the packed forward through train/sp.py: DeepSpeed's DistributedAttention per group."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from ds_adaptiveload.train import sp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    deepspeed.init_distributed("gloo")
+    torch.set_num_threads(1)
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg)
+    shard = sp.apply_ulysses(m, sp.init_sequence_parallel(sp.ParallelDims(world, world, rank)), cfg.num_heads)
+    xs, t, ctxs = packed_inputs(cfg, shapes=SP_SHAPES)
+    ys = m(xs, t, ctxs, seq_shard=shard)
+    loss_of(ys).backward()
+    g = grads(m)
+    for v in g.values():                              # what DeepSpeed does over the SP group
+        dist.all_reduce(v)
+    if rank == 0:
+        torch.save({"ys": [y.detach() for y in ys], "grads": g}, result_path)
+    dist.destroy_process_group()
+
+
+# Odd token counts (45, 3, 15) need per-group padding to a multiple of 2.
+SP_SHAPES = [(3, 6, 10), (1, 2, 6), (3, 6, 10), (3, 2, 10), (1, 2, 6)]
+
+
+@pytest.mark.slow
+def test_packed_sequence_parallel_matches_single_process(tmp_path):
+    pytest.importorskip("deepspeed")
+    res = spawn(_packed_sp_worker, 2, tmp_path)
+
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg)
+    xs, t, ctxs = packed_inputs(cfg, shapes=SP_SHAPES)
+    ys = m(xs, t, ctxs)
+    loss_of(ys).backward()
+    for y, ref in zip(res["ys"], ys):
+        assert rel_err(y, ref.detach()) < 1e-5
+    for n, p in m.named_parameters():
+        assert rel_err(res["grads"][n], p.grad) < 1e-4, n
+
+
+# ---------------------------------------------------------------- through a DeepSpeed ZeRO-3 engine
+
+def _zero3_worker(rank, world, port, result_path):
+    """The packed call through deepspeed.initialize (ZeRO-3, one gloo rank) against the plain module."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    deepspeed.init_distributed("gloo")
+    torch.set_num_threads(1)
+    cfg = tiny_cfg()
+    ref, m = perturbed_model(cfg), perturbed_model(cfg)
+    conf = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=m, config=conf, model_parameters=m.parameters())
+    xs, t, ctxs = packed_inputs(cfg)
+    ys = engine(xs, t, ctxs)
+    engine.backward(loss_of(ys))
+    ys_ref = ref(xs, t, ctxs)
+    loss_of(ys_ref).backward()
+    torch.save({"out": max(rel_err(a.detach(), b.detach()) for a, b in zip(ys, ys_ref)),
+                "grad": max(rel_err(safe_get_full_grad(p), q.grad) for p, q in zip(engine.module.parameters(),
+                                                                                    ref.parameters()))}, result_path)
+
+
+def spawn(worker, world, tmp_path):
+    """Run worker(rank, world, port, result_path) on `world` processes; returns what rank 0 saved."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "result.pt")
+    mp.spawn(worker, args=(world, port, out), nprocs=world, join=True)
+    return torch.load(out)
+
+
+@pytest.mark.slow
+def test_packed_through_zero3_engine(tmp_path):
+    pytest.importorskip("deepspeed")
+    res = spawn(_zero3_worker, 1, tmp_path)
+    assert res["out"] < 1e-5 and res["grad"] < 1e-5, res
+
+
+# ---------------------------------------------------------------- the GPU benchmark's CPU smoke mode
+
+@pytest.mark.slow
+def test_packed_bench_smoke(tmp_path):
+    """bench/packed_model.py end to end on CPU (tiny model and shapes): every case runs, the JSON has the
+    summary the GPU run is read from."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PACKED_SMOKE="1", PYTHONPATH=root)
+    subprocess.run([sys.executable, "bench/packed_model.py", "--out", str(tmp_path), "--reps", "1"], cwd=root,
+                   env=env, check=True, capture_output=True, timeout=300)
+    (path,) = tmp_path.glob("packed-model-*.json")
+    res = json.loads(path.read_text())
+    assert {"date", "device", "torch"} <= set(res)
+    assert res["output_check"]["max_rel_err_packed_vs_alone"] < 0.02
+    assert [a["pack"] for a in res["attention"]] == ["mixed", "image-heavy"] and "dense_per_group_ms" in res["attention"][0]
+    assert len(res["cases"]) == 13  # checkpointed: 2 mixed, 3 sweep points, 2 image-heavy; plain: 2 sweep points
+    assert all(c["status"] == "ok" for c in res["cases"]), res["cases"]
+    for s in res["summary"]:
+        assert {"mixed_packed_ms", "mixed_separate_ms", "image_heavy_vs_best"} <= set(s), s
