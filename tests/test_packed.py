@@ -263,7 +263,7 @@ def test_packed_through_zero3_engine(tmp_path):
 
 @pytest.mark.slow
 def test_packed_bench_smoke(tmp_path):
-    """bench/packed_model.py end to end on CPU (tiny model and shapes): every case runs, the JSON has the
+    """bench/model/packed_model.py end to end on CPU (tiny model and shapes): every case runs, the JSON has the
     summary the GPU run is read from."""
     import json
     import subprocess
@@ -271,7 +271,7 @@ def test_packed_bench_smoke(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PACKED_SMOKE="1", PYTHONPATH=root)
-    subprocess.run([sys.executable, "bench/packed_model.py", "--out", str(tmp_path), "--reps", "1"], cwd=root,
+    subprocess.run([sys.executable, "bench/model/packed_model.py", "--out", str(tmp_path), "--reps", "1"], cwd=root,
                    env=env, check=True, capture_output=True, timeout=300)
     (path,) = tmp_path.glob("packed-model-*.json")
     res = json.loads(path.read_text())

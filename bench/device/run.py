@@ -116,10 +116,12 @@ STAGES = {
                  op=True, margin=40, collect=(f"{E2E_RUNS}/*/train.log", f"{E2E_RUNS}/*/steps.rank*.jsonl",
                                               f"{E2E_RUNS}/*/ds.json", f"{E2E_RUNS}/profile.yaml")),
     # Registered by name for the scripts other work adds; they run once the file exists.
-    "packed_model": Stage([py("bench/packed_model.py")], 300, "packed-sequence model", op=True,
-                          needs_file="bench/packed_model.py"),
+    "packed_model": Stage([py("bench/model/packed_model.py", "--out", "{out}", "--budget-s", "{inner}")], 300,
+                          "packed micro-batches vs one shape per micro-batch, memory vs the profile", op=True,
+                          margin=60),
     "mfu": Stage([py("bench/mfu.py")], 300, "model FLOPs utilisation", op=True, needs_file="bench/mfu.py"),
-    "encode": Stage([py("bench/encode_bench.py")], 300, "VAE / text encoding", needs_file="bench/encode_bench.py"),
+    "encode": Stage([py("bench/data/encode_bench.py", "--out", "{out}", "--budget-s", "{inner}")], 240,
+                    "encode: full-size Wan VAE + umT5-XXL (random weights), clips/s and peak memory", margin=40),
 }
 
 

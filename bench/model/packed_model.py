@@ -3,8 +3,8 @@ micro-batch of mixed shapes against the same samples as separate one-shape micro
 image-heavy micro-batch against the best one-shape image batch (a sweep over B). Plain bf16 (no ZeRO, no
 optimizer), the flow-matching loss of train/flow.py, with and without activation checkpointing.
 
-    python bench/packed_model.py --out bench/results                 # one H200, 1.3B config, < 5 min
-    PACKED_SMOKE=1 python bench/packed_model.py --out /tmp/packed    # CPU: tiny model and shapes
+    python bench/model/packed_model.py --out bench/results                 # one H200, 1.3B config, < 5 min
+    PACKED_SMOKE=1 python bench/model/packed_model.py --out /tmp/packed    # CPU: tiny model and shapes
 
 Timing: wall time of loss + backward with a device sync after it (what a training micro-step pays,
 Python overhead included), after one warm-up run of the same case; noise is drawn before timing. Memory
@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from ds_adaptiveload.train.config import default_alloc_conf  # noqa: E402
 

@@ -2,8 +2,8 @@
 RANDOM weights (the real ones cannot be downloaded here; speed and memory depend on the architecture, not
 the values), built on the meta device and materialised in bf16 on the GPU.
 
-    python bench/encode_bench.py --out bench/results/            # H200, < 4 min
-    python bench/encode_bench.py --out /tmp/b --tiny               # CPU smoke run: tiny models, 240p 5f
+    python bench/data/encode_bench.py --out bench/results/            # H200, < 4 min
+    python bench/data/encode_bench.py --out /tmp/b --tiny               # CPU smoke run: tiny models, 240p 5f
 
 Per setting (480p 81f, 720p 81f, 720p 81f with VAE tiling): a real H.264 clip of the source size is written,
 then each of 1 warm-up + --samples clips is decoded with PyAV exactly as `encode` does (frames.py, on the
@@ -21,7 +21,7 @@ import tempfile
 import time
 
 T_START = time.perf_counter()  # the 4-minute limit counts from process start, imports included
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # umT5-XXL (google/umt5-xxl, Wan 2.1's text encoder): 24 layers, d_model 4096, 64 heads, ~5.7B encoder params.
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
