@@ -280,8 +280,13 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--layouts", default="sample,token")
     ap.add_argument("--no-host", action="store_true", help="skip the host-overhead / compile / CUDA-graph part")
+    ap.add_argument("--apex-only", action="store_true", help="only build apex (warms its JIT cache) and exit")
     args = ap.parse_args(argv)
     t0 = time.time()
+    if args.apex_only:
+        mod, secs, err = build_apex(args.apex_src)
+        print(f"apex build: {'ok' if mod else err} in {secs:.0f} s")
+        return
     os.environ.setdefault("DS_ADAPTIVELOAD_LN_MODULATE", "cuda")
     assert lnm.load_op() is not None, lnm.op_error()
     apex_mod, apex_s, apex_err = build_apex(args.apex_src) if args.apex_src else (None, 0.0, "no --apex-src given")

@@ -517,6 +517,18 @@ def test_cuda_flat_rows(cuda_op, kernel_choice, B, S, layout, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["sample", "wan21", "token", "global"])
+def test_cuda_custom_op_registration(cuda_op, layout):
+    """torch.library.opcheck on the CUDA kernels: the fake function's shapes, dtypes and strides match the op's,
+    autograd through the custom op matches the registered backward, B >= 2 (the flat row space)."""
+    leaves, view = make(layout, 3, 77, 1536, torch.bfloat16, torch.float32, "cuda")
+    x, sc, sh, _, _ = view(leaves)
+    torch.library.opcheck(lnm_mod.ln_modulate_op, (x, sc, sh, None, None, 1e-6, torch.bfloat16))
+    y, mean, rstd = lnm_mod.ln_modulate_op(x, sc, sh, None, None, 1e-6, torch.bfloat16)
+    assert rel(y, ref64(x, sc, sh, None, None)) < TOL[torch.bfloat16][0] and mean.shape == (3 * 77,)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("B,S,dtype", [(3, 96, torch.bfloat16)])
 def test_cuda_compile_block(cuda_op, B, S, dtype):
     """torch.compile(fullgraph=True) of a WanBlock at D = 1536 runs the custom op (no graph break) and matches

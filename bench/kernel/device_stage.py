@@ -21,6 +21,7 @@ def driver():
     import torch
 
     from ds_adaptiveload.ops import _tuning, ln_modulate
+    from ds_adaptiveload.ops import layernorm_modulate as lnm
 
     torch.manual_seed(0)
     cases = [(3, 37, 1536, torch.bfloat16, "sample"), (5, 700, 1536, torch.float16, "global"),
@@ -35,6 +36,8 @@ def driver():
                 sh = torch.randn(shp, device="cuda", requires_grad=True)
                 y = ln_modulate(x, sc, sh)
                 y.backward(torch.randn_like(y))
+                y = lnm.ln_modulate_op(x, sc, sh, None, None, 1e-6, dt)[0]  # the custom op's path
+                y.backward(torch.randn_like(y))
     torch.cuda.synchronize()
     print("driver ok")
 
@@ -47,6 +50,8 @@ def run(cmd, log, cap, env):
         rc, out = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as err:
         rc, out = 124, (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
+    except OSError as err:  # the tool is missing (e.g. compute-sanitizer): a result, not a crash of the stage
+        rc, out = 127, f"{type(err).__name__}: {err}"
     with open(log, "a") as f:
         f.write(f"$ {' '.join(cmd)}  (rc {rc}, {time.time() - t:.0f} s)\n{out[-20000:]}\n")
     return rc, time.time() - t
@@ -77,9 +82,13 @@ def main():
         return max(10, min(step_s, deadline - time.time()))
 
     rc, s = run(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem,temperature.gpu", "--format=csv"], stage, 30, env)
-    rc, s = run([py, "-c", "import time; t = time.time(); from ds_adaptiveload.ops.layernorm_modulate import load_op, "
-                 "op_error; m = load_op(); print('op', m and m.__file__, op_error(), f'{time.time() - t:.0f} s')"],
-                stage, cap(240), env)
+    apex = None  # apex builds beside the op (its JIT cache is then warm for the benchmark's load)
+    if args.apex_src:
+        apex = subprocess.Popen([py, "bench/ln_modulate.py", "--apex-only", "--apex-src", args.apex_src], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rc, s = run([py, "-c", "import sys, time; t = time.time(); from ds_adaptiveload.ops.layernorm_modulate import "
+                 "load_op, op_error; m = load_op(); print('op', m and m.__file__, op_error(), f'{time.time() - t:.0f} s');"
+                 " sys.exit(m is None)"], stage, cap(240), env)
     note(f"build rc {rc} in {s:.0f} s")
     rc, s = run([py, "-m", "pytest", "-q", "--maxfail=30", "-p", "no:cacheprovider", "tests/test_ln_modulate.py"],
                 os.path.join(args.out, "pytest.log"), cap(150), env)
@@ -90,6 +99,14 @@ def main():
         rc, s = run([san, "--tool", tool, "--error-exitcode", "3", py, __file__, "--driver"],
                     os.path.join(args.out, "sanitizer.log"), cap(100), env)
         note(f"sanitizer {tool} rc {rc} in {s:.0f} s")
+    if apex is not None:
+        try:
+            out = apex.communicate(timeout=cap(120))[0]
+        except subprocess.TimeoutExpired:
+            apex.kill()
+            out = "apex build: timed out"
+        with open(stage, "a") as f:
+            f.write(out[-3000:] + "\n")
     left = cap(1e9)  # the benchmark saves its JSON after every row, so a cut run still reports what it timed
     bench = [py, "bench/ln_modulate.py", "--out", os.path.join(args.out, "ln_modulate.json"),
              "--budget-s", str(int(left * 0.6))]

@@ -115,9 +115,11 @@ def _plan(x, scale, shift, weight, bias, out_dtype):
     return B, S, D, sc, sh
 
 
-def _fwd_impl(x, scale, shift, weight, bias, eps, out_dtype, save=True):
-    """The CUDA op's forward: (y in out_dtype shaped like x, mean, rstd); mean/rstd are empty unless `save`."""
-    B, S, D, (_, sc_sb, sc_ss, sc_t), (_, sh_sb, sh_ss, sh_t) = _plan(x, scale, shift, weight, bias, out_dtype)
+def _fwd_impl(x, scale, shift, weight, bias, eps, out_dtype, save=True, plan=None):
+    """The CUDA op's forward: (y in out_dtype shaped like x, mean, rstd); mean/rstd are empty unless `save`.
+    `plan`: _plan()'s, when the caller has it (eager), else planned here from the tensors as they arrive."""
+    plan = plan or _plan(x, scale, shift, weight, bias, out_dtype)
+    B, S, D, (_, sc_sb, sc_ss, sc_t), (_, sh_sb, sh_ss, sh_t) = plan
     x2 = x.reshape(B * S, D).contiguous()
     w = weight.detach().reshape(D).float().contiguous() if weight is not None else None
     b = bias.detach().reshape(D).float().contiguous() if bias is not None else None
@@ -161,9 +163,9 @@ class LNModulateFunction(torch.autograd.Function):
     """Eager autograd over the CUDA op (less host time per call than the custom op's dispatch)."""
 
     @staticmethod
-    def forward(ctx, x, scale, shift, weight, bias, eps, out_dtype):
+    def forward(ctx, x, scale, shift, weight, bias, eps, out_dtype, plan):
         save = any(ctx.needs_input_grad[:5])
-        y, mean, rstd = _fwd_impl(x, scale, shift, weight, bias, eps, out_dtype, save)
+        y, mean, rstd = _fwd_impl(x, scale, shift, weight, bias, eps, out_dtype, save, plan)
         ctx.save_for_backward(x, scale, weight, bias, mean, rstd)
         ctx.shift, ctx.eps = (shift.shape, shift.dtype), eps
         return y
@@ -173,7 +175,7 @@ class LNModulateFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[:5]
         x, scale, weight, bias, mean, rstd = ctx.saved_tensors
         grads = _bwd_impl(dy, x, scale, *ctx.shift, weight, bias, mean, rstd, ctx.eps, needs)
-        return tuple(g if n else None for g, n in zip(grads, needs)) + (None, None)
+        return tuple(g if n else None for g, n in zip(grads, needs)) + (None, None, None)
 
 
 # ---- the same op as a torch.library custom op, which torch.compile traces (fullgraph) --------------------
@@ -281,7 +283,7 @@ def ln_modulate(x, scale, shift, *, eps=1e-6, weight=None, bias=None, out_dtype=
         if isinstance(plan, tuple) and _op_loads():
             if torch.compiler.is_compiling():
                 return ln_modulate_op(x, scale, shift, weight, bias, float(eps), out_dtype)[0]
-            return LNModulateFunction.apply(x, scale, shift, weight, bias, eps, out_dtype)
+            return LNModulateFunction.apply(x, scale, shift, weight, bias, eps, out_dtype, plan)
         reason = plan if isinstance(plan, str) else f"op unavailable ({op_error()})"
         if backend == "cuda":
             raise RuntimeError(f"ln_modulate: CUDA op requested but not usable: {reason}")
