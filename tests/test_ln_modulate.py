@@ -495,12 +495,13 @@ def check_fast_tiles(kernel_choice, D, ftiles, btiles, dtype, layout):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("B,S", [(2, 1237), (3, 1), (300, 7), (37, 1560), (2, 16380)])
-@pytest.mark.parametrize("layout", ["sample", "global", "wan21"])
+@pytest.mark.parametrize("layout", ["sample", "global", "wan21", "token", "chunk6"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_flat_rows(cuda_op, kernel_choice, B, S, layout, dtype):
-    """The flat row space (default for B >= 2): shares that start and end inside samples, several samples per
-    share (S = 1, 7), many shares per sample; against float64, and the reduced gradients bitwise repeatable
-    and within fp32 rounding of the per-sample grid's."""
+    """The flat row space (default for B >= 2, and for per-token modulation at every B): shares that start and
+    end inside samples, several samples per share (S = 1, 7), many shares per sample; against float64, and the
+    gradients bitwise repeatable and within fp32 rounding of the per-sample grid's (per token: the general
+    kernels')."""
     kernel_choice(0)
     D = 1536
     check(layout, B, S, D, dtype, torch.float32, "cuda")
@@ -514,6 +515,17 @@ def test_cuda_flat_rows(cuda_op, kernel_choice, B, S, layout, dtype):
     assert all(torch.equal(u, v) for u, v in zip(a, b)), "flat path not bitwise repeatable"
     for name, u, v in zip(("dx", "dscale", "dshift"), a, g):
         assert rel(u, v) < (4e-3 if name == "dx" else 1e-5), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("D", [1536, 2048, 3072, 4096, 5120, 8192])
+@pytest.mark.parametrize("layout", ["token", "chunk6"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_cuda_per_token_tiles(cuda_op, kernel_choice, D, layout, B):
+    """Per-token modulation on the tiles at every width of the tables (the forward has no tile of <= 2 vectors
+    per thread at 8192, nor any at 3072 / 4096: the general forward there), B = 1 included, against float64."""
+    kernel_choice(0)
+    check(layout, B, 777, D, torch.bfloat16, torch.float32, "cuda")
 
 
 @pytest.mark.cuda

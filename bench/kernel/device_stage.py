@@ -26,7 +26,8 @@ def driver():
     torch.manual_seed(0)
     cases = [(3, 37, 1536, torch.bfloat16, "sample"), (5, 700, 1536, torch.float16, "global"),
              (4, 300, 5120, torch.bfloat16, "sample"), (40, 3, 1536, torch.bfloat16, "sample"),
-             (2, 33, 1536, torch.bfloat16, "token"), (1, 500, 5120, torch.bfloat16, "sample")]
+             (2, 33, 1536, torch.bfloat16, "token"), (1, 300, 5120, torch.float16, "token"),
+             (1, 500, 5120, torch.bfloat16, "sample")]
     for path in ("auto", "grid", "flat"):
         with _tuning.tuned(batch_path=path):
             for B, S, D, dt, lay in cases:

@@ -81,9 +81,10 @@ def _layout(t: torch.Tensor, B: int, S: int, D: int, xdim: int):
         return None
     if t.stride(-1) != 1:
         t = t.contiguous()
+    if mode == GLOBAL:
+        return GLOBAL, 0, 0, t
     sb = t.stride(-3) if (xdim == 3 and t.dim() == 3) else 0  # with B = 1 only b = 0 is read
-    return {GLOBAL: (GLOBAL, 0, 0, t), PER_SAMPLE: (PER_SAMPLE, sb, 0, t),
-            PER_TOKEN: (PER_TOKEN, sb, t.stride(-2), t)}[mode]
+    return (PER_SAMPLE, sb, 0, t) if mode == PER_SAMPLE else (PER_TOKEN, sb, t.stride(-2), t)
 
 
 def _dims(x):

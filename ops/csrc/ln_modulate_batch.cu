@@ -19,35 +19,54 @@ __host__ __device__ __forceinline__ int64_t share_start(int64_t c, int64_t R, in
 // The CTA whose share holds row r: the largest c with start(c) <= r.
 __device__ __forceinline__ int64_t share_of(int64_t r, int64_t R, int64_t C) { return ((r + 1) * C + R - 1) / R - 1; }
 
-template <typename TX, int VPT, int WPR, int PF>
-__global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR),
-    min_ctas(32 * WPR * fast_rpc(32 * WPR), fwd_sm_threads(VPT * sizeof(TX), PF))) fwd_flat_kernel(FwdParams p) {
+// TOK: per-token scale / shift rows (read per row, held PF rows ahead in registers like x: 640 threads per SM
+// asked of the compiler, a cap that holds them) instead of the sample's modulation staged in shared memory.
+template <typename TX, int VPT, int WPR, int PF, bool TOK>
+__global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * WPR * fast_rpc(32 * WPR),
+    TOK ? 640 : fwd_sm_threads(VPT * sizeof(TX), PF))) fwd_flat_kernel(FwdParams p) {
   constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;
   constexpr int rpc = fast_rpc(TPR), NT = TPR * rpc;  // NT == blockDim.x
   extern __shared__ float smem[];
-  float* mod_a = smem;      // [D] 1 + scale of the current sample
+  float* mod_a = smem;      // [D] 1 + scale of the current sample (!TOK)
   float* mod_t = smem + D;  // [D] shift
-  float2* slots = reinterpret_cast<float2*>(smem + 2 * D);  // [2 parities][rpc][WPR]
+  float2* slots = reinterpret_cast<float2*>(smem + (TOK ? 0 : 2 * D));  // [2 parities][rpc][WPR]
   const int group = threadIdx.x / TPR, tid = threadIdx.x % TPR;
   const TX* x = static_cast<const TX*>(p.x) + tid * 8;
   TX* y = static_cast<TX*>(p.y) + tid * 8;
   const int64_t R = p.B * p.S, r0 = share_start(blockIdx.x, R, gridDim.x), r1 = share_start(blockIdx.x + 1, R, gridDim.x);
   Pack8<TX> nxt[PF][VPT];  // ring of the next PF rows of this row group (static indices: unrolled by PF)
-  auto load_row = [&](int r, int64_t row) {
+  float ma[TOK ? PF : 1][VPT][8], mt[TOK ? PF : 1][VPT][8];  // TOK: their scale and shift rows
+  int64_t b = 0;
+  auto load_x = [&](int r, int64_t row) {
 #pragma unroll
     for (int i = 0; i < VPT; ++i) nxt[r][i].load(x + row * D + i * TPR * 8);
   };
+  auto load_mod = [&](int r, int64_t row) {
+    if constexpr (TOK) {
+      const int64_t s = row - b * p.S;
+      const float* sc = static_cast<const float*>(p.scale) + b * p.sc_sb + s * p.sc_ss + tid * 8;
+      const float* sh = static_cast<const float*>(p.shift) + b * p.sh_sb + s * p.sh_ss + tid * 8;
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        load8(sc + i * TPR * 8, ma[r][i]);
+        load8(sh + i * TPR * 8, mt[r][i]);
+      }
+    }
+  };
   int parity = 0;
   for (int64_t a = r0; a < r1;) {  // one segment: this share's rows of sample b
-    const int64_t b = a / p.S, e = r1 < (b + 1) * p.S ? r1 : (b + 1) * p.S;
-    if (a != r0) __syncthreads();  // every row group is done with the previous sample's modulation
-    stage_mod<D, NT>(mod_a, static_cast<const float*>(p.scale) + b * p.sc_sb, 1.f);
-    stage_mod<D, NT>(mod_t, static_cast<const float*>(p.shift) + b * p.sh_sb, 0.f);
+    b = a / p.S;
+    const int64_t e = r1 < (b + 1) * p.S ? r1 : (b + 1) * p.S;
+    if constexpr (!TOK) {
+      if (a != r0) __syncthreads();  // every row group is done with the previous sample's modulation
+      stage_mod<D, NT>(mod_a, static_cast<const float*>(p.scale) + b * p.sc_sb, 1.f);
+      stage_mod<D, NT>(mod_t, static_cast<const float*>(p.shift) + b * p.sh_sb, 0.f);
+    }
     int64_t row = a + group;
 #pragma unroll
     for (int r = 0; r < PF; ++r)
-      if (row + r * rpc < e) load_row(r, row + r * rpc);
-    __syncthreads();
+      if (row + r * rpc < e) { load_x(r, row + r * rpc); load_mod(r, row + r * rpc); }
+    if constexpr (!TOK) __syncthreads();
     while (row < e) {
 #pragma unroll
       for (int r = 0; r < PF; ++r, row += rpc) {
@@ -55,30 +74,42 @@ __global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR),
         float xf[VPT][8];
 #pragma unroll
         for (int i = 0; i < VPT; ++i) nxt[r][i].get(xf[i]);
-        if (row + PF * rpc < e) load_row(r, row + PF * rpc);
-        fwd_row<TX, VPT, WPR>(xf, mod_a, mod_t, slots, parity, rpc, group, tid, p.eps, y + row * D,
-                              p.mean ? p.mean + row : nullptr, p.rstd ? p.rstd + row : nullptr);
+        if (row + PF * rpc < e) load_x(r, row + PF * rpc);
+        float* mean = p.mean ? p.mean + row : nullptr;
+        float* rstd = p.rstd ? p.rstd + row : nullptr;
+        if constexpr (TOK) {
+          auto mod = [&](int i, int, float* av, float* tv) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) { av[k] = 1.f + ma[r][i][k]; tv[k] = mt[r][i][k]; }
+          };
+          fwd_row_mod<TX, VPT, WPR>(xf, mod, slots, parity, rpc, group, tid, p.eps, y + row * D, mean, rstd);
+          if (row + PF * rpc < e) load_mod(r, row + PF * rpc);  // the slot's modulation is consumed only now
+        } else {
+          fwd_row<TX, VPT, WPR>(xf, mod_a, mod_t, slots, parity, rpc, group, tid, p.eps, y + row * D, mean, rstd);
+        }
       }
     }
     a = e;
   }
 }
 
-// Backward over the same shares, one row group per CTA: the accumulators are flushed at the end of each
-// segment to workspace[q][c * maxseg + k] (k: the segment's index within the CTA) and zeroed.
-template <typename TX, int VPT, int WPR, int PF>
+// Backward over the same shares, one row group per CTA. !TOK: the accumulators are flushed at the end of each
+// segment to workspace[q][c * maxseg + k] (k: the segment's index within the CTA) and zeroed. TOK: the scale rows
+// come PF rows ahead with x and dy, and dscale / dshift are stored per token.
+template <typename TX, int VPT, int WPR, int PF, bool TOK>
 __global__ void __launch_bounds__(32 * WPR, min_ctas(32 * WPR, 640)) bwd_flat_kernel(BwdParams p) {
   constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;  // blockDim.x == TPR
   extern __shared__ float smem[];
-  float* mod_a = smem;                                  // [D] 1 + scale of the current sample
-  float2* slots = reinterpret_cast<float2*>(smem + D);  // [2][WPR]
+  float* mod_a = smem;                                  // [D] 1 + scale of the current sample (!TOK)
+  float2* slots = reinterpret_cast<float2*>(smem + (TOK ? 0 : D));  // [2][WPR]
   const int tid = threadIdx.x;
   const TX* x = static_cast<const TX*>(p.x) + tid * 8;
   const TX* dy = static_cast<const TX*>(p.dy) + tid * 8;
   TX* dx = static_cast<TX*>(p.dx) + tid * 8;
   const int64_t R = p.B * p.S, r0 = share_start(blockIdx.x, R, gridDim.x);
   Pack8<TX> xn[PF][VPT], gn[PF][VPT];
-  float mean_n[PF], rstd_n[PF];
+  float mean_n[PF], rstd_n[PF], mn[TOK ? PF : 1][VPT][8];  // TOK: scale rows ahead
+  int64_t b = 0;
   auto load_row = [&](int r, int64_t row) {
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
@@ -88,38 +119,69 @@ __global__ void __launch_bounds__(32 * WPR, min_ctas(32 * WPR, 640)) bwd_flat_ke
     mean_n[r] = p.mean[row];
     rstd_n[r] = p.rstd[row];
   };
+  auto load_mod = [&](int r, int64_t row) {
+    if constexpr (TOK) {
+      const float* sc = static_cast<const float*>(p.scale) + b * p.sc_sb + (row - b * p.S) * p.sc_ss + tid * 8;
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) load8(sc + i * TPR * 8, mn[r][i]);
+    }
+  };
   int parity = 0;
   // Few registers live across the row loop (the cap is 96): the share's end and the flush address are
   // recomputed per segment from the parameters.
   for (int64_t a = r0, k = 0; a < share_start(blockIdx.x + 1, R, gridDim.x); ++k) {  // ptxas: 8-12 bytes spill
-    const int64_t r1 = share_start(blockIdx.x + 1, R, gridDim.x), b = a / p.S;
+    const int64_t r1 = share_start(blockIdx.x + 1, R, gridDim.x);
+    b = a / p.S;
     const int64_t e = r1 < (b + 1) * p.S ? r1 : (b + 1) * p.S;
-    if (a != r0) __syncthreads();  // every thread is done with the previous sample's modulation
-    stage_mod<D, TPR>(mod_a, static_cast<const float*>(p.scale) + b * p.sc_sb, 1.f);
-    __syncthreads();
-    float acc_sc[VPT][8], acc_sh[VPT][8];
+    if constexpr (!TOK) {
+      if (a != r0) __syncthreads();  // every thread is done with the previous sample's modulation
+      stage_mod<D, TPR>(mod_a, static_cast<const float*>(p.scale) + b * p.sc_sb, 1.f);
+      __syncthreads();
+    }
+    float acc_sc[TOK ? 1 : VPT][8], acc_sh[TOK ? 1 : VPT][8];
 #pragma unroll
-    for (int i = 0; i < VPT; ++i)
+    for (int i = 0; i < (TOK ? 1 : VPT); ++i)
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc_sc[i][j] = acc_sh[i][j] = 0.f;
     int64_t row = a;
 #pragma unroll
     for (int r = 0; r < PF; ++r)
-      if (row + r < e) load_row(r, row + r);
+      if (row + r < e) { load_row(r, row + r); load_mod(r, row + r); }
     while (row < e) {
 #pragma unroll
       for (int r = 0; r < PF; ++r, ++row) {
         if (row >= e) break;
-        bwd_row<TX, VPT, WPR>(xn[r], gn[r], mean_n[r], rstd_n[r], mod_a, acc_sc, acc_sh, slots, parity, tid,
-                              dx + row * D, [&] { if (row + PF < e) load_row(r, row + PF); });
+        auto refill = [&] { if (row + PF < e) load_row(r, row + PF); };
+        if constexpr (TOK) {
+          auto mod = [&](int i, float* av) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) av[j] = 1.f + mn[r][i][j];
+          };
+          auto grads = [&](int i, const float* g, const float* xh) {
+            const int64_t off = row * D + i * TPR * 8 + tid * 8;
+            float d[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) d[j] = g[j] * xh[j];
+            if (p.dscale_tok != nullptr) store8(static_cast<float*>(p.dscale_tok) + off, d);
+            if (p.dshift_tok != nullptr) store8(static_cast<float*>(p.dshift_tok) + off, g);
+          };
+          bwd_row_mod<TX, VPT, WPR>(xn[r], gn[r], mean_n[r], rstd_n[r], mod, grads, slots, parity, tid, dx + row * D,
+                                    refill);
+          if (row + PF < e) load_mod(r, row + PF);  // the slot's scale is consumed only now
+        } else {
+          bwd_row<TX, VPT, WPR>(xn[r], gn[r], mean_n[r], rstd_n[r], mod_a, acc_sc, acc_sh, slots, parity, tid,
+                                dx + row * D, refill);
+        }
       }
     }
-    float* part = p.workspace + (int64_t(blockIdx.x) * p.maxseg + k) * D + tid * 8;
-    const int64_t q_stride = int64_t(gridDim.x) * p.maxseg * D;
+    if constexpr (!TOK) {
+      float* part = p.workspace + (int64_t(blockIdx.x) * p.maxseg + k) * D + tid * 8;
+      const int64_t q_stride = int64_t(gridDim.x) * p.maxseg * D;
 #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      if (p.sc_mode == kGlobal || p.sc_mode == kPerSample) store8(part + i * TPR * 8, acc_sc[i]);
-      if (p.sh_mode == kGlobal || p.sh_mode == kPerSample) store8(part + q_stride + i * TPR * 8, acc_sh[i]);
+      for (int i = 0; i < VPT; ++i) {
+        if (p.sc_mode == kGlobal || p.sc_mode == kPerSample) store8(part + i * TPR * 8, acc_sc[i]);
+        if (p.sh_mode == kGlobal || p.sh_mode == kPerSample) store8(part + q_stride + i * TPR * 8, acc_sh[i]);
+      }
     }
     a = e;
   }
@@ -148,15 +210,32 @@ __global__ void __launch_bounds__(256) reduce_flat_kernel(const float* part, flo
   add_lanes8(red, s, out + g * D + col, col < D);
 }
 
-struct FlatKernels {
+template <bool TOK>
+struct FlatKernels {  // TOK: only tiles of at most kTokMaxVpt vectors per thread are instantiated
   template <typename TX, int VPT, int WPR, int PF>
-  static const void* fwd() { return reinterpret_cast<const void*>(fwd_flat_kernel<TX, VPT, WPR, PF>); }
+  static const void* fwd() {
+    if constexpr (TOK && VPT > kTokMaxVpt) return nullptr;
+    else return reinterpret_cast<const void*>(fwd_flat_kernel<TX, VPT, WPR, PF, TOK>);
+  }
   template <typename TX, int VPT, int WPR, int PF>
-  static const void* bwd() { return reinterpret_cast<const void*>(bwd_flat_kernel<TX, VPT, WPR, PF>); }
+  static const void* bwd() {
+    if constexpr (TOK && VPT > kTokMaxVpt) return nullptr;
+    else return reinterpret_cast<const void*>(bwd_flat_kernel<TX, VPT, WPR, PF, TOK>);
+  }
 };
 
-FastCfg fwd_cfg(const FwdParams& p) { return flat_rows(p) ? fwd_tile_cfg<FlatKernels>(p) : FastCfg{}; }
-FastCfg bwd_cfg(const BwdParams& p) { return flat_rows(p) && p.B * p.S > 0 ? bwd_tile_cfg<FlatKernels>(p) : FastCfg{}; }
+// Per-token modulation takes the flat space at every B (there is nothing to stage per sample), unless the tuning
+// module asks for the grid (then the general kernels, as before); per-sample / global ones from B = 2.
+FastCfg fwd_cfg(const FwdParams& p) {
+  if (p.batch_path == 1) return FastCfg{};
+  const FastCfg tok = fwd_tile_cfg<FlatKernels<true>>(p, true);
+  return tok.k ? tok : flat_rows(p) ? fwd_tile_cfg<FlatKernels<false>>(p, false) : FastCfg{};
+}
+FastCfg bwd_cfg(const BwdParams& p) {
+  if (p.batch_path == 1 || p.B * p.S == 0) return FastCfg{};
+  const FastCfg tok = bwd_tile_cfg<FlatKernels<true>>(p, true);
+  return tok.k ? tok : flat_rows(p) ? bwd_tile_cfg<FlatKernels<false>>(p, false) : FastCfg{};
+}
 
 // One wave: resident CTAs per SM (occupancy of the kernel) x SMs, at most `most`.
 int64_t wave_ctas(const FastCfg& c, int64_t most) {
@@ -185,7 +264,8 @@ int64_t batch_bwd_plan(BwdParams& p) {
   const int64_t segs = (share - 1) / p.S + 2;
   p.ctas_per_sample = int(C);
   p.maxseg = int(segs < p.B ? segs : p.B);
-  return 2 * C * p.maxseg * p.D;
+  const bool reduced = p.sc_mode == kGlobal || p.sc_mode == kPerSample || p.sh_mode == kGlobal || p.sh_mode == kPerSample;
+  return reduced ? 2 * C * p.maxseg * p.D : 0;  // per-token gradients are written directly
 }
 
 bool batch_bwd_launch(const BwdParams& p, cudaStream_t stream, cudaError_t* err) {

@@ -136,8 +136,8 @@ struct GridKernels {
 };
 
 // The per-sample grid takes B = 1, and B >= 2 when the tuning module asks for it (flat_rows false).
-FastCfg fwd_cfg(const FwdParams& p) { return flat_rows(p) ? FastCfg{} : fwd_tile_cfg<GridKernels>(p); }
-FastCfg bwd_cfg(const BwdParams& p) { return flat_rows(p) ? FastCfg{} : bwd_tile_cfg<GridKernels>(p); }
+FastCfg fwd_cfg(const FwdParams& p) { return flat_rows(p) ? FastCfg{} : fwd_tile_cfg<GridKernels>(p, false); }
+FastCfg bwd_cfg(const BwdParams& p) { return flat_rows(p) ? FastCfg{} : bwd_tile_cfg<GridKernels>(p, false); }
 
 }  // namespace
 

@@ -53,13 +53,14 @@ __device__ __forceinline__ float2 rows_sum2(float2 v, float2* slot, int group, i
   }
 }
 
-// One forward row of a row group: statistics, then y = (x - mean) * rstd * mod_a + mod_t. xf is the row
-// (this thread's VPT vectors) in fp32; `slots` this group's [2 parities][rpc][WPR] merge buffer; y this
-// thread's base in the row; mean / rstd where the statistics go (null: not saved).
-template <typename TX, int VPT, int WPR>
-__device__ __forceinline__ void fwd_row(const float (&xf)[VPT][8], const float* mod_a, const float* mod_t,
-                                        float2* slots, int& parity, int rpc, int group, int tid, float eps, TX* y,
-                                        float* mean_out, float* rstd_out) {
+// One forward row of a row group: statistics, then y = (x - mean) * rstd * a + t, with mod(i, c, a, t) giving
+// 1 + scale and shift of this thread's vector i (element c of the row). xf is the row (this thread's VPT vectors)
+// in fp32; `slots` this group's [2 parities][rpc][WPR] merge buffer; y this thread's base in the row; mean /
+// rstd where the statistics go (null: not saved).
+template <typename TX, int VPT, int WPR, typename Mod>
+__device__ __forceinline__ void fwd_row_mod(const float (&xf)[VPT][8], Mod&& mod, float2* slots, int& parity,
+                                            int rpc, int group, int tid, float eps, TX* y, float* mean_out,
+                                            float* rstd_out) {
   constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;
   constexpr float kInvD = 1.f / D, kWarpN = 8.f * VPT * 32;
   const int warp = tid / 32, lane = tid % 32;
@@ -106,23 +107,31 @@ __device__ __forceinline__ void fwd_row(const float (&xf)[VPT][8], const float* 
   for (int i = 0; i < VPT; ++i) {
     const int c = tid * 8 + i * TPR * 8;
     float a[8], t[8], o[8];
-    lds8(mod_a + c, a);
-    lds8(mod_t + c, t);
+    mod(i, c, a, t);
 #pragma unroll
     for (int k = 0; k < 8; ++k) o[k] = fmaf((xf[i][k] - mean) * rstd, a[k], t[k]);
     store8(y + i * TPR * 8, o);
   }
 }
 
-// One backward row of a one-group CTA: dshift = dy, dscale = dy * xhat accumulate in acc_sh / acc_sc (this
-// thread's columns), dz = dy * (1 + scale), dx = rstd * (dz - mean(dz) - xhat * mean(dz * xhat)). xhat stays in
-// registers for the second pass; dz is recomputed there from the packed dy (fewer registers than keeping it).
-// refill() runs once xr / gr are consumed (the caller's prefetch slot is free then), before the row barrier.
-template <typename TX, int VPT, int WPR, typename Refill>
-__device__ __forceinline__ void bwd_row(const Pack8<TX> (&xr)[VPT], const Pack8<TX> (&gr)[VPT], float mean,
-                                        float rstd, const float* mod_a, float (&acc_sc)[VPT][8],
-                                        float (&acc_sh)[VPT][8], float2* slots, int& parity, int tid, TX* dx,
-                                        Refill&& refill) {
+// The same with the modulation staged in shared memory (mod_a = 1 + scale, mod_t = shift, [D] each).
+template <typename TX, int VPT, int WPR>
+__device__ __forceinline__ void fwd_row(const float (&xf)[VPT][8], const float* mod_a, const float* mod_t,
+                                        float2* slots, int& parity, int rpc, int group, int tid, float eps, TX* y,
+                                        float* mean_out, float* rstd_out) {
+  fwd_row_mod<TX, VPT, WPR>(xf, [&](int, int c, float* a, float* t) { lds8(mod_a + c, a); lds8(mod_t + c, t); },
+                            slots, parity, rpc, group, tid, eps, y, mean_out, rstd_out);
+}
+
+// One backward row of a one-group CTA: dz = dy * (1 + scale), dx = rstd * (dz - mean(dz) - xhat * mean(dz *
+// xhat)); mod_a(i, a) gives 1 + scale of this thread's vector i, grads(i, dy, xhat) takes dscale = dy * xhat and
+// dshift = dy of it (accumulated per column, or stored per token). xhat stays in registers for the second pass;
+// dz is recomputed there from the packed dy (fewer registers than keeping it). refill() runs once xr / gr are
+// consumed (the caller's prefetch slot is free then), before the row barrier.
+template <typename TX, int VPT, int WPR, typename ModA, typename Grads, typename Refill>
+__device__ __forceinline__ void bwd_row_mod(const Pack8<TX> (&xr)[VPT], const Pack8<TX> (&gr)[VPT], float mean,
+                                            float rstd, ModA&& mod_a, Grads&& grads, float2* slots, int& parity,
+                                            int tid, TX* dx, Refill&& refill) {
   constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;
   constexpr float kInvD = 1.f / D;
   const int warp = tid / 32, lane = tid % 32;
@@ -134,13 +143,13 @@ __device__ __forceinline__ void bwd_row(const Pack8<TX> (&xr)[VPT], const Pack8<
     xr[i].get(xf);
     gc[i] = gr[i];
     gc[i].get(g);
-    lds8(mod_a + tid * 8 + i * TPR * 8, a);
+    mod_a(i, a);
     float u = 0.f, v = 0.f;
 #pragma unroll
+    for (int k = 0; k < 8; ++k) xh[i][k] = (xf[k] - mean) * rstd;  // exact also when |mean| >> std
+    grads(i, g, xh[i]);
+#pragma unroll
     for (int k = 0; k < 8; ++k) {
-      xh[i][k] = (xf[k] - mean) * rstd;  // exact also when |mean| >> std
-      acc_sc[i][k] = fmaf(g[k], xh[i][k], acc_sc[i][k]);
-      acc_sh[i][k] += g[k];
       const float dz = g[k] * a[k];
       u += dz;
       v = fmaf(dz, xh[i][k], v);
@@ -157,11 +166,30 @@ __device__ __forceinline__ void bwd_row(const Pack8<TX> (&xr)[VPT], const Pack8<
   for (int i = 0; i < VPT; ++i) {
     float g[8], a[8], o[8];
     gc[i].get(g);
-    lds8(mod_a + tid * 8 + i * TPR * 8, a);
+    mod_a(i, a);
 #pragma unroll
     for (int k = 0; k < 8; ++k) o[k] = fmaf(g[k] * a[k], rstd, fmaf(xh[i][k], c2, c1));
     store8(dx + i * TPR * 8, o);
   }
+}
+
+// The same with 1 + scale staged in shared memory (mod_a, [D]) and dscale / dshift accumulated per column.
+template <typename TX, int VPT, int WPR, typename Refill>
+__device__ __forceinline__ void bwd_row(const Pack8<TX> (&xr)[VPT], const Pack8<TX> (&gr)[VPT], float mean,
+                                        float rstd, const float* mod_a, float (&acc_sc)[VPT][8],
+                                        float (&acc_sh)[VPT][8], float2* slots, int& parity, int tid, TX* dx,
+                                        Refill&& refill) {
+  constexpr int TPR = 32 * WPR;
+  bwd_row_mod<TX, VPT, WPR>(
+      xr, gr, mean, rstd, [&](int i, float* a) { lds8(mod_a + tid * 8 + i * TPR * 8, a); },
+      [&](int i, const float* g, const float* xh) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          acc_sc[i][k] = fmaf(g[k], xh[k], acc_sc[i][k]);
+          acc_sh[i][k] += g[k];
+        }
+      },
+      slots, parity, tid, dx, refill);
 }
 
 // (VPT, WPR, rows ahead) tilings per D, the first being the default.
@@ -198,12 +226,18 @@ inline int find_tile(const Tile (&t)[N], int D, int pick) {
 template <typename P>
 inline bool tiles_apply(const P& p) {
   return p.variant == 0 && p.vectorized && p.x_dtype != kF32 && p.m_dtype == kF32 && p.y_dtype == p.x_dtype &&
-         p.weight == nullptr && p.bias == nullptr && p.sc_ss == 0 && p.stages <= 0 && p.vpt <= 0 && p.rpc <= 0;
+         p.weight == nullptr && p.bias == nullptr && p.stages <= 0 && p.vpt <= 0 && p.rpc <= 0;
 }
-inline bool fwd_tiles_apply(const FwdParams& p) { return tiles_apply(p) && p.sh_ss == 0; }
-inline bool bwd_tiles_apply(const BwdParams& p) {
-  return tiles_apply(p) && !p.recompute && p.mean != nullptr && p.sc_mode != kPerToken && p.sh_mode != kPerToken &&
-         p.dweight == nullptr && p.dbias == nullptr;
+// tok: per-token scale and shift (both read per row; the flat row space only), else per-sample / global ones
+// (staged in shared memory).
+inline bool fwd_tiles_apply(const FwdParams& p, bool tok) {
+  return tiles_apply(p) && (tok ? p.sc_ss != 0 && p.sh_ss != 0 : p.sc_ss == 0 && p.sh_ss == 0);
+}
+inline bool bwd_tiles_apply(const BwdParams& p, bool tok) {
+  const bool modes = tok ? p.sc_ss != 0 && p.sc_mode != kGlobal && p.sc_mode != kPerSample &&
+                               p.sh_mode != kGlobal && p.sh_mode != kPerSample
+                         : p.sc_ss == 0 && p.sc_mode != kPerToken && p.sh_mode != kPerToken;
+  return tiles_apply(p) && modes && !p.recompute && p.mean != nullptr && p.dweight == nullptr && p.dbias == nullptr;
 }
 // The flat row space (ln_modulate_batch.cu) instead of the per-sample grid: auto (0) for B >= 2; the tuning
 // module forces the grid (1) or the flat space (2, also at B = 1) for A-B comparison.
@@ -238,27 +272,40 @@ const void* kernel_for(int x_dtype, int t) {
 // Launch configuration of a tile kernel; k == nullptr when no tile applies.
 struct FastCfg { const void* k; int threads, rpc; size_t smem; };
 
+// Per-token tiles hold the modulation rows ahead in registers (16 fp32 per vector), so only tiles of at most 2
+// vectors per thread have them (kTokMaxVpt): the first such tile for D, unless one is picked; -1 if none.
+constexpr int kTokMaxVpt = 2;
+template <size_t N>
+inline int find_tok_tile(const Tile (&t)[N], int D, int pick) {
+  if (pick >= 0) return find_tile(t, D, pick) >= 0 && t[pick].vpt <= kTokMaxVpt ? pick : -1;
+  for (int i = 0; i < int(N); ++i)
+    if (t[i].D == D && t[i].vpt <= kTokMaxVpt) return i;
+  return -1;
+}
+
+// tok: the per-token kernels (no staged modulation in shared memory).
 template <typename K>
-FastCfg fwd_tile_cfg(const FwdParams& p) {
+FastCfg fwd_tile_cfg(const FwdParams& p, bool tok) {
   FastCfg c{};
-  const int t = fwd_tiles_apply(p) ? find_tile(kTiles, p.D, p.tile) : -1;
+  const int t = !fwd_tiles_apply(p, tok) ? -1 : tok ? find_tok_tile(kTiles, p.D, p.tile) : find_tile(kTiles, p.D, p.tile);
   if (t < 0) return c;
   const int tpr = 32 * kTiles[t].wpr;
   c.rpc = fast_rpc(tpr);
   c.threads = tpr * c.rpc;
-  c.smem = sizeof(float) * (2 * size_t(p.D) + 4 * size_t(c.rpc) * kTiles[t].wpr);
+  c.smem = sizeof(float) * ((tok ? 0 : 2 * size_t(p.D)) + 4 * size_t(c.rpc) * kTiles[t].wpr);
   c.k = kernel_for<K, false>(p.x_dtype, t);
   return c;
 }
 
 template <typename K>
-FastCfg bwd_tile_cfg(const BwdParams& p) {
+FastCfg bwd_tile_cfg(const BwdParams& p, bool tok) {
   FastCfg c{};
-  const int t = bwd_tiles_apply(p) ? find_tile(kBwdTiles, p.D, p.tile) : -1;
+  const int t = !bwd_tiles_apply(p, tok) ? -1 : tok ? find_tok_tile(kBwdTiles, p.D, p.tile)
+                                                    : find_tile(kBwdTiles, p.D, p.tile);
   if (t < 0) return c;
   c.rpc = 1;
   c.threads = 32 * kBwdTiles[t].wpr;
-  c.smem = sizeof(float) * (size_t(p.D) + 4 * size_t(kBwdTiles[t].wpr));
+  c.smem = sizeof(float) * ((tok ? 0 : size_t(p.D)) + 4 * size_t(kBwdTiles[t].wpr));
   c.k = kernel_for<K, true>(p.x_dtype, t);
   return c;
 }
