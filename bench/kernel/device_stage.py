@@ -85,8 +85,9 @@ def main():
     rc, s = run(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem,temperature.gpu", "--format=csv"], stage, 30, env)
     apex = None  # apex builds beside the op (its JIT cache is then warm for the benchmark's load)
     if args.apex_src:
+        apex_log = open(os.path.join(args.out, ".apex-build.txt"), "w+")  # folded into stage.log, then removed
         apex = subprocess.Popen([py, "bench/ln_modulate.py", "--apex-only", "--apex-src", args.apex_src], cwd=ROOT,
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                env=env, stdout=apex_log, stderr=subprocess.STDOUT, text=True)
     rc, s = run([py, "-c", "import sys, time; t = time.time(); from ds_adaptiveload.ops.layernorm_modulate import "
                  "load_op, op_error; m = load_op(); print('op', m and m.__file__, op_error(), f'{time.time() - t:.0f} s');"
                  " sys.exit(m is None)"], stage, cap(240), env)
@@ -102,12 +103,16 @@ def main():
         note(f"sanitizer {tool} rc {rc} in {s:.0f} s")
     if apex is not None:
         try:
-            out = apex.communicate(timeout=cap(120))[0]
+            apex.wait(timeout=cap(120))
         except subprocess.TimeoutExpired:
             apex.kill()
-            out = "apex build: timed out"
+            apex.wait()
+        apex_log.seek(0)
+        out = apex_log.read()[-3000:] + ("" if apex.returncode == 0 else f" (apex build exit {apex.returncode})")
+        apex_log.close()
+        os.remove(apex_log.name)
         with open(stage, "a") as f:
-            f.write(out[-3000:] + "\n")
+            f.write(out + "\n")
     left = cap(1e9)  # the benchmark saves its JSON after every row, so a cut run still reports what it timed
     bench = [py, "bench/ln_modulate.py", "--out", os.path.join(args.out, "ln_modulate.json"),
              "--budget-s", str(int(left * 0.6))]
