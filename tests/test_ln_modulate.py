@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.ops import FusedLayerNormModulate, ln_modulate
+from ds_adaptiveload.ops import _tuning
 from ds_adaptiveload.ops import layernorm_modulate as lnm_mod
 
 # (max relative L2 error of the output, of the gradients) by the output / input dtype.
@@ -33,6 +34,9 @@ def make(layout, B, S, D, dtype, mdtype, device, affine=False, two_d=False):
         if kind == "chunk6":  # Wan 2.2: chunks of a [B, S, 6, D] tensor (row stride 6*D, no copy)
             leaves.append((rnd(B, S, 6, D) * 0.5).to(device, mdtype))
             views.append(lambda t, k=k: t[:, :, 2 + k])
+        elif kind == "wan21":  # Wan 2.1 blocks: [B, 1, D] chunks of a [B, 6, D] tensor (sample stride 6*D)
+            leaves.append((rnd(B, 6, D) * 0.5).to(device, mdtype))
+            views.append(lambda t, k=k: t[:, 2 + k:3 + k])
         else:
             leaves.append((rnd(*{"global": (D,), "sample": (B, 1, D), "token": (B, S, D)}[kind]) * 0.5).to(device, mdtype))
             views.append(lambda t: t)
@@ -90,7 +94,7 @@ def check(layout, B, S, D, dtype, mdtype, device, affine=False, out_dtype=None, 
         assert rel(gk, gr) < tol, f"{name}: rel err {rel(gk, gr):.2e} (layout {layout}, D {D}, {dtype})"
 
 
-LAYOUTS = ["global", "sample", "token", "chunk6", "mixed", "mixed2"]
+LAYOUTS = ["global", "sample", "token", "chunk6", "wan21", "mixed", "mixed2"]
 
 
 # ---------------------------------------------------------------- CPU: the PyTorch path
@@ -144,6 +148,59 @@ def test_backend_env(monkeypatch):
         ln_modulate(torch.randn(2, 8), torch.zeros(8), torch.zeros(8))
 
 
+# ---------------------------------------------------------------- the custom op and torch.compile
+
+def small_block(dim=64, heads=4, S=24, B=2, device="cpu", dtype=torch.float32):
+    """A WanBlock of Wan's structure at a toy width, and its inputs (x [B*S, dim] packed rows, e0, context, the
+    Layout of B samples of one shape)."""
+    from ds_adaptiveload.model.config import WanConfig
+    from ds_adaptiveload.model.packing import plan_packing
+    from ds_adaptiveload.model.wan import Layout, WanBlock, rope_tables, sdpa_attention
+
+    cfg = WanConfig(dim=dim, ffn_dim=2 * dim, num_heads=heads, num_layers=1, text_len=8)
+    torch.manual_seed(0)
+    block = WanBlock(cfg).to(device, dtype)
+    grid = (1, 4, S // 4)
+    lay = Layout(plan_packing([grid] * B), (rope_tables(grid, cfg, 0, S, device),), ({},), sdpa_attention)
+    x = torch.randn(B * S, dim, device=device).to(dtype).requires_grad_()
+    e0 = torch.randn(B, 6, dim, device=device)
+    context = torch.randn(B, 8, dim, device=device).to(dtype)
+    return block, (x, e0, context, lay)
+
+
+def run_block(block, inputs):
+    y = block(*inputs)
+    y.float().square().mean().backward()
+    return y.detach(), inputs[0].grad.clone(), [p.grad.clone() for p in block.parameters()]
+
+
+def test_cpu_custom_op_registration():
+    """torch.library.opcheck: schema, fake (meta) function, autograd registration and dispatch of the custom op
+    through its CPU kernel (the reference semantics), for per-sample, per-token chunk and affine inputs."""
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    sc, sh = torch.randn(2, 1, 16, requires_grad=True), torch.randn(2, 1, 16, requires_grad=True)
+    e = torch.randn(2, 5, 6, 16, requires_grad=True)
+    w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    for args in [(x, sc, sh, None, None, 1e-6, torch.float32), (x, e[:, :, 1], e[:, :, 4], w, b, 1e-5, torch.float16)]:
+        torch.library.opcheck(lnm_mod.ln_modulate_op, args)
+    y, mean, rstd = lnm_mod.ln_modulate_op(x, sc, sh, None, None, 1e-6, torch.float32)
+    assert rel(y, ref64(x, sc, sh, None, None)) < 1e-5 and mean.shape == rstd.shape == (10,)
+
+
+def test_cpu_compile_block_fullgraph(monkeypatch):
+    """torch.compile(fullgraph=True) of a WanBlock traces the op's CPU (PyTorch) path with no graph break, and
+    matches eager (aot_eager: the graph and its autograd without inductor's code generation)."""
+    monkeypatch.setenv("DS_ADAPTIVELOAD_LN_MODULATE", "auto")
+    torch._dynamo.reset()
+    block, inputs = small_block()
+    ref = run_block(block, inputs)
+    block.zero_grad()
+    inputs[0].grad = None
+    got = run_block(torch.compile(block, fullgraph=True, backend="aot_eager"), inputs)
+    assert torch.allclose(got[0], ref[0], atol=1e-5) and torch.allclose(got[1], ref[1], atol=1e-5)
+    assert all(torch.allclose(a, c, atol=1e-5) for a, c in zip(got[2], ref[2]))
+
+
 # ---------------------------------------------------------------- CUDA: the fused op
 
 def _require_op():
@@ -159,7 +216,7 @@ def cuda_op(monkeypatch):
     _require_op()
 
 
-# Kernel choices (op.set_variant(fwd, bwd)), set for the forward and the backward alike: 0 = default (the
+# Kernel choices (_tuning variant (fwd, bwd)), set for the forward and the backward alike: 0 = default (the
 # compile-time tiles of ln_modulate_fast.cu where they apply: bf16/fp16, D in 1536..8192 tiles, per-sample
 # or global fp32 modulation, no affine; else the general kernels), 1 = the general kernels only (forward:
 # fwd_v1_kernel for 2-byte x), 2 = the baseline kernels only (fwd_vec_kernel, bwd_vec_kernel).
@@ -168,17 +225,17 @@ KERNEL_CHOICES = [0, 1, 2]
 
 @pytest.fixture
 def kernel_choice(cuda_op):
-    """set(v) selects variant v (forward and backward) for the test; the previous variants are restored."""
+    """set(v) selects variant v (forward and backward) for the test; the previous choices are restored."""
     op = lnm_mod.load_op()
-    before = tuple(op.get_variant())
+    before = _tuning.get()
 
     def set_(v):
-        op.set_variant(v, v)
-        assert tuple(op.get_variant()) == (v, v)
+        _tuning.set_choices(variant=(v, v))
+        assert _tuning.get()["variant"] == (v, v)
         return op
 
     yield set_
-    op.set_variant(*before)
+    _tuning.set_choices(**before)
 
 
 @pytest.mark.cuda
@@ -287,7 +344,7 @@ def test_cuda_launch_overrides(cuda_op, kernel_choice, vpt, rpc, variant):
 @pytest.fixture
 def stages_reset():
     yield lnm_mod.load_op()
-    lnm_mod.load_op().set_stages(-1, -1)
+    _tuning.set_choices(stages=(-1, -1))
 
 
 @pytest.mark.cuda
@@ -299,8 +356,8 @@ def stages_reset():
 def test_cuda_row_stream_variants(cuda_op, stages_reset, stages, D, dtype, layout, affine):
     """Register prefetch (0) and every shared-memory staging depth compute the same function. S is large
     enough that each row group's ring wraps several times and odd so row groups run out unevenly."""
-    stages_reset.set_stages(stages, stages)
-    assert list(stages_reset.get_stages()) == [stages, stages]
+    _tuning.set_choices(stages=(stages, stages))
+    assert _tuning.get()["stages"] == (stages, stages)
     check(layout, 2, 2999 if D <= 5120 else 701, D, dtype, torch.float32, "cuda", affine=affine)
 
 
@@ -385,23 +442,20 @@ def test_cuda_large_mean_stable_variance(cuda_op, kernel_choice, variant, D):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["sample", "global"])
-def test_cuda_fast_tiles(cuda_op, kernel_choice, dtype, layout):
-    """The compile-time tiles (default kernels) at every tile of the op's own tables (op.fast_tiles):
-    forward and saved statistics against float64 (outputs poisoned), gradients against the baseline
-    kernels' (float64-checked elsewhere) and bitwise repeatable; rows not a multiple of the grid and B = 3
-    (several samples share the grid)."""
-    op = lnm_mod.load_op()
+@pytest.mark.parametrize("batch_path", ["grid", "flat"])
+def test_cuda_fast_tiles(cuda_op, kernel_choice, dtype, layout, batch_path):
+    """The compile-time tiles (default kernels) at every tile of the op's own tables (_tuning.fast_tiles), on
+    the per-sample grid and on the flat row space: forward and saved statistics against float64 (outputs
+    poisoned), gradients against the baseline kernels' (float64-checked elsewhere) and bitwise repeatable;
+    rows not a multiple of the grid and B = 3 (several samples share the grid / a CTA's share)."""
     tiles = {}  # D -> (forward tile indices, backward tile indices) into the op's tables
     for backward in (False, True):
-        for i, (D, *_rest) in enumerate(op.fast_tiles(backward)):
+        for i, (D, *_rest) in enumerate(_tuning.fast_tiles(backward)):
             tiles.setdefault(D, ([], []))[backward].append(i)
     assert {1536, 5120} <= set(tiles)
-    before = tuple(op.get_tile())
-    try:
+    with _tuning.tuned(batch_path=batch_path):
         for D, (ftiles, btiles) in sorted(tiles.items()):
             check_fast_tiles(kernel_choice, D, ftiles, btiles, dtype, layout)
-    finally:
-        op.set_tile(*before)
 
 
 def check_fast_tiles(kernel_choice, D, ftiles, btiles, dtype, layout):
@@ -420,17 +474,17 @@ def check_fast_tiles(kernel_choice, D, ftiles, btiles, dtype, layout):
     op = kernel_choice(0)
     x64 = x.double()
     for t in ftiles:
-        op.set_tile(t, -1)
+        _tuning.set_choices(tile=(t, -1))
         poison("cuda", B * S * D * x.element_size())
         y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, sb, 0, sb, 0, 1e-6, code, True, -1, -1)
-        assert rel(y.view(B, S, D), ref) < TOL[dtype][0], f"forward D {D} tile {op.fast_tiles(False)[t]}"
+        assert rel(y.view(B, S, D), ref) < TOL[dtype][0], f"forward D {D} tile {_tuning.fast_tiles(False)[t]}"
         assert (mean.double() - x64.mean(-1)).abs().max().item() < 1e-4
         rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt()
         assert ((rstd.double() - rstd64) / rstd64).abs().max().item() < 1e-5
     mean, rstd = stats  # the baseline forward's: some widths have backward tiles only (3072, 4096)
     for t in btiles:
-        op.set_tile(-1, t)
-        what = f"D {D} tile {op.fast_tiles(True)[t]}"
+        _tuning.set_choices(tile=(-1, t))
+        what = f"D {D} tile {_tuning.fast_tiles(True)[t]}"
         poison("cuda", B * S * D * x.element_size())
         got = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1)
         assert rel(got[0], base[0]) < 4e-3, f"dx, backward {what}"
@@ -438,3 +492,69 @@ def check_fast_tiles(kernel_choice, D, ftiles, btiles, dtype, layout):
             assert rel(a, c) < 1e-5, f"dscale/dshift, backward {what}"
         again = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1)
         assert all(torch.equal(a, c) for a, c in zip(got[:3], again[:3])), f"not bitwise reproducible: {what}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,S", [(2, 1237), (3, 1), (300, 7), (37, 1560), (2, 16380)])
+@pytest.mark.parametrize("layout", ["sample", "global", "wan21", "token", "chunk6"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_flat_rows(cuda_op, kernel_choice, B, S, layout, dtype):
+    """The flat row space (default for B >= 2, and for per-token modulation at every B): shares that start and
+    end inside samples, several samples per share (S = 1, 7), many shares per sample; against float64, and the
+    gradients bitwise repeatable and within fp32 rounding of the per-sample grid's (per token: the general
+    kernels')."""
+    kernel_choice(0)
+    D = 1536
+    check(layout, B, S, D, dtype, torch.float32, "cuda")
+    leaves, view = make(layout, B, S, D, dtype, torch.float32, "cuda")
+    dy = torch.randn(leaves[0].shape, device="cuda").to(dtype)
+    grads = {}
+    for path in ("flat", "flat", "grid"):
+        with _tuning.tuned(batch_path=path):
+            grads.setdefault(path, []).append(torch.autograd.grad(ln_modulate(*view(leaves)[:3]), leaves, dy))
+    (a, b), (g,) = grads["flat"], grads["grid"]
+    assert all(torch.equal(u, v) for u, v in zip(a, b)), "flat path not bitwise repeatable"
+    for name, u, v in zip(("dx", "dscale", "dshift"), a, g):
+        assert rel(u, v) < (4e-3 if name == "dx" else 1e-5), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("D", [1536, 2048, 3072, 4096, 5120, 8192])
+@pytest.mark.parametrize("layout", ["token", "chunk6"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_cuda_per_token_tiles(cuda_op, kernel_choice, D, layout, B):
+    """Per-token modulation on the tiles at every width of the tables (the forward has no tile of <= 2 vectors
+    per thread at 8192, nor any at 3072 / 4096: the general forward there), B = 1 included, against float64."""
+    kernel_choice(0)
+    check(layout, B, 777, D, torch.bfloat16, torch.float32, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["sample", "wan21", "token", "global"])
+def test_cuda_custom_op_registration(cuda_op, layout):
+    """torch.library.opcheck on the CUDA kernels: the fake function's shapes, dtypes and strides match the op's,
+    autograd through the custom op matches the registered backward, B >= 2 (the flat row space)."""
+    leaves, view = make(layout, 3, 77, 1536, torch.bfloat16, torch.float32, "cuda")
+    x, sc, sh, _, _ = view(leaves)
+    torch.library.opcheck(lnm_mod.ln_modulate_op, (x, sc, sh, None, None, 1e-6, torch.bfloat16))
+    y, mean, rstd = lnm_mod.ln_modulate_op(x, sc, sh, None, None, 1e-6, torch.bfloat16)
+    assert rel(y, ref64(x, sc, sh, None, None)) < TOL[torch.bfloat16][0] and mean.shape == (3 * 77,)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,S,dtype", [(3, 96, torch.bfloat16)])
+def test_cuda_compile_block(cuda_op, B, S, dtype):
+    """torch.compile(fullgraph=True) of a WanBlock at D = 1536 runs the custom op (no graph break) and matches
+    eager, which runs the autograd Function over the same kernels."""
+    torch._dynamo.reset()
+    block, inputs = small_block(dim=1536, heads=12, S=S, B=B, device="cuda", dtype=dtype)
+    ref = run_block(block, inputs)
+    block.zero_grad()
+    inputs[0].grad = None
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    got = run_block(torch.compile(block, fullgraph=True), inputs)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # inductor fuses and rounds the rest of the block differently from eager: a bf16-sized tolerance for both dtypes
+    assert rel(got[0], ref[0]) < 3e-2 and rel(got[1], ref[1]) < 3e-2
+    assert all(rel(a, c) < 1e-1 for a, c in zip(got[2], ref[2]))

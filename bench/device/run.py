@@ -60,7 +60,7 @@ def train(name, ds, launcher, sp=1, *more):
 
 CAL = ("-m", "ds_adaptiveload", "calibrate", "--model-config", "configs/wan_1_3b.yaml")
 PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
-SANITIZE = ("compute-sanitizer", "--print-limit", "20", "{py}", "bench/kernel/sanitizer_cases.py")
+SANITIZE = ("compute-sanitizer", "--print-limit", "20", "{py}", "bench/kernel/device_stage.py", "--driver")
 E2E_RUNS = "/tmp/bench_e2e_runs"
 # {gpu1}: GPU 1 where there are two (a stage beside a calibration on GPU 0), else GPU 0
 GPU0, GPU1 = {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "{gpu1}"}
@@ -76,15 +76,13 @@ STAGES = {
                       GPU1, op=True),
     "racecheck": Stage([[SANITIZE[0], "--tool", "racecheck", *SANITIZE[1:]]], 60, "compute-sanitizer racecheck",
                        GPU1, op=True),
-    "kernel": Stage([py("bench/kernel/ln_modulate.py", "--out", "{out}/ln_modulate-{date}-h200.json", "--budget-s",
-                        "120", "--baseline-dtypes", "bfloat16", "--variants", "0,2")], 180,
-                    "kernel benchmark with its sweep", {**GPU1, **QUIET_HOST}, op=True),
-    "verify": Stage([py(*PYTEST, "--maxfail=10", "tests/test_ln_modulate.py", "-k",
-                        "fast_tiles or launch_overrides or (matches_reference and (1536 or 5120))"),
+    "kernel": Stage([py("bench/kernel/device_stage.py", "--apex-src", ".carry/apex", "--out", "{out}", "--total-s",
+                        "{inner}")], 480, "build, CUDA tests, sanitizers, apex build and the benchmark (device_stage.py)",
+                    op=True, margin=20),
+    "verify": Stage([py(*PYTEST, "--maxfail=10", "tests/test_ln_modulate.py"),
                      py("bench/kernel/ln_modulate.py", "--out", "{out}/ln_modulate-verify.json", "--shapes",
-                        "1x75600x5120", "--dtypes", "bfloat16", "--no-sweep", "--variants", "0,2", "--budget-s", "0")],
-                    100, "short check after a kernel change: default-kernel tests, ours vs the baseline kernels",
-                    {**GPU1, **QUIET_HOST}, op=True),
+                        "1x75600x5120,8x4680x1536", "--dtypes", "bfloat16", "--no-host", "--budget-s", "0")], 150,
+                    "short check after a kernel change: the CUDA tests, ours at two shapes", op=True),
     "ncu": Stage([py("bench/kernel/ncu_ln_modulate.py", "--out", "{out}")], 150, "Nsight Compute sections", op=True),
     "calib": Stage([py(*CAL, "--deepspeed_config", "configs/ds_zero3_bf16.json", "--out",
                        "{out}/h200-wan1.3b-calibrated.yaml", "--json", "{out}/calibrate.json", "--time-budget",

@@ -54,7 +54,7 @@ def decode_sample(rec: dict) -> np.ndarray:
     pos, decoded = 0, 0  # next output frame to fill (`want` is non-decreasing), source frames decoded
     broken = ""
     try:
-        container = av.open(rec["path"], metadata_errors="ignore")
+        container = open_media(rec["path"])
     except (av.error.FFmpegError, OSError) as e:
         raise DecodeError(f"cannot open: {getattr(e, 'strerror', None) or e}") from None
     with container:

@@ -98,6 +98,15 @@ def _err(e) -> str:
     return getattr(e, "strerror", None) or str(e)
 
 
+def open_media(path: str):
+    """av.open, ignoring undecodable metadata where this PyAV takes `metadata_errors` (PyAV 19 dropped it)."""
+    import av
+    try:
+        return av.open(path, metadata_errors="ignore")
+    except TypeError:
+        return av.open(path)
+
+
 def probe(path: str, kind: str, verify: str = "end") -> dict:
     """Metadata of one file without decoding every frame.
 
@@ -108,7 +117,7 @@ def probe(path: str, kind: str, verify: str = "end") -> dict:
     to it (one GOP), which catches files cut short after their headers; 'full' decodes every frame."""
     import av
     try:
-        container = av.open(path, metadata_errors="ignore")
+        container = open_media(path)
     except av.error.FFmpegError as e:
         raise ProbeError(f"cannot open: {_err(e)}") from None
     with container:

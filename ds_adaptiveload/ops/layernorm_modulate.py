@@ -1,7 +1,8 @@
 """Fused LayerNorm-Modulate: y = (LN(x) [* weight + bias]) * (1 + scale) + shift.
 
-Three layers, as in Liger-Kernel: host functions calling the CUDA op, a small autograd Function, and a thin
-nn.Module. Where the op cannot be used (CPU tensors, no toolkit, a layout the kernel does not cover) the same
+Layers as in Liger-Kernel: host functions calling the CUDA op (_fwd_impl / _bwd_impl), a small autograd
+Function for eager mode, the same functions registered as a torch.library custom op (fake and autograd
+included) for torch.compile, and a thin nn.Module. Where the op cannot be used (CPU tensors, no toolkit, a layout the kernel does not cover) the same
 function runs `ln_modulate_reference`, a PyTorch implementation with identical semantics.
 
 Backend choice: env DS_ADAPTIVELOAD_LN_MODULATE = auto (default: CUDA op when it loads, else PyTorch,
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,31 +57,46 @@ def ln_modulate_reference(x, scale, shift, *, eps=1e-6, weight=None, bias=None, 
     return (y * (1 + scale.float()) + shift.float()).to(out_dtype)
 
 
+def _mode(shape, B: int, S: int, D: int, xdim: int):
+    """GLOBAL / PER_SAMPLE / PER_TOKEN: how a scale/shift of this shape maps onto rows b*S+s; None if the kernel
+    does not cover it."""
+    if len(shape) == 0 or shape[-1] != D or len(shape) > xdim:
+        return None
+    lead = [1] * (xdim - len(shape)) + list(shape[:-1])
+    tb, ts = (1, lead[0]) if xdim == 2 else (lead[0], lead[1])
+    if tb == 1 and ts == 1:
+        return GLOBAL
+    if tb == B and ts == 1:
+        return GLOBAL if B == 1 else PER_SAMPLE
+    if ts == S and (tb == B or B == 1):
+        return PER_TOKEN
+    return None
+
+
 def _layout(t: torch.Tensor, B: int, S: int, D: int, xdim: int):
     """(mode, stride_b, stride_s, tensor) of a scale/shift tensor over rows b*S+s, or None if the kernel
     does not cover it. The returned tensor has unit stride along D (a copy only if it had not)."""
-    if t.dim() == 0 or t.shape[-1] != D or t.dim() > xdim:
+    mode = _mode(t.shape, B, S, D, xdim)
+    if mode is None:
         return None
     if t.stride(-1) != 1:
         t = t.contiguous()
-    lead = [1] * (xdim - t.dim()) + list(t.shape[:-1])
-    tb, ts = (1, lead[0]) if xdim == 2 else (lead[0], lead[1])
-    if tb == 1 and ts == 1:
+    if mode == GLOBAL:
         return GLOBAL, 0, 0, t
-    sb = t.stride(-3) if (xdim == 3 and t.dim() == 3) else 0
-    if tb == B and ts == 1:
-        return (GLOBAL, 0, 0, t) if B == 1 else (PER_SAMPLE, sb, 0, t)
-    if ts == S and (tb == B or B == 1):
-        return PER_TOKEN, (sb if tb == B else 0), t.stride(-2), t
-    return None
+    sb = t.stride(-3) if (xdim == 3 and t.dim() == 3) else 0  # with B = 1 only b = 0 is read
+    return (PER_SAMPLE, sb, 0, t) if mode == PER_SAMPLE else (PER_TOKEN, sb, t.stride(-2), t)
+
+
+def _dims(x):
+    """(B, S, D) of a [B, S, D] or [S, D] x."""
+    return (1, x.shape[0], x.shape[1]) if x.dim() == 2 else tuple(x.shape)
 
 
 def _plan(x, scale, shift, weight, bias, out_dtype):
     """Kernel plan (B, S, D, scale layout, shift layout) or a string saying why the kernel does not apply."""
     if x.dim() not in (2, 3):
         return "x must be 2-D or 3-D"
-    D = x.shape[-1]
-    B, S = (1, x.shape[0]) if x.dim() == 2 else (x.shape[0], x.shape[1])
+    B, S, D = _dims(x)
     if not 1 <= D <= 16384:
         return f"D={D} outside [1, 16384]"
     if x.dtype not in _KERNEL_DTYPES or out_dtype not in _KERNEL_DTYPES:
@@ -99,68 +116,179 @@ def _plan(x, scale, shift, weight, bias, out_dtype):
     return B, S, D, sc, sh
 
 
-def _shape_dtype(t):
-    return None if t is None else (t.shape, t.dtype)
+def _fwd_impl(x, scale, shift, weight, bias, eps, out_dtype, save=True, plan=None):
+    """The CUDA op's forward: (y in out_dtype shaped like x, mean, rstd); mean/rstd are empty unless `save`.
+    `plan`: _plan()'s, when the caller has it (eager), else planned here from the tensors as they arrive."""
+    plan = plan or _plan(x, scale, shift, weight, bias, out_dtype)
+    B, S, D, (_, sc_sb, sc_ss, sc_t), (_, sh_sb, sh_ss, sh_t) = plan
+    x2 = x.reshape(B * S, D).contiguous()
+    w = weight.detach().reshape(D).float().contiguous() if weight is not None else None
+    b = bias.detach().reshape(D).float().contiguous() if bias is not None else None
+    # The kernel writes x's dtype or fp32; any other out_dtype is converted afterwards.
+    k_dtype = out_dtype if out_dtype in (x.dtype, torch.float32) else torch.float32
+    y, mean, rstd = load_op().forward(x2, sc_t, sh_t, w, b, B, S, sc_sb, sc_ss, sh_sb, sh_ss, float(eps),
+                                      _DTYPE_CODE[k_dtype], bool(save), -1, -1)
+    if not save:
+        mean = rstd = x.new_empty(0, dtype=torch.float32)
+    return y.view(x.shape).to(out_dtype), mean, rstd
+
+
+def _grad_like(x, scale, shift_shape, shift_dtype, weight, bias):
+    """(shape, dtype) of each gradient the backward returns (x, scale, shift, weight, bias); None if absent."""
+    return [(x.shape, x.dtype), (scale.shape, scale.dtype), (tuple(shift_shape), shift_dtype)] + \
+        [None if t is None else (t.shape, t.dtype) for t in (weight, bias)]
+
+
+def _bwd_impl(dy, x, scale, shift_shape, shift_dtype, weight, bias, mean, rstd, eps, needs):
+    """The CUDA op's backward: (dx, dscale, dshift, dweight, dbias), each shaped and typed like its input (the
+    shift by shift_shape / shift_dtype: the backward needs only its layout); an empty tensor where needs[i] is
+    False or the input is None. The forward checked the plan."""
+    B, S, D = _dims(x)
+    sc_mode, sc_sb, sc_ss, sc_t = _layout(scale, B, S, D, x.dim())
+    sh_mode = _mode(shift_shape, B, S, D, x.dim())
+    x2 = x.reshape(B * S, D).contiguous()
+    w = weight.detach().reshape(D).float().contiguous() if weight is not None else None
+    b = bias.detach().reshape(D).float().contiguous() if bias is not None else None
+    k_dtype = dy.dtype if dy.dtype in (x.dtype, torch.float32) else torch.float32
+    dy2 = dy.reshape(B * S, D).to(k_dtype).contiguous()
+    have = [bool(n) and t is not None for n, t in zip(needs, (x, scale, True, weight, bias))]
+    dx, dsc, dsh, dw, db = load_op().backward(
+        dy2, x2, sc_t, w, b, mean if mean.numel() else None, rstd if rstd.numel() else None, B, S, sc_sb, sc_ss,
+        sc_mode if have[1] else -1, sh_mode if have[2] else -1, have[3], have[4], float(eps), -1, -1)
+    like = _grad_like(x, scale, shift_shape, shift_dtype, weight, bias)
+    outs = [g.reshape(lk[0]).to(lk[1]) if h else x.new_empty(0) for g, lk, h in zip((dsc, dsh, dw, db), like[1:], have[1:])]
+    return (dx.view(x.shape), *outs)
 
 
 class LNModulateFunction(torch.autograd.Function):
-    """Autograd Function over the CUDA op; `plan` comes from _plan()."""
+    """Eager autograd over the CUDA op (less host time per call than the custom op's dispatch)."""
 
     @staticmethod
     def forward(ctx, x, scale, shift, weight, bias, eps, out_dtype, plan):
-        op = load_op()
-        B, S, D, (sc_mode, sc_sb, sc_ss, sc_t), (sh_mode, sh_sb, sh_ss, sh_t) = plan
-        x2 = x.reshape(B * S, D).contiguous()
-        w = weight.detach().reshape(D).float().contiguous() if weight is not None else None
-        b = bias.detach().reshape(D).float().contiguous() if bias is not None else None
-        # The kernel writes x's dtype or fp32; any other out_dtype is converted afterwards.
-        k_dtype = out_dtype if out_dtype in (x.dtype, torch.float32) else torch.float32
         save = any(ctx.needs_input_grad[:5])
-        y, mean, rstd = op.forward(x2, sc_t, sh_t, w, b, B, S, sc_sb, sc_ss, sh_sb, sh_ss, float(eps),
-                                   _DTYPE_CODE[k_dtype], bool(save), -1, -1)
-        ctx.save_for_backward(x2, sc_t, w, b, mean, rstd)
-        ctx.meta = (x.shape, scale.shape, scale.dtype, shift.shape, shift.dtype, B, S, D, sc_mode, sc_sb, sc_ss,
-                    sh_mode, float(eps), k_dtype, _shape_dtype(weight), _shape_dtype(bias))
-        return y.view(x.shape).to(out_dtype)
+        y, mean, rstd = _fwd_impl(x, scale, shift, weight, bias, eps, out_dtype, save, plan)
+        ctx.save_for_backward(x, scale, weight, bias, mean, rstd)
+        ctx.shift, ctx.eps = (shift.shape, shift.dtype), eps
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, sc_t, w, b, mean, rstd = ctx.saved_tensors
-        (x_shape, sc_shape, sc_dtype, sh_shape, sh_dtype, B, S, D, sc_mode, sc_sb, sc_ss, sh_mode, eps, k_dtype,
-         weight, bias) = ctx.meta
-        need = ctx.needs_input_grad
-        dy2 = dy.reshape(B * S, D).to(k_dtype).contiguous()
-        dx, dsc, dsh, dw, db = load_op().backward(
-            dy2, x2, sc_t, w, b, mean, rstd, B, S, sc_sb, sc_ss, sc_mode if need[1] else -1,
-            sh_mode if need[2] else -1, bool(need[3]), bool(need[4]), eps, -1, -1)
-        dscale = dsc.reshape(sc_shape).to(sc_dtype) if need[1] else None
-        dshift = dsh.reshape(sh_shape).to(sh_dtype) if need[2] else None
-        dweight = dw.reshape(weight[0]).to(weight[1]) if need[3] else None
-        dbias = db.reshape(bias[0]).to(bias[1]) if need[4] else None
-        return dx.view(x_shape), dscale, dshift, dweight, dbias, None, None, None
+        needs = ctx.needs_input_grad[:5]
+        x, scale, weight, bias, mean, rstd = ctx.saved_tensors
+        grads = _bwd_impl(dy, x, scale, *ctx.shift, weight, bias, mean, rstd, ctx.eps, needs)
+        return tuple(g if n else None for g, n in zip(grads, needs)) + (None, None, None)
+
+
+# ---- the same op as a torch.library custom op, which torch.compile traces (fullgraph) --------------------
+
+@torch.library.custom_op("ds_adaptiveload::ln_modulate", mutates_args=(), device_types="cuda")
+def ln_modulate_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, weight: Optional[torch.Tensor],
+                   bias: Optional[torch.Tensor], eps: float, out_dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd) of the fused op; the layout (strides) is read from the tensors at run time."""
+    return _fwd_impl(x, scale, shift, weight, bias, eps, out_dtype)
+
+
+@torch.library.custom_op("ds_adaptiveload::ln_modulate_backward", mutates_args=(), device_types="cuda")
+def ln_modulate_backward_op(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, shift_shape: list[int],
+                            shift_dtype: torch.dtype, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                            mean: torch.Tensor, rstd: torch.Tensor, eps: float, needs: list[bool]
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_impl(dy, x, scale, shift_shape, shift_dtype, weight, bias, mean, rstd, eps, needs)
+
+
+@ln_modulate_op.register_kernel("cpu")
+def _ln_modulate_cpu(x, scale, shift, weight, bias, eps, out_dtype):
+    """PyTorch semantics on CPU (what torch.library.opcheck exercises without a GPU)."""
+    xf = x.float()
+    mean = xf.mean(-1).reshape(-1)
+    rstd = torch.rsqrt(xf.var(-1, unbiased=False).reshape(-1) + eps)
+    return ln_modulate_reference(x, scale, shift, eps=eps, weight=weight, bias=bias, out_dtype=out_dtype), mean, rstd
+
+
+@ln_modulate_backward_op.register_kernel("cpu")
+def _ln_modulate_backward_cpu(dy, x, scale, shift_shape, shift_dtype, weight, bias, mean, rstd, eps, needs):
+    """The gradients in closed form (kernels run below autograd, so no autograd.grad here)."""
+    xf, g = x.float(), dy.float()
+    rs = torch.rsqrt(xf.var(-1, unbiased=False, keepdim=True) + eps)
+    xhat = (xf - xf.mean(-1, keepdim=True)) * rs
+    w = weight.float() if weight is not None else None
+    z = xhat * w if w is not None else xhat
+    z = z + bias.float() if bias is not None else z
+    dz = g * (1 + scale.float())
+    gw = dz * w if w is not None else dz
+    dx = rs * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+    full = (dx, g * z, g, dz * xhat, dz)
+    like = _grad_like(x, scale, shift_shape, shift_dtype, weight, bias)
+    return tuple(f.sum_to_size(lk[0]).to(lk[1]) if (n and lk is not None) else x.new_empty(0)
+                 for f, lk, n in zip(full, like, needs))
+
+
+@ln_modulate_op.register_fake
+def _ln_modulate_fake(x, scale, shift, weight, bias, eps, out_dtype):
+    rows = x.numel() // x.shape[-1]
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(rows, dtype=torch.float32),
+            x.new_empty(rows, dtype=torch.float32))
+
+
+@ln_modulate_backward_op.register_fake
+def _ln_modulate_backward_fake(dy, x, scale, shift_shape, shift_dtype, weight, bias, mean, rstd, eps, needs):
+    like = _grad_like(x, scale, shift_shape, shift_dtype, weight, bias)
+    return tuple(x.new_empty(lk[0], dtype=lk[1]) if (n and lk is not None) else x.new_empty(0)
+                 for lk, n in zip(like, needs))
+
+
+def _setup_context(ctx, inputs, output):
+    x, scale, shift, weight, bias, eps, _ = inputs
+    ctx.save_for_backward(x, scale, weight, bias, output[1], output[2])
+    ctx.shift, ctx.eps = (list(shift.shape), shift.dtype), eps
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    needs = list(ctx.needs_input_grad[:5])
+    x, scale, weight, bias, mean, rstd = ctx.saved_tensors
+    grads = ln_modulate_backward_op(dy, x, scale, *ctx.shift, weight, bias, mean, rstd, ctx.eps, needs)
+    return tuple(g if n else None for g, n in zip(grads, needs)) + (None, None)
+
+
+ln_modulate_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.compiler.assume_constant_result
+def _backend() -> str:
+    """DS_ADAPTIVELOAD_LN_MODULATE, read once per trace under torch.compile (a constant of the graph)."""
+    return os.environ.get("DS_ADAPTIVELOAD_LN_MODULATE", "auto")
+
+
+@torch.compiler.assume_constant_result
+def _op_loads() -> bool:
+    return load_op() is not None
 
 
 def ln_modulate(x, scale, shift, *, eps=1e-6, weight=None, bias=None, out_dtype=None):
     """LN(x) [* weight + bias] * (1 + scale) + shift, computed in fp32, returned in out_dtype (default x.dtype).
 
     x: [B, S, D] or [S, D]; scale/shift: [D], [B, 1, D] or [B, S, D] (any row stride, e.g. chunks of a
-    [B, S, 6, D] tensor), fp32 or x's dtype. Gradients flow to every tensor argument."""
+    [B, S, 6, D] tensor), fp32 or x's dtype. Gradients flow to every tensor argument. Under torch.compile the
+    CUDA op is the custom op ds_adaptiveload::ln_modulate (no graph break); the PyTorch path is traced as is."""
     global _warned
     out_dtype = out_dtype or x.dtype
     if x.shape[-1:] != scale.shape[-1:] or x.shape[-1:] != shift.shape[-1:]:
         raise UserError(f"ln_modulate: last dim of scale {tuple(scale.shape)} / shift {tuple(shift.shape)} "
                         f"must equal D of x {tuple(x.shape)}")
-    backend = os.environ.get("DS_ADAPTIVELOAD_LN_MODULATE", "auto")
+    backend = _backend()
     if backend not in ("auto", "cuda", "torch"):
         raise UserError(f"DS_ADAPTIVELOAD_LN_MODULATE={backend!r}: expected auto, cuda or torch")
     if backend != "torch" and x.is_cuda:
         plan = _plan(x, scale, shift, weight, bias, out_dtype)
-        if isinstance(plan, tuple) and load_op() is not None:
+        if isinstance(plan, tuple) and _op_loads():
+            if torch.compiler.is_compiling():
+                return ln_modulate_op(x, scale, shift, weight, bias, float(eps), out_dtype)[0]
             return LNModulateFunction.apply(x, scale, shift, weight, bias, eps, out_dtype, plan)
         reason = plan if isinstance(plan, str) else f"op unavailable ({op_error()})"
         if backend == "cuda":
             raise RuntimeError(f"ln_modulate: CUDA op requested but not usable: {reason}")
-        if not _warned:
+        if not _warned and not torch.compiler.is_compiling():
             warnings.warn(f"ln_modulate: using the PyTorch implementation: {reason}", stacklevel=2)
             _warned = True
     elif backend == "cuda":

@@ -19,15 +19,16 @@ int dtype_code(const at::ScalarType t) {
   return -1;
 }
 
-// Row-stream depth for the next launches (tuning / A-B comparison; -1 or 0 = register prefetch, the
-// default; n >= 2 = n rows staged ahead in shared memory by cp.async). Process-wide, set by set_stages().
-int g_fwd_stages = -1, g_bwd_stages = -1;
-// Kernel choice for the next launches, for A-B comparison (benchmark, tests): 0 = default (compile-time tiles
-// where they apply, else the general kernels); 1 = the general kernels only; 2 = the baseline kernels of
-// 2026-11-29 (fwd_vec_kernel / bwd_vec_kernel) only.
-int g_fwd_variant = 0, g_bwd_variant = 0;
-// Compile-time tile for the next launches (index into op.fast_tiles(); -1 = the default for D), for tuning.
-int g_fwd_tile = -1, g_bwd_tile = -1;
+// Benchmark-only kernel choices for the next launches, set through ds_adaptiveload/ops/_tuning.py (tests and
+// the benchmark A-B them in one process); the defaults are what users run. Per direction (forward, backward):
+// variant 0 = default (compile-time tiles where they apply, else the general kernels), 1 = the general kernels
+// only, 2 = the 2026-11-29 baseline kernels (fwd_vec_kernel / bwd_vec_kernel); tile = index into the tile
+// table (-1: the default for D); stages = rows staged ahead by cp.async (-1 / 0: off); batch path 0 = auto
+// (the flat row space for B >= 2), 1 = the per-sample grid (C, B), 2 = the flat row space also at B = 1.
+struct Tuning {
+  int variant[2] = {0, 0}, tile[2] = {-1, -1}, stages[2] = {-1, -1}, batch_path = 0;
+};
+Tuning g_tuning;
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
@@ -86,9 +87,10 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& scale, co
   p.y_dtype = dtype_code(out_dtype);
   p.vectorized = vec_ok(D, x, scale, sc_sb, sc_ss, shift, sh_sb, sh_ss) && aligned16(y.data_ptr());
   p.vpt = int(vpt); p.rpc = int(rpc);
-  p.stages = g_fwd_stages;
-  p.variant = g_fwd_variant;
-  p.tile = g_fwd_tile;
+  p.stages = g_tuning.stages[0];
+  p.variant = g_tuning.variant[0];
+  p.tile = g_tuning.tile[0];
+  p.batch_path = g_tuning.batch_path;
   const char* err = lnmod::fwd_launch(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, err ? err : "");
   return {y, mean, rstd};
@@ -146,9 +148,10 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
                  aligned16(scale.data_ptr()) && (sc_sb * scale.element_size()) % 16 == 0 &&
                  (sc_ss * scale.element_size()) % 16 == 0;
   p.vpt = int(vpt); p.rpc = int(rpc);
-  p.stages = g_bwd_stages;
-  p.variant = g_bwd_variant;
-  p.tile = g_bwd_tile;
+  p.stages = g_tuning.stages[1];
+  p.variant = g_tuning.variant[1];
+  p.tile = g_tuning.tile[1];
+  p.batch_path = g_tuning.batch_path;
   const int64_t ws_floats = lnmod::bwd_plan(p);
   auto ws = at::empty({ws_floats}, f32);
   p.workspace = ws.data_ptr<float>();
@@ -163,27 +166,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused LayerNorm-Modulate (ds_adaptiveload)";
   m.def("forward", &forward, "y = LN(x)[*w+b]*(1+scale)+shift");
   m.def("backward", &backward, "gradients of forward");
-  m.def("set_stages", [](int64_t fwd, int64_t bwd) {
-    TORCH_CHECK(fwd >= -1 && bwd >= -1 && fwd != 1 && bwd != 1, "ln_modulate.set_stages: -1 / 0 (off) or a depth >= 2");
-    g_fwd_stages = int(fwd);
-    g_bwd_stages = int(bwd);
-  }, "rows staged ahead in shared memory by the forward / backward (-1 / 0: off, the default); for tuning");
-  m.def("set_variant", [](int64_t fwd, int64_t bwd) {
-    TORCH_CHECK(fwd >= 0 && fwd <= 2 && bwd >= 0 && bwd <= 2, "ln_modulate.set_variant: 0 (default), 1 or 2");
-    g_fwd_variant = int(fwd);
-    g_bwd_variant = int(bwd);
-  }, "kernels of the forward / backward: 0 default, 1 general only, 2 baseline only; for A-B comparison");
-  m.def("fast_tiles", [](bool backward) { return lnmod::fast_tiles(backward); },
+  // Benchmark-only (ds_adaptiveload/ops/_tuning.py is the one caller): kernel choices for A-B comparison.
+  m.def("_set_tuning", [](std::vector<int64_t> variant, std::vector<int64_t> tile, std::vector<int64_t> stages,
+                          int64_t batch_path) {
+    TORCH_CHECK(variant.size() == 2 && tile.size() == 2 && stages.size() == 2, "_set_tuning: (fwd, bwd) pairs");
+    Tuning t;
+    for (int i = 0; i < 2; ++i) {
+      TORCH_CHECK(variant[i] >= 0 && variant[i] <= 2, "_set_tuning: variant 0, 1 or 2");
+      TORCH_CHECK(tile[i] >= -1, "_set_tuning: tile -1 or an index into _fast_tiles()");
+      TORCH_CHECK(stages[i] >= -1 && stages[i] != 1, "_set_tuning: stages -1 / 0 (off) or a depth >= 2");
+      t.variant[i] = int(variant[i]);
+      t.tile[i] = int(tile[i]);
+      t.stages[i] = int(stages[i]);
+    }
+    TORCH_CHECK(batch_path >= 0 && batch_path <= 2, "_set_tuning: batch path 0, 1 or 2");
+    t.batch_path = int(batch_path);
+    g_tuning = t;
+  });
+  m.def("_get_tuning", []() {
+    const Tuning& t = g_tuning;
+    return pybind11::make_tuple(pybind11::make_tuple(t.variant[0], t.variant[1]), pybind11::make_tuple(t.tile[0], t.tile[1]),
+                                pybind11::make_tuple(t.stages[0], t.stages[1]), t.batch_path);
+  });
+  m.def("_fast_tiles", [](bool backward) { return lnmod::fast_tiles(backward); },
         "the compile-time tiles (D, vpt, wpr, rows ahead) of the forward or the backward, the default per D first");
-  m.def("set_tile", [](int64_t fwd, int64_t bwd) {
-    TORCH_CHECK(fwd >= -1 && bwd >= -1, "ln_modulate.set_tile: -1 (default) or an index into fast_tiles()");
-    g_fwd_tile = int(fwd);
-    g_bwd_tile = int(bwd);
-  }, "tile of the forward / backward by index into fast_tiles() (-1: the default for D; an index for another D "
-     "runs the general kernels); for tuning");
-  m.def("get_tile", []() { return pybind11::make_tuple(g_fwd_tile, g_bwd_tile); });
-  m.def("get_variant", []() { return pybind11::make_tuple(g_fwd_variant, g_bwd_variant); });
-  m.def("get_stages", []() { return pybind11::make_tuple(g_fwd_stages, g_bwd_stages); });
   // The torch this module was compiled against: a prebuilt module is only used with the same torch.
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
 }

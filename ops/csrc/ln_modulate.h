@@ -32,8 +32,9 @@ struct FwdParams {
   bool vectorized;      // caller checked 16-byte alignment of every row base and D % 8 == 0
   int vpt, rpc;         // launch overrides for tuning (-1 = heuristic)
   int stages;           // rows of x staged ahead in shared memory by cp.async (<= 0: off, the default)
-  int variant;          // set_variant(): 0 = default (tiles, then general); 1 = no tiles; 2 = baseline kernels
-  int tile;             // set_tile(): index into the forward tile table (-1 = the default for D)
+  int variant;          // tuning: 0 = default (tiles, then general); 1 = no tiles; 2 = the 2026-11-29 baseline kernels
+  int tile;             // tuning: index into the forward tile table (-1 = the default for D)
+  int batch_path;       // tuning: 0 = auto (tiles over the flat row space for B >= 2), 1 = per-sample grid, 2 = flat
 };
 
 struct BwdParams {
@@ -64,7 +65,9 @@ struct BwdParams {
   int stages;           // rows of x and dy staged ahead in shared memory (<= 0: off, the default)
   int variant;          // as FwdParams::variant
   int tile;             // as FwdParams::tile, into the backward table
-  int ctas_per_sample;  // filled by bwd_plan()
+  int batch_path;       // as FwdParams::batch_path
+  int ctas_per_sample;  // filled by bwd_plan(): CTAs per sample of the grid (C, B), or all CTAs of the flat grid
+  int maxseg;           // filled by bwd_plan(): flat grid, the most samples one CTA's rows span; 0 = grid (C, B)
 };
 
 // Compile-time-tiled fast paths (ln_modulate_fast.cu): bf16 / fp16 x with D in a tile table (forward 1536, 2048,
@@ -73,6 +76,13 @@ struct BwdParams {
 bool fast_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err);
 bool fast_bwd_occupancy(const BwdParams& p, int* per_sm, int* rpc);
 bool fast_bwd_launch(const BwdParams& p, cudaStream_t stream, cudaError_t* err);
+// The same tiles over the flat row space r = b * S + s (ln_modulate_batch.cu), for B >= 2: each CTA of one
+// persistent wave takes a contiguous share of all B * S rows (sample boundaries inside it restage the
+// modulation), so every resident slot works however B divides the wave. batch_bwd_plan fills ctas_per_sample
+// and maxseg and returns the workspace floats (-1: not its case); batch_bwd_launch also reduces dscale/dshift.
+bool batch_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err);
+int64_t batch_bwd_plan(BwdParams& p);
+bool batch_bwd_launch(const BwdParams& p, cudaStream_t stream, cudaError_t* err);
 // The tile tables, (D, vpt, wpr, rows ahead) each, the default per D first (tests and the benchmark read them).
 std::vector<std::array<int, 4>> fast_tiles(bool backward);
 

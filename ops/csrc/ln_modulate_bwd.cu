@@ -332,13 +332,7 @@ __global__ void __launch_bounds__(256) reduce_kernel(const float* part, float* o
     const float* base = part + g * Cg * D + col;
     for (int64_t c = lane; c < Cg; c += 8) s += base[c * D];
   }
-  red[lane][threadIdx.x & 31] = s;
-  __syncthreads();
-  if (lane == 0 && col < D) {
-    float t = 0.f;
-    for (int i = 0; i < 8; ++i) t += red[i][threadIdx.x & 31];
-    out[g * D + col] = t;
-  }
+  add_lanes8(red, s, out + g * D + col, col < D);
 }
 
 static size_t vec_smem(const Shape& sh, int D) {  // see smem_buf_offset
@@ -443,6 +437,9 @@ static cudaError_t dispatch(const BwdParams& p, cudaStream_t stream, bool plan_o
 }
 
 int64_t bwd_plan(BwdParams& p) {
+  p.maxseg = 0;
+  const int64_t flat_ws = batch_bwd_plan(p);  // B >= 2 on the tiles: the flat row space
+  if (flat_ws >= 0) return flat_ws;
   int per_sm = 1, rpc = 1;
   // The compile-time tiles (ln_modulate_fast.cu) where they apply; they size the grid then.
   if (!fast_bwd_occupancy(p, &per_sm, &rpc)) dispatch(p, nullptr, true, &per_sm, &rpc);
@@ -457,6 +454,7 @@ const char* bwd_launch(const BwdParams& p, cudaStream_t stream) {
   if (p.y_dtype != kF32 && p.y_dtype != p.x_dtype) return "ln_modulate: grad dtype must be fp32 or x's dtype";
   if (p.B > 65535) return "ln_modulate: batch over 65535";
   cudaError_t e = cudaSuccess;
+  if (batch_bwd_launch(p, stream, &e)) return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
   if (!fast_bwd_launch(p, stream, &e)) e = dispatch(p, stream, false, nullptr, nullptr);
   if (e != cudaSuccess) return cudaGetErrorString(e);
   const int64_t C = p.ctas_per_sample;

@@ -258,6 +258,19 @@ __device__ __forceinline__ float tree_sum(float* v) {
   return v[0];
 }
 
+// Last step of the deterministic partial-sum reductions (256 threads = 32 columns x 8 lanes): the 8 lanes' sums s
+// of one column are added in lane order by lane 0, which writes *out when `valid`. Every thread must call it.
+__device__ __forceinline__ void add_lanes8(float (*red)[33], float s, float* out, bool valid) {
+  const int lane = threadIdx.x >> 5, c = threadIdx.x & 31;
+  red[lane][c] = s;
+  __syncthreads();
+  if (lane == 0 && valid) {
+    float t = 0.f;
+    for (int i = 0; i < 8; ++i) t += red[i][c];
+    *out = t;
+  }
+}
+
 // Block-wide sum for the generic (one row per CTA) kernels; blockDim.x is a multiple of 32, <= 1024.
 __device__ __forceinline__ float block_sum(float v, float* red /* 32 floats */) {
   v = warp_sum(v);

@@ -469,7 +469,8 @@ const char* fwd_launch(const FwdParams& p, cudaStream_t stream) {
   if (p.vectorized && (p.D % 8 != 0 || p.D > 16384)) return "ln_modulate: bad vectorized D";
   if (p.B > 65535) return "ln_modulate: batch over 65535";
   if (p.B * p.S == 0) return nullptr;
-  if (fast_fwd_launch(p, stream, &e)) return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  if (batch_fwd_launch(p, stream, &e) || fast_fwd_launch(p, stream, &e))
+    return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
   switch (p.x_dtype) {
     case kF32: e = launch_typed<float, float, float>(p, stream); break;
     case kF16:

@@ -1,0 +1,58 @@
+"""Benchmark-only kernel choices of the fused LayerNorm-Modulate op, for A-B comparison in tests and bench/.
+
+Not part of the shipped API: the op's defaults are what users run. The choices are process-wide state of the
+compiled module, so set them through `tuned(...)`, which restores the previous choices on exit. Per direction
+(forward, backward): variant 0 = default (compile-time tiles where they apply, else the general kernels),
+1 = the general kernels only, 2 = the 2026-11-29 baseline kernels; tile = an index into fast_tiles() (-1: the
+default for D); stages = rows staged ahead by cp.async (-1 / 0: off). batch_path: "auto" (the tiles over the
+flat row space for B >= 2), "grid" (the per-sample grid (C, B) of 2026-11-30 at every B), "flat" (also at B = 1).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from ds_adaptiveload.ops.layernorm_modulate import load_op, op_error
+
+BATCH_PATHS = {"auto": 0, "grid": 1, "flat": 2}
+DEFAULTS = {"variant": (0, 0), "tile": (-1, -1), "stages": (-1, -1), "batch_path": "auto"}
+
+
+def _op():
+    op = load_op()
+    if op is None:
+        raise RuntimeError(f"ln_modulate tuning: the CUDA op did not load ({op_error()})")
+    return op
+
+
+def get() -> dict:
+    """The current choices, in the keys of DEFAULTS."""
+    variant, tile, stages, batch = _op()._get_tuning()
+    names = {v: k for k, v in BATCH_PATHS.items()}
+    return {"variant": tuple(variant), "tile": tuple(tile), "stages": tuple(stages), "batch_path": names[batch]}
+
+
+def set_choices(**kw) -> None:
+    """Change some choices (keys of DEFAULTS; pairs are (forward, backward)), keeping the others."""
+    unknown = set(kw) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"ln_modulate tuning: unknown choices {sorted(unknown)}; expected {sorted(DEFAULTS)}")
+    cur = {**get(), **kw}
+    if cur["batch_path"] not in BATCH_PATHS:
+        raise ValueError(f"ln_modulate tuning: batch_path {cur['batch_path']!r} not in {sorted(BATCH_PATHS)}")
+    _op()._set_tuning(list(cur["variant"]), list(cur["tile"]), list(cur["stages"]), BATCH_PATHS[cur["batch_path"]])
+
+
+@contextmanager
+def tuned(**kw):
+    """with tuned(variant=(2, 2)): ... runs the block with those choices, then restores the previous ones."""
+    before = get()
+    set_choices(**kw)
+    try:
+        yield
+    finally:
+        set_choices(**before)
+
+
+def fast_tiles(backward: bool) -> list[tuple[int, int, int, int]]:
+    """The compile-time tiles (D, vpt, wpr, rows ahead), the default per D first."""
+    return [tuple(t) for t in _op()._fast_tiles(backward)]
