@@ -24,9 +24,12 @@ from ds_adaptiveload.schedule.planner import _Ctx, token_class
 # costs (measured on the video-heavy and image-heavy mixes, docs/scheduler.md).
 PACK_FILL = 0.92
 # A sample costing more than this fraction of T on its own is heavy (it cannot be evened out with sand).
-HEAVY_FRAC = 0.9
+HEAVY_FRAC = 0.75
 # Slots the LPT tries (cheapest first) before it defers a sample that fits none of them to the next step.
 TRIES = 8
+# How far ahead in the stream a round's cheaper slots look for light samples to fill their gap (few samples
+# per slot, i.e. small budgets, leave gaps that moves and swaps within the step cannot close).
+SAND_WINDOW = 256
 
 
 @dataclass
@@ -62,7 +65,7 @@ def packed_steps(keep, ctx: PackedCtx, rng):
         # last sample) is taken from the next one, so the epoch does not end on a small remainder.
         cand = draw.step(carry, (len(steps) + 1) * per_step)
         sl, carry = _pack(cand, ctx, slots)
-        steps.append(_rounds(sl, ctx, r, g))
+        steps.append(_rounds(sl, ctx, r, draw))
     return steps
 
 
@@ -152,6 +155,26 @@ class _Drawer:
         self.stream, self.runs, self.heavy, self.scale, self.slots = stream, runs, heavy, scale, slots
         self.cols = _cols(ctx)
         self.pos, self.n_heavy, self.sums, self.pending = 0, 0, [0.0] * len(self.cols), []
+        self.taken = {}  # positions ahead of pos already pulled forward by sand()
+
+    def sand(self, gap, sl, k, window=SAND_WINDOW):
+        """Pull forward the costliest light sample among the next `window` of the stream that costs at most
+        `gap` and fits slot k (memory, compute cap), or None. Counted as drawn now, skipped when reached."""
+        stream, runs, heavy, taken = self.stream, self.runs, self.heavy, self.taken
+        cost, mem, comp = self.cols
+        mem_room, comp_room = sl.limit - sl.used[k], sl.limit_c - sl.used_c[k]
+        best, best_pos = None, None
+        for pos in range(self.pos, min(len(stream), self.pos + window)):
+            i = stream[pos]
+            if pos in taken or heavy[i] or cost[i] > gap or mem[i] > mem_room or comp[i] > comp_room:
+                continue
+            if best is None or cost[i] > cost[best]:
+                best, best_pos = i, pos
+        if best is not None:
+            taken[best_pos] = best
+            for j, col in enumerate(self.cols):
+                self.sums[j] += col[best]
+        return best
 
     def done(self):
         return self.pos >= len(self.stream) and not self.pending
@@ -189,13 +212,21 @@ class _Drawer:
             run = stream[self.pos:self.pos + n].tolist()
             self.pos += n
             fit = n if not cand else int(room - _units(_sums(cand, None, self.heavy, self.cols), self.scale) + 1e-9)
-            # A step short of one sample per slot takes what it needs of the run; the rest waits.
-            take = min(n, max(fit, self.slots - len(cand)))
-            if take < n:
-                self.pending.append(run[take:])  # counted as drawn when a step takes it
+            if n > fit:
+                self.pending.append(run)  # waits whole; counted as drawn when a step takes it
+                continue
+            cand += run
+            room -= n
+            self.n_heavy += n
+        while len(cand) < self.slots and self.pending:  # mostly heavy data: part of a run fills the step
+            run = self.pending[0]
+            take = self.slots - len(cand)
             cand += run[:take]
-            room -= take
-            self.n_heavy += take
+            self.n_heavy += min(take, len(run))
+            if take < len(run):
+                self.pending[0] = run[take:]
+            else:
+                self.pending.pop(0)
         return cand
 
     def _light(self, cand, until):
@@ -206,11 +237,14 @@ class _Drawer:
         left = until - self.n_heavy
         l0, l1, l2 = (left * d for d in self.scale)
         pos = self.pos
+        taken = self.taken
         while pos < end and ((s0 < l0 and s1 < l1 and s2 < l2) or len(cand) < slots):
             if pos in runs:
                 break
             i = stream[pos]
             pos += 1
+            if taken and taken.pop(pos - 1, None) is not None:
+                continue  # already pulled forward as sand (already counted)
             cand.append(i)
             s0 += c0[i]
             s1 += c1[i]
@@ -279,9 +313,10 @@ def _pack(cand, ctx, slots):
     return sl, deferred
 
 
-def _rounds(sl, ctx, r, g):
+def _rounds(sl, ctx, r, draw):
     """Slots sorted by cost, cut into rounds of R (the slots of one cost level), each round evened out
-    (_even); a round's costliest slot goes to the least-loaded rank so far (even rank totals too)."""
+    (_even, then _fill_gaps); a round's costliest slot goes to the least-loaded rank so far (even rank
+    totals too)."""
     order = sorted((k for k in range(len(sl.samples)) if sl.samples[k]), key=sl.load.__getitem__, reverse=True)
     step = [[] for _ in range(r)]
     total = [0.0] * r
@@ -289,6 +324,7 @@ def _rounds(sl, ctx, r, g):
     for j in range(0, len(order), r):
         rd = order[j:j + r]
         _even(rd, sl, ctx)
+        _fill_gaps(rd, sl, draw)
         ranks = sorted(range(r), key=total.__getitem__)
         for rank, k in zip(ranks, sorted(rd, key=sl.load.__getitem__, reverse=True)):
             mb = sl.samples[k]
@@ -298,31 +334,45 @@ def _rounds(sl, ctx, r, g):
     return step
 
 
-def _even(rd, sl, ctx, passes=8, tol=1e-3):
-    """Local improvement of one round: in each pass the slots above the mean, costliest first, are paired with
-    the cheapest, and each pair takes the move of one sample or the swap of two that best halves its gap
-    within memory and the compute cap. A round costs its costliest slot; slots within `tol` of the mean are
-    left alone. Few samples per slot (small budgets) are where LPT alone leaves gaps."""
+def _even(rd, sl, ctx, passes=8, scan=4, tol=1e-3):
+    """Local improvement of one round: in each pass every slot above the mean, costliest first, trades with
+    one of the `scan` cheapest slots not yet traded with, taking the move of one sample or the swap of two
+    that best halves their gap within memory and the compute cap. A round costs its costliest slot; slots
+    within `tol` of the mean are left alone. Few samples per slot (small budgets) are where LPT leaves gaps."""
     load = sl.load
     for _ in range(passes):
         mean = sum(load[k] for k in rd) / len(rd)
-        order = sorted(rd, key=load.__getitem__)
-        heavy = [k for k in reversed(order) if load[k] > mean * (1 + tol)]
+        light = sorted(rd, key=load.__getitem__)
+        heavy = [k for k in reversed(light) if load[k] > mean * (1 + tol)]
+        light = [k for k in light if load[k] < mean]
         improved = False
-        for a, b in zip(heavy, order):
-            if load[b] >= mean:
-                break
-            act = _best_trade(sl, a, b, ctx.shape)
-            if act is not None:
-                x, y = act
-                sl.add(a, x, -1)
-                sl.add(b, x)
-                if y is not None:
-                    sl.add(b, y, -1)
-                    sl.add(a, y)
-                improved = True
+        for a in heavy:
+            for b in light[:scan]:
+                act = _best_trade(sl, a, b, ctx.shape)
+                if act is not None:
+                    x, y = act
+                    sl.add(a, x, -1)
+                    sl.add(b, x)
+                    if y is not None:
+                        sl.add(b, y, -1)
+                        sl.add(a, y)
+                    light.remove(b)
+                    improved = True
+                    break
         if not improved:
             return
+
+
+def _fill_gaps(rd, sl, draw, tol=1e-3):
+    """Slots of a round more than `tol` below its costliest take light samples from just ahead in the
+    stream (draw.sand), costliest that fits first, until their gap is below tol or nothing fits."""
+    top = max(sl.load[k] for k in rd)
+    for k in rd:
+        while top - sl.load[k] > tol * top:
+            i = draw.sand(top - sl.load[k], sl, k)
+            if i is None:
+                break
+            sl.add(k, i)
 
 
 def _best_trade(sl, a, b, shape):
