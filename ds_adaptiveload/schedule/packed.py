@@ -30,6 +30,8 @@ TRIES = 8
 # How far ahead in the stream a round's cheaper slots look for light samples to fill their gap (few samples
 # per slot, i.e. small budgets, leave gaps that moves and swaps within the step cannot close).
 SAND_WINDOW = 256
+# A slot this close (relative) to its round's mean (evening) or costliest slot (gap filling) is left alone.
+EVEN_TOL = 1e-3
 
 
 @dataclass
@@ -334,12 +336,12 @@ def _rounds(sl, ctx, r, draw):
     return step
 
 
-def _even(rd, sl, ctx, passes=8, scan=4, tol=1e-3):
+def _even(rd, sl, ctx, passes=8, scan=4, tol=None):
     """Local improvement of one round: in each pass every slot above the mean, costliest first, trades with
     one of the `scan` cheapest slots not yet traded with, taking the move of one sample or the swap of two
     that best halves their gap within memory and the compute cap. A round costs its costliest slot; slots
     within `tol` of the mean are left alone. Few samples per slot (small budgets) are where LPT leaves gaps."""
-    load = sl.load
+    load, tol = sl.load, EVEN_TOL if tol is None else tol
     for _ in range(passes):
         mean = sum(load[k] for k in rd) / len(rd)
         light = sorted(rd, key=load.__getitem__)
@@ -363,10 +365,10 @@ def _even(rd, sl, ctx, passes=8, scan=4, tol=1e-3):
             return
 
 
-def _fill_gaps(rd, sl, draw, tol=1e-3):
+def _fill_gaps(rd, sl, draw, tol=None):
     """Slots of a round more than `tol` below its costliest take light samples from just ahead in the
     stream (draw.sand), costliest that fits first, until their gap is below tol or nothing fits."""
-    top = max(sl.load[k] for k in rd)
+    top, tol = max(sl.load[k] for k in rd), EVEN_TOL if tol is None else tol
     for k in rd:
         while top - sl.load[k] > tol * top:
             i = draw.sand(top - sl.load[k], sl, k)
