@@ -67,7 +67,7 @@ def packed_steps(keep, ctx: PackedCtx, rng):
         # last sample) is taken from the next one, so the epoch does not end on a small remainder.
         cand = draw.step(carry, (len(steps) + 1) * per_step)
         sl, carry = _pack(cand, ctx, slots)
-        steps.append(_rounds(sl, ctx, r, draw))
+        steps.append(_rounds(sl, ctx, r, draw, carry))
     return steps
 
 
@@ -315,10 +315,10 @@ def _pack(cand, ctx, slots):
     return sl, deferred
 
 
-def _rounds(sl, ctx, r, draw):
+def _rounds(sl, ctx, r, draw, carry):
     """Slots sorted by cost, cut into rounds of R (the slots of one cost level), each round evened out
-    (_even, then _fill_gaps); a round's costliest slot goes to the least-loaded rank so far (even rank
-    totals too)."""
+    (_even, _shed into `carry` while the stream lasts, _fill_gaps); a round's costliest slot goes to the
+    least-loaded rank so far (even rank totals too)."""
     order = sorted((k for k in range(len(sl.samples)) if sl.samples[k]), key=sl.load.__getitem__, reverse=True)
     step = [[] for _ in range(r)]
     total = [0.0] * r
@@ -326,6 +326,8 @@ def _rounds(sl, ctx, r, draw):
     for j in range(0, len(order), r):
         rd = order[j:j + r]
         _even(rd, sl, ctx)
+        if not draw.done():  # a sample given back must have a next step to go to
+            _shed(rd, sl, ctx.shape, carry)
         _fill_gaps(rd, sl, draw)
         ranks = sorted(range(r), key=total.__getitem__)
         for rank, k in zip(ranks, sorted(rd, key=sl.load.__getitem__, reverse=True)):
@@ -363,6 +365,27 @@ def _even(rd, sl, ctx, passes=8, scan=4, tol=None):
                     break
         if not improved:
             return
+
+
+def _shed(rd, sl, shape, out, tol=None):
+    """The costliest slot of a round gives a sample back (to `out`, the next step) while that lowers the
+    round's cost by more than `tol`: the sample that brings it closest to the next costliest slot, at most
+    R/4 of them. A cost-dense slot (a long clip with its company) then no longer sets the round's pace;
+    moving the sample within the step is what _even tried, and memory is what stopped it."""
+    load, tol = sl.load, EVEN_TOL if tol is None else tol
+    for _ in range(max(1, len(rd) // 4)):
+        if len(rd) < 2:
+            return
+        top = max(rd, key=load.__getitem__)
+        second = max(load[k] for k in rd if k != top)
+        if len(sl.samples[top]) < 2 or load[top] - second <= tol * load[top]:
+            return
+        xs = {shape[i]: i for i in sl.samples[top]}.values()
+        x = min(xs, key=lambda i: (max(load[top] - sl.cost[i], second), sl.cost[i]))
+        if max(load[top] - sl.cost[x], second) >= load[top] * (1 - tol):
+            return
+        sl.add(top, x, -1)
+        out.append(x)
 
 
 def _fill_gaps(rd, sl, draw, tol=None):
