@@ -7,8 +7,10 @@ cost T per slot, and packs them by LPT on predicted cost: costliest first, each 
 still has room in memory (and under the compute cap, when the profile has one). Images and short clips come
 last and even the slots out, like sand. The slots sorted by cost make the rounds (the g-th micro-batch of
 every rank), so a round costs the same on every rank, which is what lockstep (ZeRO-2/3) needs; rank totals
-come out even as well. A sample that costs more than a slot's target on its own (a 720p clip when memory
-holds about one) is heavy: heavy samples come in runs of R of one shape, which fill whole rounds.
+come out even as well. Within a round, slots trade samples, the costliest gives one back to the next step,
+and the cheaper ones take light samples from just ahead in the stream. A sample that costs most of a slot's
+target on its own (a 720p clip when memory holds about one) is heavy: heavy samples come in runs of R of one
+shape, which fill whole rounds.
 
 Pure Python, no torch: a function of (samples, profile, config, epoch), like the other policies.
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from ds_adaptiveload.schedule.planner import _Ctx, token_class
 
 # Average fill of a slot's memory that sets the target cost T; the rest is room for the packing to even out
-# costs (measured on the video-heavy and image-heavy mixes, docs/scheduler.md).
+# costs (0.86 and 0.97 predicted more wall time on video-heavy with memory for one 720p clip).
 PACK_FILL = 0.92
 # A sample costing more than this fraction of T on its own is heavy (it cannot be evened out with sand).
 HEAVY_FRAC = 0.75
