@@ -17,6 +17,7 @@ Pure Python, no torch: a function of (samples, profile, config, epoch), like the
 import heapq
 import math
 from array import array
+from collections import deque
 from itertools import accumulate
 from dataclasses import dataclass
 
@@ -29,8 +30,8 @@ PACK_FILL = 0.92
 HEAVY_FRAC = 0.75
 # Slots the LPT tries (cheapest first) before it defers a sample that fits none of them to the next step.
 TRIES = 8
-# How far ahead in the stream a round's cheaper slots look for light samples to fill their gap (few samples
-# per slot, i.e. small budgets, leave gaps that moves and swaps within the step cannot close).
+# How far ahead in the stream (at least; 2 R*G at scale) a round's cheaper slots look for light samples to
+# fill their gap (few samples per slot, i.e. small budgets, leave gaps that moves and swaps cannot close).
 SAND_WINDOW = 256
 # A slot this close (relative) to its round's mean (evening) or costliest slot (gap filling) is left alone.
 EVEN_TOL = 1e-3
@@ -160,25 +161,41 @@ class _Drawer:
         self.cols = _cols(ctx)
         self.pos, self.n_heavy, self.sums, self.pending = 0, 0, [0.0] * len(self.cols), []
         self.taken = {}  # positions ahead of pos already pulled forward by sand()
+        self.shape, self.ahead, self.horizon = ctx.shape, {}, 0
+        first = {}
+        for i in stream:
+            if not heavy[i]:
+                first.setdefault(ctx.shape[i], i)
+        # light shapes, costliest first: (cost, memory, compute, shape)
+        self.by_cost = sorted(((self.cols[0][i], self.cols[1][i], self.cols[2][i], key) for key, i in first.items()),
+                              key=lambda t: -t[0])
 
-    def sand(self, gap, sl, k, window=SAND_WINDOW):
-        """Pull forward the costliest light sample among the next `window` of the stream that costs at most
-        `gap` and fits slot k (memory, compute cap), or None. Counted as drawn now, skipped when reached."""
-        stream, runs, heavy, taken = self.stream, self.runs, self.heavy, self.taken
-        cost, mem, comp = self.cols
+    def sand(self, gap, sl, k):
+        """Pull forward a light sample of the costliest shape that costs at most `gap` and fits slot k
+        (memory, compute cap), from the next max(SAND_WINDOW, 2 R*G) of the stream, or None. Counted as drawn
+        now, skipped when reached. Per shape, a queue of its positions ahead: O(shapes) a call."""
+        stream, ahead, pos = self.stream, self.ahead, self.pos
+        end = min(len(stream), pos + max(SAND_WINDOW, 2 * self.slots))
+        while self.horizon < end:
+            p = self.horizon
+            if not self.heavy[stream[p]]:
+                ahead.setdefault(self.shape[stream[p]], deque()).append(p)
+            self.horizon += 1
         mem_room, comp_room = sl.limit - sl.used[k], sl.limit_c - sl.used_c[k]
-        best, best_pos = None, None
-        for pos in range(self.pos, min(len(stream), self.pos + window)):
-            i = stream[pos]
-            if pos in taken or heavy[i] or cost[i] > gap or mem[i] > mem_room or comp[i] > comp_room:
+        for c, m, x, key in self.by_cost:
+            if c > gap or m > mem_room or x > comp_room or key not in ahead:
                 continue
-            if best is None or cost[i] > cost[best]:
-                best, best_pos = i, pos
-        if best is not None:
-            taken[best_pos] = best
-            for j, col in enumerate(self.cols):
-                self.sums[j] += col[best]
-        return best
+            queue = ahead[key]
+            while queue and queue[0] < pos:  # passed by the stream since
+                queue.popleft()
+            if queue:
+                p = queue.popleft()
+                i = stream[p]
+                self.taken[p] = i
+                for j, col in enumerate(self.cols):
+                    self.sums[j] += col[i]
+                return i
+        return None
 
     def done(self):
         return self.pos >= len(self.stream) and not self.pending
@@ -370,24 +387,20 @@ def _even(rd, sl, ctx, passes=8, scan=4, tol=None):
 
 
 def _shed(rd, sl, shape, out, tol=None):
-    """The costliest slot of a round gives a sample back (to `out`, the next step) while that lowers the
-    round's cost by more than `tol`: the sample that brings it closest to the next costliest slot, at most
-    R/4 of them. A cost-dense slot (a long clip with its company) then no longer sets the round's pace;
-    moving the sample within the step is what _even tried, and memory is what stopped it."""
-    load, tol = sl.load, EVEN_TOL if tol is None else tol
-    for _ in range(max(1, len(rd) // 4)):
-        if len(rd) < 2:
-            return
-        top = max(rd, key=load.__getitem__)
-        second = max(load[k] for k in rd if k != top)
-        if len(sl.samples[top]) < 2 or load[top] - second <= tol * load[top]:
-            return
-        xs = {shape[i]: i for i in sl.samples[top]}.values()
-        x = min(xs, key=lambda i: (max(load[top] - sl.cost[i], second), sl.cost[i]))
-        if max(load[top] - sl.cost[x], second) >= load[top] * (1 - tol):
-            return
-        sl.add(top, x, -1)
-        out.append(x)
+    """Slots of a round above its mean (by more than `tol`) give samples back (to `out`, the next step) until
+    they are not: each time the cheapest sample that covers the excess, else the costliest. A cost-dense
+    slot (a long clip with its company) then no longer sets the round's pace; moving the sample within the
+    step is what _even tried, and memory is what stopped it."""
+    load, cost, tol = sl.load, sl.cost, EVEN_TOL if tol is None else tol
+    level = sum(load[k] for k in rd) / len(rd) * (1 + tol)
+    for k in rd:
+        while load[k] > level and len(sl.samples[k]) > 1:
+            excess = load[k] - level
+            xs = {shape[i]: i for i in sl.samples[k]}.values()
+            cover = [i for i in xs if cost[i] >= excess]
+            x = min(cover, key=cost.__getitem__) if cover else max(xs, key=cost.__getitem__)
+            sl.add(k, x, -1)
+            out.append(x)
 
 
 def _fill_gaps(rd, sl, draw, tol=None):
