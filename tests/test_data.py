@@ -52,6 +52,51 @@ def test_dataloader_with_batch_sampler_and_workers(tmp_path):
     assert [b["index"] for b in loader] == mbs
 
 
+def test_mixed_shape_micro_batch_comes_back_packed(tmp_path):
+    """A micro-batch of several shapes: lists of latents and unpadded texts, samples of one shape contiguous
+    (first-seen shape order, stable), ids and indices in that order; each entry as the sample alone reads."""
+    path, samples = synth(tmp_path, num=12)
+    ds = data.LatentDataset(samples, path, GEO, text_len=16, text_dim=8)
+    shape = [(s.frames, s.height, s.width) for s in samples]
+    a = [i for i in range(12) if shape[i] == shape[0]]
+    b = [i for i in range(12) if shape[i] != shape[0]]
+    assert len(a) >= 2 and len(b) >= 2
+    mb = [a[0], b[0], a[1], b[1]]
+    batch = ds.__getitems__(mb)
+    want = [a[0], a[1]] + [i for i in (b[0], b[1]) if shape[i] == shape[b[0]]] + \
+        [i for i in (b[0], b[1]) if shape[i] != shape[b[0]]]
+    assert batch["index"] == want and batch["ids"] == [samples[i].id for i in want]
+    assert isinstance(batch["latent"], list) and isinstance(batch["text"], list)
+    for i, lat, txt in zip(want, batch["latent"], batch["text"]):
+        alone = ds.__getitems__([i])
+        assert torch.equal(lat, alone["latent"][0])
+        assert txt.shape[1] == 8 and txt.shape[0] <= 16
+        assert torch.equal(txt, alone["text"][0, : txt.shape[0]]) and not alone["text"][0, txt.shape[0]:].any()
+    one = ds.__getitems__(a[:2])  # one shape: stacked tensors as before
+    assert one["latent"].shape == (2, 16, *GEO.latent_shape(*shape[a[0]])) and one["index"] == a[:2]
+
+
+def test_packed_plan_through_stream_and_dataloader(tmp_path):
+    """The packed policy's micro-batches, through MicroBatchStream and a DataLoader, come back in the planned
+    order (the planner emits samples of one shape contiguous), some of them mixed."""
+    from ds_adaptiveload.schedule.planner import PlanConfig
+    from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.schedule.sampler import AdaptiveSampler
+
+    path, samples = synth(tmp_path, num=24)
+    profile = CostProfile.load("configs/profiles/tiny-cpu.yaml")
+    sampler = AdaptiveSampler(samples, profile, PlanConfig("packed", 2, grad_accum=2, lockstep=True), 0)
+    steps = sampler.plan.steps
+    planned = [mb for step in steps for mb in step[0]]
+    stream = data.MicroBatchStream(sampler)
+    ds = data.LatentDataset(samples, path, GEO, text_len=16, text_dim=8)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=stream, collate_fn=data.first)
+    got = [b for b, _ in zip(loader, planned)]
+    assert [b["index"] for b in got] == planned
+    assert any(isinstance(b["latent"], list) for b in got), "some micro-batch mixes shapes"
+    assert [p.micro_batches for p in list(stream.pending)[:len(steps)]] == [step[0] for step in steps]
+
+
 def _rewrite(path, fn):
     lines = [json.loads(line) for line in open(path)]
     fn(lines)

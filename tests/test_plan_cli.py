@@ -34,6 +34,19 @@ def test_lockstep_flag(manifest, capsys):
     assert bal_lock["predicted_wall_s"] < eq_lock["predicted_wall_s"] and bal_lock["idle_fraction"] < 0.1
 
 
+def test_packed_policy_dump(tmp_path, manifest, capsys):
+    """--policy packed: the same --json keys and --dump lines; a micro-batch may list ids of several shapes."""
+    dump = tmp_path / "plan.jsonl"
+    assert main(["plan", "--manifest", manifest, "--profile", H200, "--world-size", "4", "--grad-accum", "2",
+                 "--policy", "packed", "--lockstep", "--dump", str(dump), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert KEYS <= set(summary) and summary["policy"] == "packed" and summary["samples_planned"] == 300
+    shapes = {s.id: (s.frames, s.height, s.width) for s in make_mix("video-heavy", 300, seed=3)}
+    lines = [json.loads(line) for line in open(dump)]
+    assert sum(len(r["ids"]) for r in lines if not r.get("pad")) == 300
+    assert any(len({shapes[i] for i in r["ids"]}) > 1 for r in lines)
+
+
 def test_json_summary_and_dump(tmp_path, manifest, capsys):
     dump = tmp_path / "plan.jsonl"
     rc = main(["plan", "--manifest", manifest, "--profile", H200, "--world-size", "4", "--sp", "2",

@@ -3,8 +3,14 @@ video-heavy synthetic mix (ds_adaptiveload/schedule/mixes.py) with the H200 Wan-
 peak memory for 1M samples at 1024 ranks. Pure CPU.
 
     python bench/plan/plan_bench.py [--samples 200000] [--big 1000000] [--out bench/results/plan-DATE-cpu.json]
+    python bench/plan/plan_bench.py --section packed [--out bench/results/plan-packed-DATE-cpu.json]
+
+--section packed: the packed policy against equal-tokens and balanced under lockstep (ZeRO-3) with the
+calibrated H200 profile, memory for about six 720p clips (453,600 tokens) and for one (75,693: one
+81x720x1280 clip and its memory.sample_tokens), on the video-heavy and image-heavy mixes.
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -20,20 +26,27 @@ from ds_adaptiveload.schedule.profile import CostProfile
 PROFILE = "configs/profiles/h200-wan1.3b-blocks.yaml"
 
 
-def plan_row(samples, profile, policy, ranks, g):
+CALIBRATED = "configs/profiles/h200-wan1.3b-calibrated.yaml"
+PACKED_BUDGETS = (453600, 75693)  # about six 720p clips per micro-batch; one (75,600 + sample_tokens)
+PACKED_MIXES = ("video-heavy", "image-heavy")
+
+
+def plan_row(samples, profile, policy, ranks, g, lockstep=False):
     t0 = time.perf_counter()
-    plan = make_plan(samples, profile, PlanConfig(policy, ranks, grad_accum=g))
+    plan = make_plan(samples, profile, PlanConfig(policy, ranks, grad_accum=g, lockstep=lockstep))
     return {**plan.summary(), "plan_seconds": time.perf_counter() - t0}
 
 
-def big_run(n, ranks, g):
+def big_run(n, ranks, g, policy="balanced", profile=PROFILE, budget=None, lockstep=False):
     """In a fresh process so that its peak RSS is the planner's own."""
-    code = (f"import json,time,resource\nfrom ds_adaptiveload.schedule.mixes import make_mix\n"
+    code = (f"import json,time,resource,dataclasses\nfrom ds_adaptiveload.schedule.mixes import make_mix\n"
             f"from ds_adaptiveload.schedule.planner import PlanConfig, make_plan\n"
             f"from ds_adaptiveload.schedule.profile import CostProfile\n"
-            f"s = make_mix('video-heavy', {n}); p = CostProfile.load('{PROFILE}')\n"
+            f"s = make_mix('video-heavy', {n}); p = CostProfile.load('{profile}')\n"
+            + (f"p = dataclasses.replace(p, budget_tokens={budget})\n" if budget else "") +
             f"rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-            f"t = time.perf_counter(); plan = make_plan(s, p, PlanConfig('balanced', {ranks}, grad_accum={g}))\n"
+            f"t = time.perf_counter()\n"
+            f"plan = make_plan(s, p, PlanConfig('{policy}', {ranks}, grad_accum={g}, lockstep={lockstep}))\n"
             f"dt = time.perf_counter() - t\n"
             f"print(json.dumps({{**plan.summary(), 'plan_seconds': dt, 'rss_before_MiB': rss0 / 1024, "
             f"'peak_rss_MiB': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))\n")
@@ -41,12 +54,54 @@ def big_run(n, ranks, g):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def packed_section(args):
+    """packed vs equal-tokens and balanced under lockstep, per mix, budget, world size and G."""
+    base = CostProfile.load(CALIBRATED)
+    rows = []
+    for mix in PACKED_MIXES:
+        small, big = make_mix(mix, args.samples), make_mix(mix, args.big)
+        for budget in PACKED_BUDGETS:
+            profile = dataclasses.replace(base, budget_tokens=budget)
+            for ranks in ((8, 64, 1024) if budget == PACKED_BUDGETS[0] else (8, 64)):
+                for g in (1, 4):
+                    for policy in ("equal-tokens", "balanced", "packed"):
+                        row = {**plan_row(small if ranks < 1024 else big, profile, policy, ranks, g, True),
+                               "mix": mix, "budget_tokens": budget, "lockstep": True}
+                        rows.append(row)
+                        print(f"{mix:11s} budget={budget} ranks={ranks:5d} G={g} {policy:13s} "
+                              f"idle={row['idle_fraction']:.4f} mix_tv={row['mix_tv']:.3f} "
+                              f"wall={row['predicted_wall_s']:.0f}s plan={row['plan_seconds']:.1f}s", flush=True)
+    timing = [big_run(args.big, 1024, g, "packed", CALIBRATED, PACKED_BUDGETS[0], True) for g in (4, 1)]
+    for t in timing:
+        print(f"packed, 1024 ranks, {args.big} samples, G={t['grad_accum']}: plan {t['plan_seconds']:.1f}s, "
+              f"peak RSS {t['peak_rss_MiB']:.0f} MiB", flush=True)
+    return {
+        "what": "Predicted balance under lockstep (ZeRO-3: a step costs the sum over its G rounds of the slowest "
+                "micro-batch) of packed, balanced and equal-tokens with the calibrated H200 Wan-1.3B profile at "
+                "budget_tokens 453,600 (about six 720p clips) and 75,693 (one). idle_fraction = 1 - sum(mean rank "
+                "time) / sum(step wall); mix_tv = mean per-step total-variation distance of class shares.",
+        "profile": CALIBRATED, "samples": args.samples, "samples_1024": args.big, "rows": rows,
+        "timing_1024": timing,
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=200000)
     ap.add_argument("--big", type=int, default=1000000)
+    ap.add_argument("--section", choices=("all", "packed"), default="all")
     ap.add_argument("--out")
     args = ap.parse_args()
+    env = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+           "cpus": __import__("os").cpu_count(), "python": platform.python_version(),
+           "load_avg_1min": __import__("os").getloadavg()[0]}
+    if args.section == "packed":
+        result = {**packed_section(args), **env}
+        out = args.out or f"bench/results/plan-packed-{result['date']}-cpu.json"
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print("wrote", out)
+        return
     profile = CostProfile.load(PROFILE)
     samples = make_mix("video-heavy", args.samples)
     big = make_mix("video-heavy", args.big)

@@ -7,8 +7,10 @@ On disk: a manifest (manifest.py) whose lines also carry
   text_key    tensor [L <= 512, text_dim] (text-encoder output, unpadded)
 Synthetic data has these shapes and random values: it measures speed, not quality.
 
-A micro-batch is a list of sample indices of one shape (the planner guarantees it), so samples stack
-without padding; text contexts are zero-padded to the model's text_len as Wan does.
+A micro-batch is a list of sample indices. Of one shape (every policy but `packed`), its samples stack
+without padding and text contexts are zero-padded to the model's text_len as Wan does. Of several shapes
+(`packed`), it comes back as lists in the packed model's input form (WanModel.forward(xs, t, contexts)),
+samples of one shape contiguous.
 """
 import os
 from collections import deque
@@ -164,8 +166,11 @@ def _layout_problem(s, path, manifest, geometry, text_dim, latent_shape, dtype, 
 
 class LatentDataset:
     """torch Dataset over manifest samples. `__getitems__(indices)` (what DataLoader calls with a
-    batch_sampler) reads one micro-batch and returns
-    {'latent': [B, 16, F', H', W'], 'text': [B, text_len, text_dim], 'index': [...], 'ids': [...]}.
+    batch_sampler) reads one micro-batch and returns, for samples of one shape,
+    {'latent': [B, 16, F', H', W'], 'text': [B, text_len, text_dim], 'index': [...], 'ids': [...]};
+    for samples of several shapes (packed), {'latent': list of [16, F'_i, H'_i, W'_i], 'text': list of
+    [L_i <= text_len, text_dim] (unpadded: the packed model pads), 'index', 'ids'}, reordered so samples of
+    one shape are contiguous (stable: the packed planner already emits that order), the four in one order.
     Tensors keep the stored dtype; the trainer casts on the device."""
 
     def __init__(self, samples, manifest, geometry, text_len, text_dim, on_bad="error"):
@@ -217,6 +222,13 @@ class LatentDataset:
     def __getitems__(self, indices):
         import torch
 
+        shapes = [self._shape(i) for i in indices]
+        packed = len(set(shapes)) > 1
+        if packed:  # group by shape, first-seen order of shapes, stable within a shape
+            first = {}
+            for sh in shapes:
+                first.setdefault(sh, len(first))
+            indices = [i for _, i in sorted(zip(shapes, indices), key=lambda p: first[p[0]])]
         ids = [self.samples[i].id for i in indices]
         if self.on_bad == "skip":
             read, bad = [], []
@@ -230,6 +242,8 @@ class LatentDataset:
         else:
             read = [self._read(i) for i in indices]
         latents, texts = zip(*read)
+        if packed:
+            return {"latent": list(latents), "text": list(texts), "index": list(indices), "ids": ids}
         text = torch.zeros(len(indices), self.text_len, self.text_dim, dtype=texts[0].dtype)
         for b, t in enumerate(texts):
             text[b, : t.shape[0]] = t
@@ -237,6 +251,10 @@ class LatentDataset:
 
     def __getitem__(self, i):
         return self.__getitems__([i])
+
+    def _shape(self, i):
+        s = self.samples[i]
+        return (s.frames, s.height, s.width)
 
 
 def first(batch):

@@ -5,7 +5,8 @@ Pure Python (no torch, no process groups): every rank runs the same deterministi
 
 A plan is `steps[step][rank] -> [micro-batch, ...]` with exactly G micro-batches per rank per step (under
 ZeRO-3 every forward all-gathers parameters, so ranks must run the same number of them), each micro-batch a
-list of sample indices of one shape (no padding inside a micro-batch) whose per-GPU tokens fit M_mem.
+list of sample indices of one shape (no padding inside a micro-batch) whose per-GPU tokens fit M_mem; with
+`packed` a micro-batch may hold several shapes (samples of one shape contiguous), its samples' tokens in M_mem.
 
 Policies:
 - equal-tokens: bucket by shape, B = floor(M_mem / S), shuffle micro-batches, deal them round-robin. What
@@ -18,6 +19,8 @@ Policies:
   single-shape micro-batch per step, so balance requires steps of similar micro-batches: micro-batches are
   sorted by cost within a window of steps (`window`, default the whole epoch) and step order is shuffled.
   That trades step composition (mix_tv) for balance; a smaller window trades back.
+- packed (schedule/packed.py): micro-batches of mixed shapes, every micro-batch of a step at about the same
+  predicted cost, steps drawn from the stratified stream (so they look like the data), at any G.
 """
 import bisect
 import heapq
@@ -32,7 +35,7 @@ from ds_adaptiveload.schedule.geometry import per_gpu_tokens
 # Same-shape run length (in micro-batches) of the stratified stream; measured best of 1/2/4/8 on the
 # video-heavy mix at 8-1024 ranks (docs/scheduler.md).
 RUN_SLOTS = 1
-POLICIES = ("balanced", "dual", "equal-tokens")
+POLICIES = ("balanced", "dual", "equal-tokens", "packed")
 # Step-composition classes for mix_tv, by full-sequence tokens: images and short clips, mid clips, long.
 CLASS_BOUNDS = (4096, 20000)
 
@@ -40,7 +43,7 @@ CLASS_BOUNDS = (4096, 20000)
 @dataclass
 class PlanConfig:
     policy: str = "balanced"
-    """balanced | dual | equal-tokens."""
+    """balanced | dual | equal-tokens | packed (micro-batches of mixed shapes; needs the packed model)."""
     world_size: int = 1
     """GPUs in the job; the data-parallel size is world_size / sp."""
     sp: int = 1
@@ -55,7 +58,8 @@ class PlanConfig:
     """balanced with G = 1: steps per cost-sorting window (0 or None = whole epoch)."""
     fill: float = None
     """balanced with G >= 2: a step draws samples worth this fraction of its R*G micro-batch slots
-    (None: the better of FILL_CHOICES by predicted wall time on a prefix of the epoch)."""
+    (None: the better of FILL_CHOICES by predicted wall time on a prefix of the epoch). packed: the average
+    fraction of a micro-batch's memory that sets its target cost (None: packed.PACK_FILL)."""
     lockstep: bool = False
     """Ranks wait for each other at every micro-batch, not only at the optimizer step: true under ZeRO-3
     (parameter all-gathers in every forward and backward) and ZeRO-2 (gradient reduce-scatter in every
@@ -170,9 +174,15 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
     rng = random.Random(f"{cfg.seed}/{epoch}")
     dual = profile.dual_for(min((gpu[i] for i in keep), default=1), max((gpu[i] for i in keep), default=1))
     cap = _batch_caps(gpu, shape, keep, profile, dual if cfg.policy == "dual" else None)
-    ctx = _Ctx(profile, cfg, full, gpu, shape, cap)
+    if cfg.policy == "packed":  # its own module; imported here because it builds on this one's helpers
+        from ds_adaptiveload.schedule import packed
+        ctx = packed.PackedCtx(profile, cfg, full, gpu, shape, cap)
+    else:
+        ctx = _Ctx(profile, cfg, full, gpu, shape, cap)
     if not keep:
         steps = []
+    elif cfg.policy == "packed":
+        steps = packed.packed_steps(keep, ctx, rng)
     elif cfg.policy in ("equal-tokens", "dual"):
         steps = _deal(_micro_batches(_shuffled_buckets(keep, shape, rng), cap), ctx, rng)
     elif cfg.lockstep and cfg.grad_accum > 1:

@@ -15,6 +15,7 @@ the data's token range (see `derive_dual`). Pure Python: no torch.
 """
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import yaml
@@ -91,6 +92,14 @@ class CostProfile:
     def micro_ms(self, batch: int, tokens: int) -> float:
         """Predicted forward+backward ms of a micro-batch of `batch` samples of `tokens` tokens each."""
         return smooth_max(self.floor_ms, self.fixed_ms + batch * self.sample_ms(tokens), self.floor_q)
+
+    def packed_ms(self, tokens) -> float:
+        """micro_ms generalised to a micro-batch of samples of several shapes (`tokens`: per-GPU tokens of each
+        sample): attention is per sample, so the quadratic term is sum(S_i^2), not (sum S_i)^2. Samples are
+        summed per distinct length, so a one-shape micro-batch costs exactly micro_ms(B, S), float for float."""
+        counts = Counter(tokens)
+        line = self.fixed_ms + sum(n * self.sample_ms(s) for s, n in counts.items())
+        return smooth_max(self.floor_ms, line, self.floor_q)
 
     def mem_tokens(self, tokens: int) -> float:
         """What one sample of `tokens` tokens takes of M_mem."""

@@ -16,7 +16,8 @@ class StepBatch:
     step: int
     """Index of the optimizer step within the epoch."""
     micro_batches: list
-    """This rank's G micro-batches, each a list of sample indices of one shape."""
+    """This rank's G micro-batches, each a list of sample indices of one shape (packed: of several shapes,
+    samples of one shape contiguous)."""
     pad: list
     """Per micro-batch: True if it only repeats a sample to keep ranks in lockstep (zero loss weight)."""
     pred_ms: list
