@@ -47,16 +47,11 @@ def _mark(args):
                     torch._dynamo.maybe_mark_dynamic(args[pos], d)
 
 
-def compile_blocks(model: torch.nn.Module, dynamic: bool = True, fullgraph: bool = False, mode: Optional[str] = None,
-                   backend: str = "inductor") -> int:
-    """Bind one compiled WanBlock.forward to every WanBlock under `model` (a WanModel, or a DeepSpeed engine
-    holding one). Returns the number of blocks. Idempotent: compiled blocks are left as they are."""
+def block_forward(dynamic: bool = True, fullgraph: bool = False, mode: Optional[str] = None,
+                  backend: str = "inductor"):
+    """A compiled WanBlock.forward(self, x, e0, context, cos, sin, ...) to bind to any number of blocks
+    (compile_blocks binds it; a caller that wraps blocks further, e.g. in checkpointing, binds it itself)."""
     opts = CompileOptions(dynamic=dynamic, fullgraph=fullgraph, mode=mode, backend=backend)
-    if not isinstance(model, torch.nn.Module):
-        raise UserError(f"compile_blocks: model must be an nn.Module, got {type(model).__name__}")
-    blocks = [m for m in model.modules() if isinstance(m, WanBlock)]
-    if not blocks:
-        raise UserError("compile_blocks: model has no WanBlock")
     compiled = torch.compile(WanBlock.forward, dynamic=None if opts.dynamic else False,
                              fullgraph=opts.fullgraph, mode=opts.mode, backend=opts.backend)
 
@@ -65,6 +60,19 @@ def compile_blocks(model: torch.nn.Module, dynamic: bool = True, fullgraph: bool
             _mark(args)  # before dynamo sees the tensors: the first graph is already dynamic in S
         return compiled(self, *args, **kwargs)
 
+    return forward
+
+
+def compile_blocks(model: torch.nn.Module, dynamic: bool = True, fullgraph: bool = False, mode: Optional[str] = None,
+                   backend: str = "inductor") -> int:
+    """Bind one compiled WanBlock.forward to every WanBlock under `model` (a WanModel, or a DeepSpeed engine
+    holding one). Returns the number of blocks. Idempotent: compiled blocks are left as they are."""
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"compile_blocks: model must be an nn.Module, got {type(model).__name__}")
+    blocks = [m for m in model.modules() if isinstance(m, WanBlock)]
+    if not blocks:
+        raise UserError("compile_blocks: model has no WanBlock")
+    forward = block_forward(dynamic, fullgraph, mode, backend)
     for b in blocks:
         if "forward" not in b.__dict__:  # an instance attribute: this block is compiled already
             b.forward = types.MethodType(forward, b)
