@@ -48,7 +48,7 @@ E2E = {  # variant -> (MFU_CKPT, compiled blocks, train_wan flags); baseline = t
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--parts", default="shapes,e2e", help="comma list of shapes, e2e")
+    p.add_argument("--parts", default="shapes,e2e", help="comma list of shapes, e2e, z3 (14B shape, ZeRO-3)")
     p.add_argument("--config", default="configs/ds_zero2_bf16.json")
     p.add_argument("--model-config", default="configs/wan_1_3b.yaml")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
@@ -65,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--e2e-steps", type=int, default=10)
     p.add_argument("--e2e-warmup", type=int, default=3, help="steps left out of e2e_mfu (start-up, compiles)")
     p.add_argument("--memory-json", help="proposed profile fields from an earlier run (for e2e without shapes)")
+    p.add_argument("--z3-config", default="configs/ds_zero3_bf16.json", help="z3 part: its ZeRO-3 JSON")
+    p.add_argument("--z3-layers", type=int, default=4, help="z3 part: blocks of the 14B-shaped model")
+    p.add_argument("--z3-model-config", default="configs/wan_14b.yaml")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--time-budget", type=float, default=470.0, help="seconds; what would not fit is skipped")
     p.add_argument("--work", default="/tmp/bench_mfu")
@@ -103,6 +106,35 @@ def tables(doc) -> str:
 # -- shapes ------------------------------------------------------------------------------------------------
 
 
+def micro_step(engine, cfg, shape, seed, device, dtype):
+    """One micro-batch on random inputs: flow-matching loss and backward (timed, peak memory), then the
+    optimizer step (timed apart). Returns (fwd+bwd ms, step ms, peak bytes; 0 on the CPU)."""
+    import torch
+
+    from ds_adaptiveload.train import flow
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    B, *lat = shape
+    g = torch.Generator(device=device).manual_seed(seed)
+    x0 = torch.randn(B, cfg.in_dim, *lat, generator=g, device=device).to(dtype)
+    text = torch.randn(B, cfg.text_len, cfg.text_dim, generator=g, device=device).to(dtype)
+    eps = torch.randn(x0.shape, generator=g, device=device)
+    t = torch.rand(B, generator=g, device=device)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    loss = flow.flow_matching_loss(engine, x0, text, eps, t).mean()
+    engine.backward(loss)
+    sync()
+    t1 = time.perf_counter()
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    engine.step()
+    sync()
+    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, peak
+
+
 class Bench:
     """The engine, its levers and one micro-batch step: flow-matching loss, backward (timed), step (apart)."""
 
@@ -128,34 +160,10 @@ class Bench:
         self.calls = 0
         self.after_oom = False
 
-    def sync(self):
-        if self.cuda:
-            self.torch.cuda.synchronize()
-
     def step(self, shape):
         """(fwd+bwd ms, step ms, peak bytes of fwd+bwd) of one micro-batch of shape (B, F, H, W)."""
-        torch = self.torch
-        from ds_adaptiveload.train import flow
-
-        B, *lat = shape
-        g = torch.Generator(device=self.device).manual_seed(self.calls)
         self.calls += 1
-        x0 = torch.randn(B, self.cfg.in_dim, *lat, generator=g, device=self.device).to(self.dtype)
-        text = torch.randn(B, self.cfg.text_len, self.cfg.text_dim, generator=g, device=self.device).to(self.dtype)
-        eps = torch.randn(x0.shape, generator=g, device=self.device)
-        t = torch.rand(B, generator=g, device=self.device)
-        self.sync()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        t0 = time.perf_counter()
-        loss = flow.flow_matching_loss(self.engine, x0, text, eps, t).mean()
-        self.engine.backward(loss)
-        self.sync()
-        t1 = time.perf_counter()
-        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
-        self.engine.step()
-        self.sync()
-        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, peak
+        return micro_step(self.engine, self.cfg, shape, self.calls, self.device, self.dtype)
 
     def measure(self, shape, k, compiled, reps):
         """Warm-up then reps steps with k blocks checkpointed; a row (status ok / oom)."""
@@ -388,6 +396,77 @@ def part_e2e(args, doc, deadline):
         doc.save()
 
 
+# -- z3: the 14B shape under ZeRO-3 -------------------------------------------------------------------------
+
+Z3_OVERRIDES = {  # one 14B block is 351M parameters: prefetch a whole block; keep the small vectors resident
+    "stage3_prefetch_bucket_size": 4e8, "stage3_param_persistence_threshold": 1e6,
+    "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}
+
+
+def z3_engine(args, cfg, leaf):
+    """build_model (zero.Init, partitioned at construction) + deepspeed.initialize, one process."""
+    import deepspeed
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    from ds_adaptiveload.train import config as tconfig
+    from ds_adaptiveload.train.build import build_model
+
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", "29677")):
+        os.environ.setdefault(k, v)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(verbose=False)
+    ds, _ = tconfig.load_ds_config(os.path.join(ROOT, args.z3_config))
+    ds.update(gradient_accumulation_steps=1, steps_per_print=10**9)
+    tconfig.ds_batch_keys(ds, 1)
+    ds["zero_optimization"].update(Z3_OVERRIDES)
+    for key in ("csv_monitor", "tensorboard", "wandb"):
+        ds.pop(key, None)
+    model = build_model(cfg, ds, checkpoint_blocks=True, seed=0, leaf_blocks=leaf)
+    partitioned = all(hasattr(p, "ds_tensor") for p in model.parameters())
+    with GatheredParameters([model.head.head.weight], modifier_rank=0), torch.no_grad():
+        model.head.head.weight.normal_(std=0.02)  # a zero head makes every other gradient zero
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+    return engine, partitioned
+
+
+def part_z3(args, doc, deadline):
+    """The 14B shape with --z3-layers blocks under ZeRO-3, WanBlock as leaf module or not: fwd+bwd ms of
+    1 image and 480p 81f, and the per-micro-batch overhead (ms of 1 image)."""
+    import gc
+
+    import torch
+
+    from ds_adaptiveload.model import WanConfig
+
+    cfg = WanConfig.from_dict({**WanConfig.from_yaml(os.path.join(ROOT, args.z3_model_config)).to_dict(),
+                               "num_layers": args.z3_layers})
+    doc.doc["z3"] = {"config": args.z3_config, "overrides": Z3_OVERRIDES, "num_layers": args.z3_layers,
+                     "params": cfg.num_params(), "rows": []}
+    for leaf in (True, False):
+        if time.monotonic() > deadline:
+            doc.doc["skipped"].append({"z3_leaf": leaf, "why": "time budget"})
+            continue
+        engine, partitioned = z3_engine(args, cfg, leaf)
+        device = next(engine.module.parameters()).device
+        dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+        for name, shape in (("img1", (1, 1, 60, 104)), ("480p81", SHAPES["480p81"])):
+            runs = [micro_step(engine, cfg, shape, i, device, dtype) for i in range(1 + args.reps)][1:]
+            ms = statistics.median(r[0] for r in runs)
+            S = tokens_of(shape, cfg)
+            doc.doc["z3"]["rows"].append({
+                "leaf_blocks": leaf, "partitioned_at_construction": partitioned, "shape": name, "B": shape[0],
+                "ms": ms, "step_ms": statistics.median(r[1] for r in runs), "peak_gib": max(r[2] for r in runs) / GIB,
+                "mfu": cfg.flops_per_sample(S) * shape[0] / (ms / 1e3 * args.peak_tflops * 1e12)})
+            doc.save()
+        engine.destroy()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def main(argv=None):
     from ds_adaptiveload.train.config import default_alloc_conf
 
@@ -398,7 +477,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
     doc = Doc(args)
-    parts = split(args.parts, ("shapes", "e2e"))
+    parts = split(args.parts, ("shapes", "e2e", "z3"))
     if parts == ["shapes"]:
         part_shapes(args, doc, deadline)
     elif "shapes" in parts:
@@ -413,6 +492,8 @@ def main(argv=None):
         doc.doc["shapes_rc"] = rc
     if "e2e" in parts:
         part_e2e(args, doc, deadline)
+    if "z3" in parts:
+        part_z3(args, doc, deadline)
     doc.save()
     print(f"[mfu] wrote {doc.path}: e2e_mfu {doc.doc.get('e2e_mfu')}, per_shape {doc.doc['per_shape']}", flush=True)
     return 0

@@ -132,3 +132,17 @@ def test_shapes_part_smoke_on_cpu(tmp_path, monkeypatch):
     assert {p["shape"] for p in doc["per_shape"]} == {"img32", "480p81"}
     assert set(doc["proposed_profile"]) == {"eager", "compile"}
     assert doc["compile_stats"]["block_graphs"] >= 1 and doc["torch"] and "e2e" in doc
+
+
+def test_z3_part_smoke_on_cpu(tmp_path, monkeypatch):
+    """The z3 part on the tiny model: built partitioned (zero.Init), trained under ZeRO-3 with and without
+    WanBlock as a leaf module."""
+    monkeypatch.setattr(mfu, "SHAPES", {"480p81": (1, 3, 4, 6)})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    rc = mfu.main(["--parts", "z3", "--z3-model-config", "configs/wan_tiny.yaml", "--z3-layers", "2", "--reps", "1",
+                   "--out", str(tmp_path), "--work", str(tmp_path / "work")])
+    assert rc == 0
+    z3 = json.loads(next(tmp_path.glob("mfu-*-h200.json")).read_text())["z3"]
+    assert z3["num_layers"] == 2 and len(z3["rows"]) == 4
+    assert all(r["partitioned_at_construction"] and r["ms"] > 0 for r in z3["rows"])
+    assert {r["leaf_blocks"] for r in z3["rows"]} == {True, False}
