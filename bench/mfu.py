@@ -159,6 +159,8 @@ class Bench:
                          else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         self.calls = 0
         self.after_oom = False
+        # eager rows run what the environment asks (bench/device/run.py says torch when the op build failed)
+        self.ln_eager = os.environ.get("DS_ADAPTIVELOAD_LN_MODULATE", "auto")
 
     def step(self, shape):
         """(fwd+bwd ms, step ms, peak bytes of fwd+bwd) of one micro-batch of shape (B, F, H, W)."""
@@ -168,9 +170,9 @@ class Bench:
     def measure(self, shape, k, compiled, reps):
         """Warm-up then reps steps with k blocks checkpointed; a row (status ok / oom)."""
         torch = self.torch
-        os.environ["DS_ADAPTIVELOAD_LN_MODULATE"] = self.args.compile_ln if compiled else "auto"
+        ln = os.environ["DS_ADAPTIVELOAD_LN_MODULATE"] = self.args.compile_ln if compiled else self.ln_eager
         self.levers.set(k, compiled)
-        row = {"k": k, "mode": "compile" if compiled else "eager", "after_oom": self.after_oom}
+        row = {"k": k, "mode": "compile" if compiled else "eager", "after_oom": self.after_oom, "ln_modulate": ln}
         try:
             t0 = time.perf_counter()
             self.step(shape)
@@ -273,11 +275,13 @@ def part_shapes(args, doc, deadline):
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.train.config import load_ds_config
     from ds_adaptiveload.model.compile import compile_stats
+    from ds_adaptiveload.calibrate import _op_state
 
     _, al = load_ds_config(os.path.join(ROOT, args.config))
     profile_memory = CostProfile.load(al.resolve_profile(os.path.join(ROOT, args.config))).memory
     bench = Bench(args)
     doc.doc["build_s"] = round(bench.build_s, 1)
+    doc.doc["ln_modulate_op"] = _op_state(bench.device)  # what eager rows ran: the fused op, or PyTorch and why
     shapes, ckpts = split(args.shapes, SHAPES), split(args.ckpt, ("all", "k", "none"))
     for mode in split(args.modes, ("eager", "compile")):
         if time.monotonic() > deadline:
