@@ -69,11 +69,11 @@ def budget_images(profile_path, sp):
 
 
 def launch(ds_json, manifest, steps, work, log_path, launcher_args="--num_gpus 1", extra=(),
-           model_config="configs/wan_1_3b.yaml", timeout=None):
-    """launch/train_wan.py under the deepspeed launcher (--include picks GPUs: the launcher overrides
-    CUDA_VISIBLE_DEVICES); returns the exit code ('timeout' when cut). Its own session, so that a cut run's
-    rank processes go with it."""
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *shlex.split(launcher_args), "launch/train_wan.py",
+           model_config="configs/wan_1_3b.yaml", timeout=None, script=None):
+    """launch/train_wan.py (or `script`, which takes its arguments) under the deepspeed launcher (--include
+    picks GPUs: the launcher overrides CUDA_VISIBLE_DEVICES); returns the exit code ('timeout' when cut). Its
+    own session, so that a cut run's rank processes go with it."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *shlex.split(launcher_args), script or "launch/train_wan.py",
            "--deepspeed_config", ds_json, "--model-config", model_config, "--data", manifest,
            "--max-steps", str(steps), "--no-final-save", "--output", work, *extra]
     with open(log_path, "w") as log:

@@ -1,0 +1,507 @@
+"""Model FLOPs utilisation of the 1.3B Wan DiT on one H200 (issue #21): per micro-batch shape and end to end.
+
+    python bench/mfu.py --out OUT                                  # shapes, then e2e, within --time-budget
+    python bench/mfu.py --parts shapes --modes eager,compile --out OUT
+    python bench/mfu.py --parts e2e --e2e-variants baseline,compile-auto --memory-json OUT/mfu-...json --out OUT
+    python bench/device/run.py --stages mfu=480 --args mfu="--parts shapes"          # on the GPU machine
+
+shapes: the model in a DeepSpeed engine of --config (default ZeRO-2, bf16, G = 1 so a step is one micro-batch),
+fwd+bwd ms (median after warm-up) of 32 images 480x832, 480p 81f and 720p 81f, each eager and with compiled
+blocks (--modes), with every block checkpointed, none (when the measured memory model says it fits) and the
+k of schedule/memory.py; MFU = flops_per_sample(S) * B / (ms * peak). Before them, B = 1 probes at two token
+counts with all / no blocks checkpointed give the per-token activation bytes, written as the proposed profile
+fields memory.block_bytes_per_token and time_ms.recompute_frac (= 1 - ms(none) / ms(all) of 480p 81f).
+e2e: launch/train_wan.py under the deepspeed launcher on the video-heavy synthetic mix (bench/mfu_train.py
+applies the levers from outside); e2e_mfu = model FLOPs / (step wall x peak) over the steps after warm-up,
+data loading, optimizer and idle included, with each step's peak memory against the device's.
+Writes OUT/mfu-<date>-h200.json (+ .md), saved after every measurement so a cut run keeps what it measured.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "e2e"))
+
+import harness  # noqa: E402
+
+GIB = 2**30
+# name -> (B, latent frames, latent height, latent width): 480x832 is 60x104, 720x1280 is 90x160 (stride 8)
+SHAPES = {"img32": (32, 1, 60, 104), "480p81": (1, 21, 60, 104), "720p81": (1, 21, 90, 160)}
+E2E_RESERVE_S = 200  # of --time-budget kept for e2e when both parts run
+PROBES = ((1, 3, 60, 104), (1, 6, 60, 104))  # 4,680 and 9,360 tokens: the activation-bytes slope
+E2E = {  # variant -> (MFU_CKPT, compiled blocks, train_wan flags); baseline = today's command, no levers
+    "baseline": (None, False, ["--checkpoint-blocks"]),
+    "auto": ("auto", False, []),
+    "compile-all": ("all", True, []),
+    "compile-auto": ("auto", True, []),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--parts", default="shapes,e2e", help="comma list of shapes, e2e, z3 (14B shape, ZeRO-3)")
+    p.add_argument("--config", default="configs/ds_zero2_bf16.json")
+    p.add_argument("--model-config", default="configs/wan_1_3b.yaml")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument("--modes", default="eager,compile", help="eager, compile (blocks compiled, dynamic tokens)")
+    p.add_argument("--ckpt", default="all,k,none", help="all, k (schedule/memory.py), none: blocks checkpointed")
+    p.add_argument("--reps", type=int, default=3, help="timed micro-batches per variant (after one warm-up)")
+    p.add_argument("--safety", type=float, default=0.9, help="share of device memory k may plan for")
+    p.add_argument("--compile-ln", default="torch", choices=["torch", "auto"],
+                   help="DS_ADAPTIVELOAD_LN_MODULATE for compiled blocks (auto once the op is a custom op)")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode for the blocks")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (tests: aot_eager)")
+    p.add_argument("--e2e-variants", default="baseline,compile-auto", help=f"comma list of {', '.join(E2E)}")
+    p.add_argument("--e2e-num", type=int, default=48, help="video-heavy synthetic samples")
+    p.add_argument("--e2e-steps", type=int, default=10)
+    p.add_argument("--e2e-warmup", type=int, default=3, help="steps left out of e2e_mfu (start-up, compiles)")
+    p.add_argument("--memory-json", help="proposed profile fields from an earlier run (for e2e without shapes)")
+    p.add_argument("--z3-config", default="configs/ds_zero3_bf16.json", help="z3 part: its ZeRO-3 JSON")
+    p.add_argument("--z3-layers", type=int, default=4, help="z3 part: blocks of the 14B-shaped model")
+    p.add_argument("--z3-model-config", default="configs/wan_14b.yaml")
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--time-budget", type=float, default=470.0, help="seconds; what would not fit is skipped")
+    p.add_argument("--work", default="/tmp/bench_mfu")
+    return p.parse_args(argv)
+
+
+class Doc:
+    """The result document, written after every change."""
+
+    def __init__(self, args):
+        self.path = os.path.join(args.out, f"mfu-{datetime.date.today().isoformat()}-h200.json")
+        self.doc = {"config": args.config, "model_config": args.model_config, "peak_tflops": args.peak_tflops,
+                    "rows": [], "per_shape": [], "e2e": [], "skipped": []}
+
+    def save(self):
+        env = harness.environment()
+        self.doc.update(env=env, device=env.get("device"), torch=env.get("torch"), deepspeed=env.get("deepspeed"))
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "w") as f:
+            json.dump(self.doc, f, indent=1)
+        with open(self.path[:-5] + ".md", "w") as f:
+            f.write(tables(self.doc))
+
+
+def tables(doc) -> str:
+    cols = ["shape", "B", "tokens", "mode", "ckpt", "k", "ms", "mfu", "peak_gib", "pred_peak_gib", "status"]
+    fmt = {"ms": ".0f", "mfu": ".3f", "peak_gib": ".1f", "pred_peak_gib": ".1f"}
+    out = "## Per micro-batch\n\n" + harness.markdown_table(doc["rows"], cols, fmt=fmt)
+    ecols = ["variant", "e2e_mfu", "steps", "step_ms_median", "tokens_per_s", "mem_peak_gib_max", "mem_capacity_gib",
+             "block_graphs", "rc"]
+    efmt = {"e2e_mfu": ".3f", "step_ms_median": ".0f", "tokens_per_s": ".0f", "mem_peak_gib_max": ".1f",
+            "mem_capacity_gib": ".1f"}
+    return out + "\n## End to end\n\n" + harness.markdown_table(doc["e2e"], ecols, fmt=efmt)
+
+
+# -- shapes ------------------------------------------------------------------------------------------------
+
+
+def micro_step(engine, cfg, shape, seed, device, dtype):
+    """One micro-batch on random inputs: flow-matching loss and backward (timed, peak memory), then the
+    optimizer step (timed apart). Returns (fwd+bwd ms, step ms, peak bytes; 0 on the CPU)."""
+    import torch
+
+    from ds_adaptiveload.train import flow
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    B, *lat = shape
+    g = torch.Generator(device=device).manual_seed(seed)
+    x0 = torch.randn(B, cfg.in_dim, *lat, generator=g, device=device).to(dtype)
+    text = torch.randn(B, cfg.text_len, cfg.text_dim, generator=g, device=device).to(dtype)
+    eps = torch.randn(x0.shape, generator=g, device=device)
+    t = torch.rand(B, generator=g, device=device)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    loss = flow.flow_matching_loss(engine, x0, text, eps, t).mean()
+    engine.backward(loss)
+    sync()
+    t1 = time.perf_counter()
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    engine.step()
+    sync()
+    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, peak
+
+
+class Bench:
+    """The engine, its levers and one micro-batch step: flow-matching loss, backward (timed), step (apart)."""
+
+    def __init__(self, args):
+        import torch
+
+        from ds_adaptiveload.calibrate import _init_engine
+        from ds_adaptiveload.model import WanConfig
+        from mfu_levers import Levers
+
+        self.torch, self.args = torch, args
+        self.cfg = WanConfig.from_yaml(os.path.join(ROOT, args.model_config))
+        with open(os.path.join(ROOT, args.config)) as f:
+            ds = json.load(f)
+        t0 = time.perf_counter()
+        self.engine, _, _, self.device, self.dtype = _init_engine(self.cfg, ds, SimpleNamespace(
+            checkpoint_blocks=False, seed=0))
+        self.build_s = time.perf_counter() - t0
+        self.levers = Levers(self.engine.module, {"mode": args.compile_mode, "backend": args.compile_backend})
+        self.cuda = self.device.type == "cuda"  # CPU: the tests' smoke run (no peak memory, host RAM as capacity)
+        self.capacity = (torch.cuda.get_device_properties(self.device).total_memory if self.cuda
+                         else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        self.calls = 0
+        self.after_oom = False
+        # eager rows run what the environment asks (bench/device/run.py says torch when the op build failed)
+        self.ln_eager = os.environ.get("DS_ADAPTIVELOAD_LN_MODULATE", "auto")
+
+    def step(self, shape):
+        """(fwd+bwd ms, step ms, peak bytes of fwd+bwd) of one micro-batch of shape (B, F, H, W)."""
+        self.calls += 1
+        return micro_step(self.engine, self.cfg, shape, self.calls, self.device, self.dtype)
+
+    def measure(self, shape, k, compiled, reps):
+        """Warm-up then reps steps with k blocks checkpointed; a row (status ok / oom)."""
+        torch = self.torch
+        ln = os.environ["DS_ADAPTIVELOAD_LN_MODULATE"] = self.args.compile_ln if compiled else self.ln_eager
+        self.levers.set(k, compiled)
+        row = {"k": k, "mode": "compile" if compiled else "eager", "after_oom": self.after_oom, "ln_modulate": ln}
+        try:
+            t0 = time.perf_counter()
+            self.step(shape)
+            row["warmup_s"] = round(time.perf_counter() - t0, 2)
+            runs = [self.step(shape) for _ in range(reps)]
+        except torch.cuda.OutOfMemoryError as e:
+            self.engine.zero_grad()
+            torch.cuda.empty_cache()  # a ZeRO-2 step cut in backward may leave its buckets half reduced: say so
+            self.after_oom = True
+            return {**row, "status": "oom", "error": str(e).splitlines()[0][:200]}
+        ms = [r[0] for r in runs]
+        return {**row, "status": "ok", "ms": statistics.median(ms), "ms_all": [round(m, 1) for m in ms],
+                "step_ms": statistics.median(r[1] for r in runs), "peak_gib": max(r[2] for r in runs) / GIB}
+
+
+def tokens_of(shape, cfg):
+    B, f, h, w = shape
+    pt, ph, pw = cfg.patch_size
+    return (f // pt) * (h // ph) * (w // pw)
+
+
+def memory_fields(bench, compiled, profile_memory):
+    """Per-token bytes with all / no blocks checkpointed from the two B = 1 probes -> the memory dict
+    schedule/memory.py plans with (profile_memory's per-sample bytes kept)."""
+    L = bench.levers.num_layers
+    probe = {}
+    for k in (L, 0):
+        rows = [bench.measure(s, k, compiled, 1) for s in PROBES]
+        if any(r["status"] != "ok" for r in rows):
+            return None, rows
+        s1, s2 = (tokens_of(s, bench.cfg) for s in PROBES)
+        p1, p2 = (r["peak_gib"] * GIB for r in rows)
+        probe[k] = ((p2 - p1) / (s2 - s1), p1 - (p2 - p1) / (s2 - s1) * s1)
+    (bpt_all, fixed), (bpt_none, _) = probe[L], probe[0]
+    mem = {"capacity_bytes": bench.capacity, "safety": bench.args.safety, "fixed_bytes": round(fixed),
+           "bytes_per_token": round(bpt_all), "block_bytes_per_token": round(max(bpt_none - bpt_all, 0) / L),
+           "bytes_per_sample": profile_memory.get("bytes_per_sample", 0.0)}
+    return mem, {"bytes_per_token_all": round(bpt_all), "bytes_per_token_none": round(bpt_none),
+                 "fixed_bytes": round(fixed), "probe_tokens": [tokens_of(s, bench.cfg) for s in PROBES]}
+
+
+def run_mode(bench, doc, compiled, shapes, ckpts, profile_memory, deadline):
+    """Probes, then every shape x checkpointing variant of one mode; returns the proposed profile fields."""
+    from ds_adaptiveload.schedule.memory import blocks_to_checkpoint, predicted_peak_bytes
+
+    mode, L, a = "compile" if compiled else "eager", bench.levers.num_layers, bench.args
+    t0 = time.perf_counter()
+    mem, probe = memory_fields(bench, compiled, profile_memory)
+    proposed = {"mode": mode, "probe": probe, "probe_s": round(time.perf_counter() - t0, 1)}
+    doc.doc.setdefault("proposed_profile", {})[mode] = proposed
+    doc.save()
+    if mem is None:
+        return proposed
+    proposed["memory"] = {k: mem[k] for k in ("block_bytes_per_token", "bytes_per_token", "fixed_bytes")}
+    for name in shapes:
+        shape = SHAPES[name]
+        B, S = shape[0], tokens_of(shape, bench.cfg)
+        k_auto = blocks_to_checkpoint(B * S, B, mem, L)
+        ks = list(dict.fromkeys({"all": L, "k": k_auto, "none": 0}[c] for c in ckpts))
+        for k in ks:
+            base = {"shape": name, "B": B, "S": S, "tokens": B * S, "k_auto": k_auto,
+                    "ckpt": "all" if k == L else "none" if k == 0 else "k",
+                    "pred_peak_gib": predicted_peak_bytes(B * S, B, mem, L, k) / GIB}
+            if time.monotonic() > deadline:
+                doc.doc["skipped"].append({**base, "mode": mode, "k": k, "why": "time budget"})
+                continue
+            if base["pred_peak_gib"] * GIB > 0.98 * bench.capacity:
+                doc.doc["rows"].append({**base, "mode": mode, "k": k, "status": "skipped: predicted over capacity"})
+                continue
+            row = {**base, **bench.measure(shape, k, compiled, a.reps if S < 60000 else max(1, a.reps - 1))}
+            if row["status"] == "ok":
+                row["mfu"] = bench.cfg.flops_per_sample(S) * B / (row["ms"] / 1e3 * a.peak_tflops * 1e12)
+            row["capacity_gib"] = bench.capacity / GIB
+            doc.doc["rows"].append(row)
+            print(f"[mfu] {json.dumps({k2: row.get(k2) for k2 in ('shape', 'mode', 'k', 'ms', 'mfu', 'peak_gib', 'status')})}",
+                  flush=True)
+            doc.save()
+    proposed["time_ms"] = {"recompute_frac": recompute_frac(doc.doc["rows"], mode, L)}
+    return proposed
+
+
+def recompute_frac(rows, mode, L):
+    """1 - ms(none) / ms(all) of the largest shape where both ran in this mode (None where none did)."""
+    ok = {(r["shape"], r["k"]): r for r in rows if r.get("mode") == mode and r.get("status") == "ok"}
+    pairs = [(ok[s, L]["tokens"], 1 - ok[s, 0]["ms"] / ok[s, L]["ms"]) for s, k in ok if k == 0 and (s, L) in ok]
+    return round(max(pairs)[1], 4) if pairs else None
+
+
+def best_per_shape(rows):
+    """The issue's per_shape list: the best MFU of each shape over the variants, with what ran it."""
+    best = {}
+    for r in rows:
+        if r.get("status") == "ok" and r["mfu"] > best.get(r["shape"], {}).get("mfu", -1):
+            best[r["shape"]] = r
+    return [{"shape": r["shape"], "B": r["B"], "mfu": round(r["mfu"], 4), "ms": round(r["ms"], 1), "mode": r["mode"],
+             "k": r["k"], "peak_gib": round(r["peak_gib"], 2)} for r in best.values()]
+
+
+def part_shapes(args, doc, deadline):
+    from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.train.config import load_ds_config
+    from ds_adaptiveload.model.compile import compile_stats
+    from ds_adaptiveload.calibrate import _op_state
+
+    _, al = load_ds_config(os.path.join(ROOT, args.config))
+    profile_memory = CostProfile.load(al.resolve_profile(os.path.join(ROOT, args.config))).memory
+    bench = Bench(args)
+    doc.doc["build_s"] = round(bench.build_s, 1)
+    doc.doc["ln_modulate_op"] = _op_state(bench.device)  # what eager rows ran: the fused op, or PyTorch and why
+    shapes, ckpts = split(args.shapes, SHAPES), split(args.ckpt, ("all", "k", "none"))
+    for mode in split(args.modes, ("eager", "compile")):
+        if time.monotonic() > deadline:
+            doc.doc["skipped"].append({"mode": mode, "why": "time budget"})
+            continue
+        run_mode(bench, doc, mode == "compile", shapes, ckpts, profile_memory, deadline)
+        doc.doc["per_shape"] = best_per_shape(doc.doc["rows"])
+        doc.doc["compile_stats"] = compile_stats()
+        doc.save()
+
+
+def split(text, allowed):
+    items = [s for s in text.split(",") if s]
+    bad = [s for s in items if s not in allowed]
+    if bad:
+        raise SystemExit(f"error: unknown {bad}; choose from {', '.join(allowed)}")
+    return items
+
+
+# -- e2e ---------------------------------------------------------------------------------------------------
+
+
+def e2e_summary(recs, warmup, peak_tflops):
+    """e2e_mfu = model FLOPs / (step wall x peak) summed over the trained steps after warm-up."""
+    trained = [r for r in recs if "skipped" not in r]
+    body = trained[warmup:] if len(trained) > warmup else []
+    out = {"steps": len(body), "steps_logged": len(recs), "skipped_steps": len(recs) - len(trained),
+           "per_step": [{k: r.get(k) for k in ("step", "samples", "tokens", "step_ms", "mfu", "mem_peak_gib")}
+                        for r in recs]}
+    if body:
+        wall = sum(r["step_ms"] for r in body)
+        out.update(e2e_mfu=sum(r["mfu"] * r["step_ms"] for r in body) / wall,
+                   step_ms_median=statistics.median(r["step_ms"] for r in body),
+                   tokens_per_s=sum(r["tokens"] for r in body) / (wall / 1e3),
+                   samples_per_s=sum(r["samples"] for r in body) / (wall / 1e3),
+                   mem_peak_gib_max=max(r.get("mem_peak_gib", 0) for r in body),
+                   mem_capacity_gib=body[-1].get("mem_capacity_gib"))
+    return out
+
+
+def e2e_variant(args, name, manifest, memory, deadline):
+    """One launch of bench/mfu_train.py (launch/train_wan.py with the variant's levers)."""
+    from train_e2e import read_steps, write_ds_json
+    from train_steps import launch
+
+    ckpt, compiled, flags = E2E[name]
+    run = os.path.join(args.work, f"run_{name}")
+    os.makedirs(run, exist_ok=True)
+    for f in os.listdir(run):  # a warm machine keeps /tmp: the step log appends otherwise
+        if f.endswith((".jsonl", ".json")):
+            os.remove(os.path.join(run, f))
+    with open(os.path.join(ROOT, args.config)) as f:
+        grad_accum = json.load(f).get("gradient_accumulation_steps", 1)
+    write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), grad_accum=grad_accum)
+    env = {"MFU_STATS": f"{run}/mfu_stats.json"}
+    if ckpt:
+        env.update(MFU_CKPT=ckpt, MFU_MEMORY=f"{run}/memory.json", MFU_COMPILE="1" if compiled else "0")
+        with open(env["MFU_MEMORY"], "w") as f:
+            json.dump(memory.get("compile" if compiled else "eager") or {}, f)
+        if compiled:
+            env["DS_ADAPTIVELOAD_LN_MODULATE"] = args.compile_ln
+    log = os.path.join(args.out, f"e2e_{name}_train.log")
+    os.environ.update(env)
+    try:
+        rc = launch(f"{run}/ds.json", manifest, args.e2e_steps, run, log, "--num_gpus 1", flags, args.model_config,
+                    timeout=max(deadline - time.monotonic(), 10), script="bench/mfu_train.py" if ckpt else None)
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+    steps_path = f"{run}/steps.rank0.jsonl"
+    out = {"variant": name, "rc": rc, "env": env,
+           **e2e_summary(read_steps(steps_path) if os.path.exists(steps_path) else [], args.e2e_warmup, args.peak_tflops)}
+    if os.path.exists(env["MFU_STATS"]):
+        with open(env["MFU_STATS"]) as f:
+            out.update(json.load(f))
+    return out
+
+
+# Used only where neither this run nor --memory-json measured the fields: from the issue's H200 numbers, ZeRO-2
+# on one GPU holds ~23 GB of states (16 bytes/param), 224 kB/token with every block checkpointed (calibrated
+# profile), ~3 MB/token eager without (-> 92 kB per open block), compiled 480p 81f 85 GB (-> 56 kB).
+ESTIMATED_MEMORY = {"eager": {"fixed_bytes": 23e9, "bytes_per_token": 224e3, "block_bytes_per_token": 92e3},
+                    "compile": {"fixed_bytes": 23e9, "bytes_per_token": 224e3, "block_bytes_per_token": 56e3}}
+
+
+def e2e_memory(args, doc):
+    """The memory dicts k is chosen with, per mode: this run's proposed fields, else --memory-json's, else the
+    estimate above (doc records which)."""
+    src, origin = doc.doc.get("proposed_profile"), "measured in this run"
+    if not src and args.memory_json:
+        with open(args.memory_json) as f:
+            src, origin = json.load(f).get("proposed_profile", {}), args.memory_json
+    out = {}
+    for mode in ("eager", "compile"):
+        measured = (src or {}).get(mode, {}).get("memory")
+        out[mode] = {"capacity_bytes": None, "safety": args.safety, **(measured or ESTIMATED_MEMORY[mode])}
+        doc.doc.setdefault("e2e_memory_source", {})[mode] = origin if measured else "estimated (ESTIMATED_MEMORY)"
+    return out
+
+
+def part_e2e(args, doc, deadline):
+    from ds_adaptiveload.schedule.mixes import make_mix
+    from train_steps import write_data
+
+    manifest = write_data(os.path.join(args.work, f"data_video-heavy_{args.e2e_num}"),
+                          make_mix("video-heavy", args.e2e_num, seed=0))
+    memory = e2e_memory(args, doc)
+    for name in split(args.e2e_variants, E2E):
+        if time.monotonic() > deadline - 60:
+            doc.doc["skipped"].append({"e2e": name, "why": "time budget"})
+            continue
+        doc.doc["e2e"].append(e2e_variant(args, name, manifest, memory, deadline))
+        ok = [e for e in doc.doc["e2e"] if e.get("e2e_mfu") is not None]
+        doc.doc["e2e_mfu"] = max((e["e2e_mfu"] for e in ok), default=None)
+        doc.doc["e2e_best"] = max(ok, key=lambda e: e["e2e_mfu"])["variant"] if ok else None
+        doc.save()
+
+
+# -- z3: the 14B shape under ZeRO-3 -------------------------------------------------------------------------
+
+Z3_OVERRIDES = {  # one 14B block is 351M parameters: prefetch a whole block; keep the small vectors resident
+    "stage3_prefetch_bucket_size": 4e8, "stage3_param_persistence_threshold": 1e6,
+    "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}
+
+
+def z3_engine(args, cfg, leaf):
+    """build_model (zero.Init, partitioned at construction) + deepspeed.initialize, one process."""
+    import deepspeed
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    from ds_adaptiveload.train import config as tconfig
+    from ds_adaptiveload.train.build import build_model
+
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", "29677")):
+        os.environ.setdefault(k, v)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(verbose=False)
+    ds, _ = tconfig.load_ds_config(os.path.join(ROOT, args.z3_config))
+    ds.update(gradient_accumulation_steps=1, steps_per_print=10**9)
+    tconfig.ds_batch_keys(ds, 1)
+    ds["zero_optimization"].update(Z3_OVERRIDES)
+    for key in ("csv_monitor", "tensorboard", "wandb"):
+        ds.pop(key, None)
+    model = build_model(cfg, ds, checkpoint_blocks=True, seed=0, leaf_blocks=leaf)
+    partitioned = all(hasattr(p, "ds_tensor") for p in model.parameters())
+    with GatheredParameters([model.head.head.weight], modifier_rank=0), torch.no_grad():
+        model.head.head.weight.normal_(std=0.02)  # a zero head makes every other gradient zero
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+    return engine, partitioned
+
+
+def part_z3(args, doc, deadline):
+    """The 14B shape with --z3-layers blocks under ZeRO-3, WanBlock as leaf module or not: fwd+bwd ms of
+    1 image and 480p 81f, and the per-micro-batch overhead (ms of 1 image)."""
+    import gc
+
+    import torch
+
+    from ds_adaptiveload.model import WanConfig
+
+    cfg = WanConfig.from_dict({**WanConfig.from_yaml(os.path.join(ROOT, args.z3_model_config)).to_dict(),
+                               "num_layers": args.z3_layers})
+    doc.doc["z3"] = {"config": args.z3_config, "overrides": Z3_OVERRIDES, "num_layers": args.z3_layers,
+                     "params": cfg.num_params(), "rows": []}
+    for leaf in (True, False):
+        if time.monotonic() > deadline:
+            doc.doc["skipped"].append({"z3_leaf": leaf, "why": "time budget"})
+            continue
+        engine, partitioned = z3_engine(args, cfg, leaf)
+        device = next(engine.module.parameters()).device
+        dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+        for name, shape in (("img1", (1, 1, 60, 104)), ("480p81", SHAPES["480p81"])):
+            runs = [micro_step(engine, cfg, shape, i, device, dtype) for i in range(1 + args.reps)][1:]
+            ms = statistics.median(r[0] for r in runs)
+            S = tokens_of(shape, cfg)
+            doc.doc["z3"]["rows"].append({
+                "leaf_blocks": leaf, "partitioned_at_construction": partitioned, "shape": name, "B": shape[0],
+                "ms": ms, "step_ms": statistics.median(r[1] for r in runs), "peak_gib": max(r[2] for r in runs) / GIB,
+                "mfu": cfg.flops_per_sample(S) * shape[0] / (ms / 1e3 * args.peak_tflops * 1e12)})
+            doc.save()
+        engine.destroy()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    from ds_adaptiveload.train.config import default_alloc_conf
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    default_alloc_conf()
+    deadline = time.monotonic() + args.time_budget
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.work, exist_ok=True)
+    doc = Doc(args)
+    parts = split(args.parts, ("shapes", "e2e", "z3"))
+    if parts == ["shapes"]:
+        part_shapes(args, doc, deadline)
+    elif "shapes" in parts:
+        # in a child process, so that the e2e runs get the GPU's memory back (and a crash there keeps e2e)
+        import subprocess
+
+        rc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--parts", "shapes", "--time-budget",
+                             str(max(args.time_budget - E2E_RESERVE_S, 30))], cwd=ROOT).returncode
+        if os.path.exists(doc.path):
+            with open(doc.path) as f:
+                doc.doc.update({k: v for k, v in json.load(f).items() if k not in ("e2e", "env")})
+        doc.doc["shapes_rc"] = rc
+    if "e2e" in parts:
+        part_e2e(args, doc, deadline)
+    if "z3" in parts:
+        part_z3(args, doc, deadline)
+    doc.save()
+    print(f"[mfu] wrote {doc.path}: e2e_mfu {doc.doc.get('e2e_mfu')}, per_shape {doc.doc['per_shape']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The MFU levers applied to a WanModel from outside, for bench/mfu.py and bench/mfu_train.py, until the
+coordinator wires them into model/wan.py and the trainer: checkpoint only the first k blocks (k per
+micro-batch from schedule/memory.py) and regional compile of the blocks (model/compile.py).
+
+The blocks' `forward` instance attributes carry both: eager or compiled WanBlock.forward, wrapped in
+torch.utils.checkpoint for blocks below k. The model's own checkpoint_blocks must be off (else every block
+is checkpointed twice over)."""
+import math
+import types
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.model.wan import WanBlock, WanModel
+from ds_adaptiveload.schedule.memory import blocks_to_checkpoint
+
+
+def _checkpointed(fn):
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return fn(self, *args, **kwargs)
+        return checkpoint(fn, self, *args, use_reentrant=False, **kwargs)
+    return forward
+
+
+class Levers:
+    """levers = Levers(model); levers.set(k=12, compiled=True) before a forward."""
+
+    def __init__(self, model: torch.nn.Module, compile_kw=None):
+        wan = [m for m in model.modules() if isinstance(m, WanModel)]
+        if len(wan) != 1:
+            raise UserError(f"Levers: expected one WanModel inside the model, found {len(wan)}")
+        self.model = wan[0]
+        self.model.checkpoint_blocks = False
+        self.blocks = [b for b in self.model.blocks if isinstance(b, WanBlock)]
+        self.compile_kw = dict(compile_kw or {})
+        self._compiled = None
+        self.state = (None, None)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+    def set(self, k: int, compiled: bool = False) -> None:
+        """Checkpoint blocks 0..k-1 (k = num_layers: all, 0: none); compiled: the compiled forward."""
+        if not 0 <= k <= self.num_layers:
+            raise UserError(f"Levers.set: k must be in 0..{self.num_layers}, got {k}")
+        if self.state == (k, compiled):
+            return
+        if compiled and self._compiled is None:
+            from ds_adaptiveload.model.compile import block_forward
+
+            self._compiled = block_forward(**self.compile_kw)
+        fn = self._compiled if compiled else WanBlock.forward
+        for i, b in enumerate(self.blocks):
+            b.forward = types.MethodType(_checkpointed(fn) if i < k else fn, b)
+        self.state = (k, compiled)
+
+
+def micro_batch_tokens(x, patch_size) -> tuple:
+    """(samples, tokens) of a model input: a latent [B, C, F, H, W] or a list of [C, F, H, W] (packed)."""
+    p = math.prod(patch_size)
+    if isinstance(x, torch.Tensor) and x.ndim == 5:
+        return x.shape[0], x.shape[0] * math.prod(x.shape[2:]) // p
+    if isinstance(x, (list, tuple)) and all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in x):
+        return len(x), sum(math.prod(t.shape[1:]) // p for t in x)
+    raise UserError(f"micro_batch_tokens: expected a [B, C, F, H, W] tensor or a list of [C, F, H, W], got {type(x)}")
+
+
+def choose_k(x, memory: dict, levers: Levers, mode) -> int:
+    """k for this micro-batch: mode 'auto' (blocks_to_checkpoint), 'all', 'none' or an int."""
+    if mode == "auto":
+        samples, tokens = micro_batch_tokens(x, levers.model.cfg.patch_size)
+        return blocks_to_checkpoint(int(tokens), int(samples), memory, levers.num_layers)
+    if mode == "all":
+        return levers.num_layers
+    if mode == "none":
+        return 0
+    return min(int(mode), levers.num_layers)

@@ -1,0 +1,103 @@
+"""Regional torch.compile of the Wan DiT: each WanBlock's forward compiled, with the token (and batch)
+dimension dynamic, so inductor fuses the elementwise chain (fp32 RoPE, RMSNorm, gates, casts) between the
+matmuls while the embeddings, head and loop stay eager.
+
+One compiled function serves every block: WanBlock.forward is compiled once and bound to each block, and
+dynamo treats the parameters of inlined nn.Modules as graph inputs, so 30 blocks share one cache entry
+instead of compiling 30 times. Only forward is compiled, not the module call, so module hooks (DeepSpeed
+ZeRO-3's parameter gathering) run eagerly around it; under ZeRO-3 make WanBlock a leaf module
+(train/build.py) so that no hook sits on a submodule inside the compiled region.
+
+On CUDA the fused LayerNorm-Modulate op is a graph break until it is a torch custom op: run compiled blocks
+with DS_ADAPTIVELOAD_LN_MODULATE=torch (its PyTorch path, which inductor fuses) or fullgraph=False.
+"""
+import types
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.model.wan import WanBlock
+
+# WanBlock.forward(x, e0, context, cos, sin, ...): argument position -> dims to mark dynamic.
+# x [B, S, dim], e0 [B, 6, dim], context [B, text_len, dim], cos/sin [1, S, 1, head_dim/2].
+_DYNAMIC_DIMS = ((0, (0, 1)), (1, (0,)), (2, (0,)), (3, (1,)), (4, (1,)))
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How compile_blocks compiles WanBlock.forward."""
+    dynamic: bool = True
+    """Mark the token and batch dims dynamic (one graph for every S; B = 1 and B > 1 get one graph each,
+    as dynamo specialises size 1); False: one graph per shape."""
+    fullgraph: bool = False
+    """Fail on a graph break instead of splitting the block (tests use True to prove the block traces whole)."""
+    mode: Optional[str] = None
+    """torch.compile mode (None, 'max-autotune-no-cudagraphs', ...)."""
+    backend: str = "inductor"
+    """torch.compile backend ('aot_eager' traces without code generation: CPU tests)."""
+
+
+def _mark(args):
+    for pos, dims in _DYNAMIC_DIMS:
+        if pos < len(args) and isinstance(args[pos], torch.Tensor):
+            for d in dims:
+                if d < args[pos].ndim:
+                    torch._dynamo.maybe_mark_dynamic(args[pos], d)
+
+
+def block_forward(dynamic: bool = True, fullgraph: bool = False, mode: Optional[str] = None,
+                  backend: str = "inductor"):
+    """A compiled WanBlock.forward(self, x, e0, context, cos, sin, ...) to bind to any number of blocks
+    (compile_blocks binds it; a caller that wraps blocks further, e.g. in checkpointing, binds it itself)."""
+    opts = CompileOptions(dynamic=dynamic, fullgraph=fullgraph, mode=mode, backend=backend)
+    compiled = torch.compile(WanBlock.forward, dynamic=None if opts.dynamic else False,
+                             fullgraph=opts.fullgraph, mode=opts.mode, backend=opts.backend)
+
+    def forward(self, *args, **kwargs):
+        if opts.dynamic:
+            _mark(args)  # before dynamo sees the tensors: the first graph is already dynamic in S
+        return compiled(self, *args, **kwargs)
+
+    return forward
+
+
+def compile_blocks(model: torch.nn.Module, dynamic: bool = True, fullgraph: bool = False, mode: Optional[str] = None,
+                   backend: str = "inductor") -> int:
+    """Bind one compiled WanBlock.forward to every WanBlock under `model` (a WanModel, or a DeepSpeed engine
+    holding one). Returns the number of blocks. Idempotent: compiled blocks are left as they are."""
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"compile_blocks: model must be an nn.Module, got {type(model).__name__}")
+    blocks = [m for m in model.modules() if isinstance(m, WanBlock)]
+    if not blocks:
+        raise UserError("compile_blocks: model has no WanBlock")
+    forward = block_forward(dynamic, fullgraph, mode, backend)
+    for b in blocks:
+        if "forward" not in b.__dict__:  # an instance attribute: this block is compiled already
+            b.forward = types.MethodType(forward, b)
+    return len(blocks)
+
+
+def uncompile_blocks(model: torch.nn.Module) -> None:
+    """Back to eager WanBlock.forward (compiled code stays cached for a later compile_blocks)."""
+    for m in model.modules():
+        if isinstance(m, WanBlock):
+            m.__dict__.pop("forward", None)
+
+
+def compile_stats() -> dict:
+    """Graphs dynamo holds for WanBlock.forward (recompiles = graphs - 1), and process-wide dynamo counters:
+    unique graphs and graph breaks (by reason)."""
+    from torch._dynamo.utils import counters
+
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        graphs = len(_debug_get_cache_entry_list(WanBlock.forward.__code__))
+    except (ImportError, AttributeError, TypeError):  # a private helper; absent in some versions
+        graphs = None
+    breaks = dict(counters["graph_break"])
+    return {"block_graphs": graphs, "block_recompiles": None if graphs is None else max(graphs - 1, 0),
+            "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(breaks.values())), "graph_break_reasons": {k[:200]: v for k, v in breaks.items()}}

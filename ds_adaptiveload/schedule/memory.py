@@ -1,0 +1,93 @@
+"""Memory-aware activation checkpointing, the planning half: how many of a micro-batch's blocks must be
+checkpointed to fit, and what the recompute that remains costs. Pure Python: no torch.
+
+Memory model of one micro-batch of `samples` samples holding `tokens` tokens in all, with the first k of
+L blocks checkpointed (the profile's memory section, as `calibrate` fits it with every block checkpointed):
+
+    peak(k) = fixed_bytes + bytes_per_sample * samples + tokens * (bytes_per_token + (L - k) * block_bytes_per_token)
+
+block_bytes_per_token is what one block left un-checkpointed adds per token (its saved activations, less
+the block input a checkpointed block keeps anyway); bench/mfu.py measures it as
+(bytes/token with no block checkpointed - with all) / L. A micro-batch fits when peak(k) <= capacity_bytes
+* safety. Without block_bytes_per_token every block is checkpointed (the behaviour before this module).
+
+Time: a profile calibrated with every block checkpointed predicts t; with k of L checkpointed the recompute
+of L - k blocks is gone:  t(k) = t * (1 - recompute_frac * (1 - k / L)),  recompute_frac (time_ms section)
+being the share of fwd+bwd that is recompute when all L are checkpointed (0 or absent: no change).
+"""
+import math
+
+from ds_adaptiveload.errors import UserError
+
+DEFAULT_SAFETY = 0.9  # calibrate's default share of device memory the budget may use
+
+
+def _number(mem: dict, key: str, default=None) -> float:
+    v = mem.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise UserError(f"profile: memory.{key} must be a finite number >= 0, got {v!r}")
+    return float(v)
+
+
+def blocks_to_checkpoint(tokens: int, samples: int, profile_memory: dict, num_layers: int) -> int:
+    """The fewest blocks k (checkpointing blocks 0..k-1) with which the micro-batch fits, from 0 to
+    num_layers. num_layers when the profile has no block_bytes_per_token, no capacity_bytes or no
+    bytes_per_token (today's behaviour: checkpoint everything), or when even k = num_layers does not fit
+    (the planner's token budget is what keeps such micro-batches out)."""
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        raise UserError(f"blocks_to_checkpoint: num_layers must be a positive int, got {num_layers!r}")
+    for name, v in (("tokens", tokens), ("samples", samples)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise UserError(f"blocks_to_checkpoint: {name} must be an int >= 0, got {v!r}")
+    if not isinstance(profile_memory, dict):
+        raise UserError(f"blocks_to_checkpoint: profile_memory must be the profile's memory mapping, "
+                        f"got {type(profile_memory).__name__}")
+    block = _number(profile_memory, "block_bytes_per_token")
+    capacity = _number(profile_memory, "capacity_bytes")
+    per_token = _number(profile_memory, "bytes_per_token")
+    if block is None or capacity is None or per_token is None:
+        return num_layers
+    if tokens == 0 or block == 0:
+        return 0
+    safety = _number(profile_memory, "safety", DEFAULT_SAFETY)
+    if not 0 < safety <= 1:
+        raise UserError(f"profile: memory.safety must be in (0, 1], got {safety!r}")
+    free = (capacity * safety - _number(profile_memory, "fixed_bytes", 0.0)
+            - _number(profile_memory, "bytes_per_sample", 0.0) * samples - per_token * tokens)
+    # Un-checkpointed blocks the free bytes hold; the rest must be checkpointed.
+    full = math.floor(free / (block * tokens)) if free > 0 else 0
+    return max(0, num_layers - min(full, num_layers))
+
+
+def predicted_peak_bytes(tokens: int, samples: int, profile_memory: dict, num_layers: int, k: int) -> float:
+    """peak(k) of the module docstring (needs fixed_bytes, bytes_per_token; block_bytes_per_token 0 if absent)."""
+    if not 0 <= k <= num_layers:
+        raise UserError(f"predicted_peak_bytes: k must be in 0..{num_layers}, got {k!r}")
+    per_token = _number(profile_memory, "bytes_per_token")
+    if per_token is None:
+        raise UserError("predicted_peak_bytes: the profile has no memory.bytes_per_token")
+    block = _number(profile_memory, "block_bytes_per_token", 0.0)
+    return (_number(profile_memory, "fixed_bytes", 0.0) + _number(profile_memory, "bytes_per_sample", 0.0) * samples
+            + tokens * (per_token + (num_layers - k) * block))
+
+
+def recompute_factor(k: int, num_layers: int, recompute_frac: float = 0.0) -> float:
+    """t(k) / t(all checkpointed) = 1 - recompute_frac * (1 - k / L)."""
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise UserError(f"recompute_factor: num_layers must be a positive int, got {num_layers!r}")
+    if not 0 <= k <= num_layers:
+        raise UserError(f"recompute_factor: k must be in 0..{num_layers}, got {k!r}")
+    if recompute_frac is None:
+        return 1.0
+    if isinstance(recompute_frac, bool) or not isinstance(recompute_frac, (int, float)) or not 0 <= recompute_frac < 1:
+        raise UserError(f"profile: time_ms.recompute_frac must be in [0, 1), got {recompute_frac!r}")
+    return 1.0 - recompute_frac * (1.0 - k / num_layers)
+
+
+def checkpoint_plan(tokens: int, samples: int, profile_memory: dict, num_layers: int,
+                    recompute_frac: float = 0.0) -> tuple:
+    """(k, time factor) for one micro-batch: blocks_to_checkpoint and the recompute_factor it implies."""
+    k = blocks_to_checkpoint(tokens, samples, profile_memory, num_layers)
+    return k, recompute_factor(k, num_layers, recompute_frac)

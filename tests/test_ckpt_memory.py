@@ -1,0 +1,110 @@
+"""schedule/memory.py: how many blocks a micro-batch must checkpoint to fit, and the recompute left; and the
+ZeRO-2 config it is shipped with."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.schedule.memory import (blocks_to_checkpoint, checkpoint_plan, predicted_peak_bytes,
+                                             recompute_factor)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 2**30
+L = 30
+# H200-like: 140 GiB, 12 GiB fixed, 224 kB/token with every block checkpointed, 100 kB/token per open block
+MEM = {"capacity_bytes": 140 * GIB, "safety": 0.9, "fixed_bytes": 12 * GIB, "bytes_per_token": 224e3,
+       "bytes_per_sample": 20e6, "block_bytes_per_token": 100e3, "budget_tokens": 500_000}
+
+
+def brute_force(tokens, samples, mem):
+    for k in range(L + 1):
+        if predicted_peak_bytes(tokens, samples, mem, L, k) <= mem["capacity_bytes"] * mem["safety"]:
+            return k
+    return L
+
+
+def test_without_block_bytes_every_block_is_checkpointed():
+    mem = {k: v for k, v in MEM.items() if k != "block_bytes_per_token"}
+    assert blocks_to_checkpoint(1560, 1, mem, L) == L
+    assert blocks_to_checkpoint(1560, 1, {"budget_tokens": 75600}, L) == L  # a profile with a token budget only
+    assert checkpoint_plan(1560, 1, mem, L, recompute_frac=0.25) == (L, 1.0)
+
+
+@pytest.mark.parametrize("tokens, samples", [(1560, 1), (1560 * 32, 32), (32760, 1), (75600, 1), (200_000, 4),
+                                             (400_000, 1), (10**7, 1)])
+def test_fewest_blocks_that_fit(tokens, samples):
+    k = blocks_to_checkpoint(tokens, samples, MEM, L)
+    assert k == brute_force(tokens, samples, MEM)
+    cap = MEM["capacity_bytes"] * MEM["safety"]
+    if k < L:
+        assert predicted_peak_bytes(tokens, samples, MEM, L, k) <= cap
+    if k > 0 and predicted_peak_bytes(tokens, samples, MEM, L, L) <= cap:
+        assert predicted_peak_bytes(tokens, samples, MEM, L, k - 1) > cap  # one fewer would not fit
+
+
+def test_small_micro_batches_checkpoint_nothing_large_ones_some_or_all():
+    assert blocks_to_checkpoint(1560, 1, MEM, L) == 0
+    assert blocks_to_checkpoint(32760, 1, MEM, L) == 0       # 32760 * (224k + 30 * 100k) = 106 GB < 113 GB
+    k720 = blocks_to_checkpoint(75600, 1, MEM, L)
+    assert 0 < k720 < L
+    assert blocks_to_checkpoint(10**7, 1, MEM, L) == L       # does not fit even fully checkpointed
+    ks = [blocks_to_checkpoint(s, 1, MEM, L) for s in range(1000, 600_000, 7919)]
+    assert ks == sorted(ks)                                   # more tokens never checkpoint fewer blocks
+
+
+def test_per_sample_bytes_count():
+    # the same tokens split over more samples hold more per-sample buffers (text context)
+    mem = dict(MEM, bytes_per_sample=3e9)
+    assert blocks_to_checkpoint(32760, 8, mem, L) > blocks_to_checkpoint(32760, 1, mem, L)
+
+
+def test_recompute_factor():
+    assert recompute_factor(L, L, 0.25) == 1.0
+    assert recompute_factor(0, L, 0.25) == pytest.approx(0.75)
+    assert recompute_factor(15, L, 0.25) == pytest.approx(0.875)
+    assert recompute_factor(0, L) == 1.0 and recompute_factor(0, L, None) == 1.0
+    k, f = checkpoint_plan(75600, 1, MEM, L, 0.3)
+    assert f == pytest.approx(1 - 0.3 * (1 - k / L))
+
+
+@pytest.mark.parametrize("call, word", [
+    (lambda: blocks_to_checkpoint(-1, 1, MEM, L), "tokens"),
+    (lambda: blocks_to_checkpoint(10, 1.5, MEM, L), "samples"),
+    (lambda: blocks_to_checkpoint(10, 1, MEM, 0), "num_layers"),
+    (lambda: blocks_to_checkpoint(10, 1, [1], L), "profile_memory"),
+    (lambda: blocks_to_checkpoint(10, 1, dict(MEM, block_bytes_per_token=-1), L), "block_bytes_per_token"),
+    (lambda: blocks_to_checkpoint(10, 1, dict(MEM, safety=1.5), L), "safety"),
+    (lambda: recompute_factor(0, L, 1.0), "recompute_frac"),
+    (lambda: recompute_factor(31, L, 0.1), "k"),
+    (lambda: predicted_peak_bytes(10, 1, {"fixed_bytes": 1}, L, 0), "bytes_per_token"),
+])
+def test_bad_input_names_the_argument(call, word):
+    with pytest.raises(UserError, match=word):
+        call()
+
+
+def test_memory_module_imports_without_torch():
+    code = "import sys, ds_adaptiveload.schedule.memory; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_zero2_config_matches_the_zero3_one_but_for_zero():
+    from ds_adaptiveload.train.config import load_ds_config
+
+    z2, al2 = load_ds_config(os.path.join(ROOT, "configs", "ds_zero2_bf16.json"))
+    z3, al3 = load_ds_config(os.path.join(ROOT, "configs", "ds_zero3_bf16.json"))
+    zo = z2["zero_optimization"]
+    assert zo["stage"] == 2 and zo["overlap_comm"] and zo["contiguous_gradients"]
+    assert z2["bf16"] == {"enabled": True}
+    for key in ("optimizer", "scheduler", "gradient_accumulation_steps", "gradient_clipping"):
+        assert z2[key] == z3[key], key
+    assert set(al2.to_dict()) == set(al3.to_dict()) and al2.policy == al3.policy
+    assert os.path.exists(os.path.join(ROOT, al2.profile))
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    assert DeepSpeedZeroConfig(**zo).stage == 2  # DeepSpeed's own schema accepts every key
+    with open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json")) as f:
+        assert json.load(f)["zero_optimization"]["reduce_bucket_size"] >= 5e7

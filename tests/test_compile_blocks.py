@@ -1,0 +1,76 @@
+"""model/compile.py: regional compile of WanBlock matches eager (outputs and every gradient, fp32) over shapes
+of different B and S, traces each block whole (fullgraph) with the op's PyTorch path, and compiles once for
+all blocks and all token counts (B = 1 and B > 1: two graphs). The aot_eager backend runs dynamo and
+AOTAutograd without inductor's C++ code generation, which takes minutes per graph on these 2 shared cores;
+inductor itself runs on the GPU in bench/mfu.py."""
+import copy
+
+import pytest
+import torch
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.model import WanConfig, WanModel
+from ds_adaptiveload.model.compile import compile_blocks, compile_stats, uncompile_blocks
+
+# (B, F, H, W) latents: S = F*H*W/4 tokens of 6, 12 and 24; B = 1 twice around a B = 2
+SHAPES = [(1, 1, 4, 6), (2, 3, 4, 4), (1, 2, 6, 8)]
+
+
+def tiny(checkpoint_blocks=False):
+    cfg = WanConfig(dim=64, ffn_dim=96, num_heads=2, num_layers=3, text_dim=32, text_len=8, freq_dim=32)
+    torch.manual_seed(0)
+    m = WanModel(cfg, checkpoint_blocks=checkpoint_blocks)
+    with torch.no_grad():  # the zero-initialised head would make every other gradient zero
+        m.head.head.weight.normal_(std=0.02)
+    return m
+
+
+def run(model, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, *lat = shape
+    x = torch.randn(B, 16, *lat, generator=g)
+    t = torch.rand(B, generator=g) * 1000
+    ctx = torch.randn(B, 5, model.cfg.text_dim, generator=g)
+    model.zero_grad(set_to_none=True)
+    y = model(x, t, ctx)
+    (y * torch.randn(y.shape, generator=g)).sum().backward()
+    return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpoint_blocks", [False, True])
+def test_compiled_blocks_match_eager_and_compile_once(checkpoint_blocks):
+    torch._dynamo.reset()
+    eager = tiny(checkpoint_blocks)
+    comp = copy.deepcopy(eager)
+    assert compile_blocks(comp, fullgraph=True, backend="aot_eager") == 3
+    assert compile_blocks(comp, fullgraph=True, backend="aot_eager") == 3  # again: left as it is
+    for i, shape in enumerate(SHAPES):
+        y0, g0 = run(eager, shape, i)
+        y1, g1 = run(comp, shape, i)
+        torch.testing.assert_close(y1, y0, atol=1e-5, rtol=1e-5)
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+    st = compile_stats()
+    # 3 blocks x 3 shapes: one graph for B = 1 (any S) and one for B > 1, shared by the blocks
+    assert st["block_graphs"] == 2 and st["block_recompiles"] == 1, st
+    assert st["graph_breaks"] == 0, st["graph_break_reasons"]
+
+
+def test_static_compile_recompiles_per_shape_and_uncompile_restores_eager():
+    torch._dynamo.reset()
+    m = tiny()
+    compile_blocks(m, dynamic=False, backend="aot_eager")
+    for i, shape in enumerate([(1, 1, 4, 6), (1, 1, 4, 8), (1, 1, 6, 8)]):
+        run(m, shape, i)
+    assert compile_stats()["block_graphs"] == 3
+    uncompile_blocks(m)
+    assert all("forward" not in b.__dict__ for b in m.blocks)
+    run(m, (1, 1, 8, 8), 0)
+    assert compile_stats()["block_graphs"] == 3  # eager again: nothing new compiled
+
+
+def test_bad_model_is_a_user_error():
+    with pytest.raises(UserError, match="model"):
+        compile_blocks("not a model")
+    with pytest.raises(UserError, match="WanBlock"):
+        compile_blocks(torch.nn.Linear(2, 2))

@@ -1,0 +1,148 @@
+"""bench/mfu.py's CPU-checkable parts: the levers it applies from outside (k blocks checkpointed: those and only
+those recompute, same outputs and gradients), the arithmetic of e2e_mfu / recompute_frac / per_shape, and
+bench/mfu_train.py driving launch/train_wan.py with memory-aware checkpointing on the tiny model (1 CPU rank)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ds_adaptiveload.model import WanConfig, WanModel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import mfu  # noqa: E402
+from mfu_levers import Levers, choose_k, micro_batch_tokens  # noqa: E402
+
+DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+
+
+def tiny():
+    cfg = WanConfig(dim=64, ffn_dim=96, num_heads=2, num_layers=4, text_dim=32, text_len=8, freq_dim=32)
+    torch.manual_seed(0)
+    m = WanModel(cfg)
+    with torch.no_grad():
+        m.head.head.weight.normal_(std=0.02)
+    return m
+
+
+def fwd_bwd(m):
+    g = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(2, 16, 2, 4, 6, generator=g), torch.randn(2, 5, 32, generator=g)
+    m.zero_grad(set_to_none=True)
+    y = m(x, torch.tensor([10.0, 900.0]), ctx)
+    y.square().sum().backward()
+    return y.detach(), [p.grad.clone() for p in m.parameters()]
+
+
+def test_levers_checkpoint_exactly_the_first_k_blocks():
+    m = tiny()
+    y0, g0 = fwd_bwd(m)
+    calls = [0] * 4
+    for i, b in enumerate(m.blocks):
+        b.ffn.register_forward_pre_hook(lambda mod, args, i=i: calls.__setitem__(i, calls[i] + 1))
+    lev = Levers(m)
+    for k in (0, 1, 3, 4):
+        calls[:] = [0] * 4
+        lev.set(k)
+        y, g = fwd_bwd(m)
+        assert calls == [2] * k + [1] * (4 - k), (k, calls)  # a checkpointed block runs again in backward
+        torch.testing.assert_close(y, y0)
+        for a, b in zip(g, g0):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(Exception, match="k must be"):
+        lev.set(5)
+
+
+def test_choose_k_and_token_counts():
+    m = tiny()
+    lev = Levers(m)
+    x = torch.zeros(2, 16, 3, 4, 6)
+    assert micro_batch_tokens(x, (1, 2, 2)) == (2, 36)
+    assert micro_batch_tokens([torch.zeros(16, 1, 4, 4), torch.zeros(16, 3, 4, 6)], (1, 2, 2)) == (2, 22)
+    mem = {"capacity_bytes": 300, "safety": 1.0, "fixed_bytes": 0, "bytes_per_token": 1, "block_bytes_per_token": 5}
+    assert choose_k(x, mem, lev, "auto") == 4 - (300 - 36) // (5 * 36) == 3
+    assert choose_k(x, {}, lev, "auto") == 4 and choose_k(x, mem, lev, "none") == 0 and choose_k(x, mem, lev, "2") == 2
+
+
+def test_e2e_summary_weights_steps_by_their_wall_and_skips_warmup():
+    recs = [{"step": i, "samples": 2, "tokens": 100, "step_ms": ms, "mfu": u, "mem_peak_gib": 10.0 + i,
+             "mem_capacity_gib": 139.8} for i, (ms, u) in enumerate([(9000, 0.01), (1000, 0.5), (3000, 0.3)])]
+    out = mfu.e2e_summary(recs + [{"step": 3, "skipped": {}}], warmup=1, peak_tflops=989)
+    assert out["steps"] == 2 and out["skipped_steps"] == 1
+    assert out["e2e_mfu"] == pytest.approx((0.5 * 1000 + 0.3 * 3000) / 4000)  # FLOPs over wall, not a mean of MFUs
+    assert out["tokens_per_s"] == pytest.approx(200 / 4.0) and out["mem_peak_gib_max"] == 12.0
+    assert "e2e_mfu" not in mfu.e2e_summary(recs[:1], warmup=1, peak_tflops=989)
+
+
+def test_recompute_frac_and_best_per_shape():
+    rows = [{"shape": "a", "mode": "eager", "k": 30, "tokens": 10, "ms": 100.0, "status": "ok", "mfu": 0.3, "B": 1,
+             "peak_gib": 1.0},
+            {"shape": "a", "mode": "eager", "k": 0, "tokens": 10, "ms": 80.0, "status": "ok", "mfu": 0.375, "B": 1,
+             "peak_gib": 2.0},
+            {"shape": "b", "mode": "eager", "k": 30, "tokens": 99, "ms": 10.0, "status": "oom"},
+            {"shape": "a", "mode": "compile", "k": 0, "tokens": 10, "ms": 50.0, "status": "ok", "mfu": 0.6, "B": 1,
+             "peak_gib": 1.5}]
+    assert mfu.recompute_frac(rows, "eager", 30) == pytest.approx(0.2)
+    assert mfu.recompute_frac(rows, "compile", 30) is None
+    best = mfu.best_per_shape(rows)
+    assert best == [{"shape": "a", "B": 1, "mfu": 0.6, "ms": 50.0, "mode": "compile", "k": 0, "peak_gib": 1.5}]
+    assert "| a |" in mfu.tables({"rows": rows, "e2e": []})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
+def test_mfu_train_runs_train_wan_with_memory_aware_checkpointing(tmp_path):
+    # 2 blocks; a memory model under which the tiny mix's micro-batches need some, not all, blocks checkpointed
+    mem = {"capacity_bytes": 600, "safety": 1.0, "fixed_bytes": 0, "bytes_per_token": 1, "block_bytes_per_token": 10}
+    (tmp_path / "mem.json").write_text(json.dumps(mem))
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               PYTHONPATH=ROOT, MFU_CKPT="auto", MFU_MEMORY=str(tmp_path / "mem.json"),
+               MFU_STATS=str(tmp_path / "stats.json"))
+    cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", "29547", "bench/mfu_train.py", "--deepspeed_config",
+           "configs/ds_tiny_cpu.json", "--model-config", "configs/wan_tiny.yaml", "--synthetic", "--synthetic-num", "8",
+           "--max-steps", "2", "--no-final-save", "--num-workers", "0", "--output", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert sum(stats["k_counts"].values()) >= 4  # 2 steps x G = 2 micro-batches
+    assert set(stats["k_counts"]) <= {"0", "1", "2"} and len(stats["k_counts"]) >= 2  # k follows the micro-batch
+    steps = [json.loads(ln) for ln in (tmp_path / "run" / "steps.rank0.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and all(s["loss"] == s["loss"] for s in steps)
+
+
+def test_shapes_part_smoke_on_cpu(tmp_path, monkeypatch):
+    """The shapes part end to end on the tiny model, in this process on the CPU (no peak memory there, so the
+    memory fields are 0 and k = 0), with the shipped ZeRO-2 config: every row runs and the document is written."""
+    monkeypatch.setattr(mfu, "SHAPES", {"img32": (2, 1, 4, 4), "480p81": (1, 3, 4, 6)})
+    monkeypatch.setattr(mfu, "PROBES", ((1, 1, 4, 4), (1, 2, 4, 4)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    rc = mfu.main(["--parts", "shapes", "--model-config", "configs/wan_tiny.yaml", "--shapes", "img32,480p81",
+                   "--modes", "eager,compile", "--compile-backend", "aot_eager", "--reps", "2", "--out", str(tmp_path),
+                   "--work", str(tmp_path / "work")])
+    assert rc == 0
+    doc = json.loads(next(tmp_path.glob("mfu-*-h200.json")).read_text())
+    rows = doc["rows"]
+    assert {(r["shape"], r["mode"], r["k"]) for r in rows} == {(s, m, k) for s in ("img32", "480p81")
+                                                              for m in ("eager", "compile") for k in (2, 0)}
+    assert all(r["status"] == "ok" and r["ms"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    assert {p["shape"] for p in doc["per_shape"]} == {"img32", "480p81"}
+    assert set(doc["proposed_profile"]) == {"eager", "compile"}
+    assert doc["compile_stats"]["block_graphs"] >= 1 and doc["torch"] and "e2e" in doc
+
+
+def test_z3_part_smoke_on_cpu(tmp_path, monkeypatch):
+    """The z3 part on the tiny model: built partitioned (zero.Init), trained under ZeRO-3 with and without
+    WanBlock as a leaf module."""
+    monkeypatch.setattr(mfu, "SHAPES", {"480p81": (1, 3, 4, 6)})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    rc = mfu.main(["--parts", "z3", "--z3-model-config", "configs/wan_tiny.yaml", "--z3-layers", "2", "--reps", "1",
+                   "--out", str(tmp_path), "--work", str(tmp_path / "work")])
+    assert rc == 0
+    z3 = json.loads(next(tmp_path.glob("mfu-*-h200.json")).read_text())["z3"]
+    assert z3["num_layers"] == 2 and len(z3["rows"]) == 4
+    assert all(r["partitioned_at_construction"] and r["ms"] > 0 for r in z3["rows"])
+    assert {r["leaf_blocks"] for r in z3["rows"]} == {True, False}
