@@ -141,7 +141,7 @@ class Bench:
     def __init__(self, args):
         import torch
 
-        from ds_adaptiveload.calibrate import _init_engine
+        from ds_adaptiveload.calibrate.engine import init_engine
         from ds_adaptiveload.model import WanConfig
         from mfu_levers import Levers
 
@@ -150,7 +150,7 @@ class Bench:
         with open(os.path.join(ROOT, args.config)) as f:
             ds = json.load(f)
         t0 = time.perf_counter()
-        self.engine, _, _, self.device, self.dtype = _init_engine(self.cfg, ds, SimpleNamespace(
+        self.engine, _, _, self.device, self.dtype = init_engine(self.cfg, ds, SimpleNamespace(
             checkpoint_blocks=False, seed=0))
         self.build_s = time.perf_counter() - t0
         self.levers = Levers(self.engine.module, {"mode": args.compile_mode, "backend": args.compile_backend})
@@ -275,13 +275,13 @@ def part_shapes(args, doc, deadline):
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.train.config import load_ds_config
     from ds_adaptiveload.model.compile import compile_stats
-    from ds_adaptiveload.calibrate import _op_state
+    from ds_adaptiveload.calibrate.engine import op_state
 
     _, al = load_ds_config(os.path.join(ROOT, args.config))
     profile_memory = CostProfile.load(al.resolve_profile(os.path.join(ROOT, args.config))).memory
     bench = Bench(args)
     doc.doc["build_s"] = round(bench.build_s, 1)
-    doc.doc["ln_modulate_op"] = _op_state(bench.device)  # what eager rows ran: the fused op, or PyTorch and why
+    doc.doc["ln_modulate_op"] = op_state(bench.device)  # what eager rows ran: the fused op, or PyTorch and why
     shapes, ckpts = split(args.shapes, SHAPES), split(args.ckpt, ("all", "k", "none"))
     for mode in split(args.modes, ("eager", "compile")):
         if time.monotonic() > deadline:

@@ -282,3 +282,32 @@ def test_packed_bench_smoke(tmp_path):
     assert all(c["status"] == "ok" for c in res["cases"]), res["cases"]
     for s in res["summary"]:
         assert {"mixed_packed_ms", "mixed_separate_ms", "image_heavy_vs_best"} <= set(s), s
+
+
+def test_checkpointing_the_first_k_blocks_keeps_outputs_and_gradients(monkeypatch):
+    """checkpoint_blocks = k checkpoints the first k blocks only; numerics equal no checkpointing."""
+    import copy
+
+    from ds_adaptiveload.model import WanConfig, WanModel, wan
+
+    cfg = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=3, text_dim=16, text_len=4, freq_dim=16)
+    torch.manual_seed(0)
+    ref = WanModel(cfg)
+    with torch.no_grad():
+        ref.head.head.weight.normal_(std=0.02)
+    x, t, ctx = torch.randn(2, 16, 1, 4, 4), torch.tensor([10.0, 500.0]), torch.randn(2, 3, 16)
+    wrapped, outs = [], []
+    real = wan.checkpoint
+    monkeypatch.setattr(wan, "checkpoint", lambda fn, *a, **kw: wrapped.append(fn) or real(fn, *a, **kw))
+    for k in (0, 2, True):
+        m = copy.deepcopy(ref)
+        m.checkpoint_blocks = k
+        wrapped.clear()
+        y = m(x, t, ctx)
+        y.square().sum().backward()
+        assert wrapped == list(m.blocks)[:{0: 0, 2: 2, True: 3}[k]]
+        outs.append((y.detach(), [p.grad.clone() for p in m.parameters()]))
+    for y, g in outs[1:]:
+        torch.testing.assert_close(y, outs[0][0])
+        for a, b in zip(g, outs[0][1]):
+            torch.testing.assert_close(a, b)

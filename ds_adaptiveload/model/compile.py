@@ -20,17 +20,20 @@ import torch
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.wan import WanBlock
 
-# WanBlock.forward(x, e0, context, cos, sin, ...): argument position -> dims to mark dynamic.
-# x [B, S, dim], e0 [B, 6, dim], context [B, text_len, dim], cos/sin [1, S, 1, head_dim/2].
-_DYNAMIC_DIMS = ((0, (0, 1)), (1, (0,)), (2, (0,)), (3, (1,)), (4, (1,)))
+# WanBlock.forward(x, e0, context, lay): argument position -> dims to mark dynamic.
+# x [T, dim] packed token rows, e0 [n, 6, dim], context [n, text_len, dim]; the Layout's per-group RoPE
+# tables cos/sin [1, S_g, 1, head_dim/2] are marked in _mark (dim 1). The number of shape groups in a
+# micro-batch is structure, not a size: each group count gets its own graph.
+_DYNAMIC_DIMS = ((0, (0,)), (1, (0,)), (2, (0,)))
 
 
 @dataclass(frozen=True)
 class CompileOptions:
     """How compile_blocks compiles WanBlock.forward."""
     dynamic: bool = True
-    """Mark the token and batch dims dynamic (one graph for every S; B = 1 and B > 1 get one graph each,
-    as dynamo specialises size 1); False: one graph per shape."""
+    """Mark the token and batch dims dynamic. Under the packed Layout the group sizes are Python ints, so
+    dynamo still specialises on each micro-batch shape (measured in tests/test_compile_blocks.py: one graph per
+    (B, S), shared by every block); False: static shapes from the start."""
     fullgraph: bool = False
     """Fail on a graph break instead of splitting the block (tests use True to prove the block traces whole)."""
     mode: Optional[str] = None
@@ -45,11 +48,16 @@ def _mark(args):
             for d in dims:
                 if d < args[pos].ndim:
                     torch._dynamo.maybe_mark_dynamic(args[pos], d)
+    lay = args[3] if len(args) > 3 else None
+    for table in getattr(lay, "rope", ()):
+        for t in table:
+            if isinstance(t, torch.Tensor) and t.ndim > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 1)
 
 
 def block_forward(dynamic: bool = True, fullgraph: bool = False, mode: Optional[str] = None,
                   backend: str = "inductor"):
-    """A compiled WanBlock.forward(self, x, e0, context, cos, sin, ...) to bind to any number of blocks
+    """A compiled WanBlock.forward(self, x, e0, context, lay) to bind to any number of blocks
     (compile_blocks binds it; a caller that wraps blocks further, e.g. in checkpointing, binds it itself)."""
     opts = CompileOptions(dynamic=dynamic, fullgraph=fullgraph, mode=mode, backend=backend)
     compiled = torch.compile(WanBlock.forward, dynamic=None if opts.dynamic else False,

@@ -215,7 +215,8 @@ class _GatherSeq(torch.autograd.Function):
 class WanModel(nn.Module):
     """Wan 2.1 DiT. WanModel(cfg)(x, t, context) -> [B, out_dim, F, H, W].
 
-    checkpoint_blocks: recompute each block in backward (torch.utils.checkpoint, non-reentrant).
+    checkpoint_blocks: recompute blocks in backward (torch.utils.checkpoint, non-reentrant): True for every
+        block, an int k for the first k (settable per micro-batch), False for none.
     self_attn_fn: the self-attention core, (q, k, v) [B, S, heads, head_dim] -> same layout, called once
         per shape group of a packed micro-batch ([n_g, S_g, heads, head_dim]); None for sdpa_attention. Under sequence parallelism it also receives valid_len=<full token count> when
         the sequence was padded to a multiple of the SP world size (sdpa_attention handles it)."""
@@ -299,8 +300,11 @@ class WanModel(nn.Module):
             e = self.time_embedding(timestep_embedding(tp, self.cfg.freq_dim).to(self.time_embedding[0].weight.dtype))
             e0 = self.time_projection(e).float().unflatten(1, (6, self.cfg.dim))
 
-        for block in self.blocks:
-            if self.checkpoint_blocks and torch.is_grad_enabled():
+        # checkpoint_blocks: True = every block, an int k = the first k (memory-aware checkpointing,
+        # schedule/memory.blocks_to_checkpoint picks k per micro-batch), False / 0 = none.
+        n_ckpt = len(self.blocks) if self.checkpoint_blocks is True else int(self.checkpoint_blocks or 0)
+        for i, block in enumerate(self.blocks):
+            if i < n_ckpt and torch.is_grad_enabled():
                 h = checkpoint(block, h, e0, context, lay, use_reentrant=False)
             else:
                 h = block(h, e0, context, lay)
