@@ -46,6 +46,8 @@ def decode_sample(rec: dict) -> np.ndarray:
     source.fps for videos)."""
     import av
 
+    from ds_adaptiveload.data.scan import open_media
+
     frames, h, w = rec["frames"], rec["height"], rec["width"]
     src_fps = (rec.get("source") or {}).get("fps")
     want = source_indices(frames, rec.get("fps"), src_fps) if rec.get("kind") != "image" else [0]
