@@ -21,10 +21,6 @@ class AgreedError(UserError):
     """Raised on every rank with the same message after a collective (agree); rank 0 prints it."""
 
 
-class PeerLost(Exception):
-    """A collective failed because another rank is gone."""
-
-
 class Terminated(BaseException):
     """SIGTERM (on_sigterm): the launcher ends every rank once one has exited non-zero. A BaseException,
     so that no `except Exception` on the way swallows it."""
@@ -149,7 +145,7 @@ def is_peer_failure(e: BaseException) -> bool:
     the watchdog aborted the communicator)."""
     import torch.distributed as dist
 
-    if isinstance(e, PeerLost) or isinstance(e, getattr(dist, "DistNetworkError", ())):
+    if isinstance(e, getattr(dist, "DistNetworkError", ())):
         return True
     return _dist() is not None and any(p in str(e).lower() for p in _PEER_ERRORS)
 
