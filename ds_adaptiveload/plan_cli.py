@@ -47,6 +47,8 @@ def run(args):
     from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
     from ds_adaptiveload.schedule.profile import CostProfile
 
+    if args.dump:
+        check_dump_path(args.dump)  # before planning: a wrong path fails in a second, not after the plan
     profile = CostProfile.load(args.profile)
     samples = load_samples(args, profile.geometry)
     extra = {k: v for k, v in (("window", args.window), ("fill", args.fill)) if v is not None}
@@ -69,8 +71,22 @@ def run(args):
     return 0
 
 
+def check_dump_path(path):
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UserError(f"--dump {path}: is a folder; give a file path, e.g. {os.path.join(path, 'plan.jsonl')}")
+    if not os.path.isdir(folder):
+        raise UserError(f"--dump {path}: its folder does not exist ({folder})")
+
+
 def write_dump(path, plan, samples):
-    with open(path, "w") as f:
+    try:
+        f = open(path, "w")
+    except OSError as e:  # permissions, a folder created meanwhile
+        raise UserError(f"--dump {path}: cannot write ({e.strerror})") from None
+    with f:
         for s, step in enumerate(plan.steps):
             for r, mbs in enumerate(step):
                 for m, mb in enumerate(mbs):

@@ -29,6 +29,8 @@ def parse_line(text: str, path, lineno: int, geometry: Geometry) -> Sample:
         rec = json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits; nesting deeper than the stack
+        raise UserError(f"{where}: not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(rec, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     missing = [k for k in REQUIRED if k not in rec]
@@ -51,11 +53,18 @@ def load_manifest(path, geometry: Geometry = Geometry()) -> list:
     """Read and validate a manifest; duplicate ids are an error naming both lines."""
     samples, seen = [], {}
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")  # bytes: a bad byte is reported with its line, not as a UnicodeDecodeError
     except OSError as e:
         raise UserError(f"manifest {path}: cannot read: {e.strerror}") from None
     with f:
-        for lineno, text in enumerate(f, 1):
+        for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 BOM (some editors write one)
+                raw = raw[3:]
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte "
+                                f"{e.start + 1} of the line)") from None
             if not text.strip():
                 continue
             s = parse_line(text, path, lineno, geometry)

@@ -36,6 +36,27 @@ _SCHEMA = {
 }
 
 
+# Dataclass field -> the YAML key it is read from (error messages).
+KEYS = {"fixed_ms": "time_ms.fixed", "per_token_ms": "time_ms.per_token", "per_token_sq_ms": "time_ms.per_token_sq",
+        "step_fixed_ms": "time_ms.step_fixed", "floor_ms": "time_ms.floor", "sample_tokens": "memory.sample_tokens"}
+# memory keys beyond the budget that the trainer and calibrate read as numbers.
+MEMORY_NUMBERS = ("fixed_bytes", "bytes_per_token", "bytes_per_sample", "capacity_bytes", "safety")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _number(key, v, bound: str) -> None:
+    """A finite real number >= 0 (or > 0); ints too large for a float are refused as not finite."""
+    try:
+        ok = _is_number(v) and math.isfinite(v) and (v >= 0 if bound == ">= 0" else v > 0)
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise UserError(f"profile: {key} must be a {'finite ' if bound == '>= 0' else ''}number {bound}, got {v!r}")
+
+
 @dataclass
 class CostProfile:
     fixed_ms: float
@@ -69,21 +90,24 @@ class CostProfile:
     load, written by to_yaml."""
 
     def __post_init__(self):
+        # Messages name the YAML keys (KEYS), the names a user edits.
         for name in ("fixed_ms", "per_token_ms", "per_token_sq_ms", "step_fixed_ms", "floor_ms", "sample_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-                raise UserError(f"profile: {name} must be a finite number >= 0, got {v!r}")
-        if not isinstance(self.floor_q, (int, float)) or isinstance(self.floor_q, bool) or not self.floor_q >= 1:
+            _number(KEYS[name], getattr(self, name), ">= 0")
+        if not _is_number(self.floor_q) or not self.floor_q >= 1:
             raise UserError(f"profile: time_ms.floor_q must be a number >= 1, got {self.floor_q!r}")
         if self.per_token_ms == 0 and self.per_token_sq_ms == 0:
-            raise UserError("profile: per_token and per_token_sq cannot both be 0")
-        if not isinstance(self.budget_tokens, int) or self.budget_tokens < 1:
+            raise UserError("profile: time_ms.per_token and time_ms.per_token_sq cannot both be 0")
+        if type(self.budget_tokens) is not int or self.budget_tokens < 1:  # bool is an int: refused
             raise UserError(f"profile: memory.budget_tokens must be a positive integer, "
                             f"got {self.budget_tokens!r}")
+        for key in MEMORY_NUMBERS:
+            if key in self.memory:
+                _number(f"memory.{key}", self.memory[key], ">= 0")
         if (self.dual_p is None) != (self.dual_m_comp is None):
             raise UserError("profile: dual needs both p and m_comp")
-        if self.dual_p is not None and not (self.dual_p > 0 and self.dual_m_comp > 0):
-            raise UserError(f"profile: dual p and m_comp must be > 0, got {self.dual_p}, {self.dual_m_comp}")
+        if self.dual_p is not None:
+            _number("dual.p", self.dual_p, "> 0")
+            _number("dual.m_comp", self.dual_m_comp, "> 0")
 
     def sample_ms(self, tokens: int) -> float:
         """Marginal cost of one sample inside a micro-batch (no fixed part)."""

@@ -154,3 +154,48 @@ def ds_batch_keys(ds: dict, dp_world: int) -> dict:
     changed = {k: (ds.get(k), v) for k, v in want.items() if k in ds and ds[k] != v}
     ds.update(want)
     return changed
+
+
+MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
+
+
+def derive_ds_config(base, *, zero_stage=None, grad_accum=None, dp=None, sp=None, bf16=None, adaptive_load=None,
+                     monitor_path=None, **top) -> dict:
+    """A DeepSpeed JSON dict derived from `base` (a path or a dict; neither is modified): the one place
+    that derives one (benchmarks, calibration, tests). Every override left None keeps the base's value.
+
+    zero_stage: zero_optimization.stage. grad_accum: gradient_accumulation_steps. dp: set the batch keys
+    to count micro-batches for dp data-parallel ranks (ds_batch_keys). sp: sequence_parallel_size (1
+    removes the key). bf16: bf16.enabled. adaptive_load: keys merged into that section (a None value
+    removes the key). monitor_path: output_path of every monitor section the base has. top: other
+    top-level keys, set as given (None removes the key)."""
+    import copy
+
+    ds = copy.deepcopy(read_json_object(base, "DeepSpeed config") if isinstance(base, (str, os.PathLike))
+                       else base)
+    if zero_stage is not None:
+        ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": zero_stage}
+    if grad_accum is not None:
+        ds["gradient_accumulation_steps"] = grad_accum
+    if sp is not None:
+        if sp == 1:
+            ds.pop("sequence_parallel_size", None)
+        else:
+            ds["sequence_parallel_size"] = sp
+    if bf16 is not None:
+        ds["bf16"] = {**ds.get("bf16", {}), "enabled": bool(bf16)}
+    if adaptive_load:
+        section = {**ds.get("adaptive_load", {}), **adaptive_load}
+        ds["adaptive_load"] = {k: v for k, v in section.items() if v is not None}
+    if monitor_path is not None:
+        for name in MONITORS:
+            if isinstance(ds.get(name), dict):
+                ds[name] = {**ds[name], "output_path": str(monitor_path)}
+    for k, v in top.items():
+        if v is None:
+            ds.pop(k, None)
+        else:
+            ds[k] = v
+    if dp is not None:
+        ds_batch_keys(ds, dp)
+    return ds

@@ -1,0 +1,110 @@
+"""The DeepSpeed engine and one micro-step, shared by training (trainer.py) and calibration: device init,
+deepspeed.initialize with the sequence-parallel mpu, the compute dtype, the flow-matching micro-step, the
+zero-weight stand-in micro-batch and the recovery after an out-of-memory error.
+
+Plain functions with explicit arguments, so calibration can use them without a Trainer."""
+import os
+
+
+def init_distributed():
+    """-> (accelerator, rank, world): gloo on the CPU accelerator, nccl on CUDA; once per process."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+    return accel, dist.get_rank(), dist.get_world_size()
+
+
+def pick_device(accel, local_rank: int, threads: bool = True):
+    """This rank's device. CPU: ranks share the host's cores, so each gets cores / local ranks threads
+    (without it each would start one thread per core); threads=False keeps torch's default."""
+    import torch
+
+    if accel.device_name() == "cpu":
+        if threads:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", 1))))
+        return torch.device("cpu")
+    accel.set_device(local_rank)
+    return torch.device(accel.device_name(local_rank))
+
+
+def build_engine(model, ds_cfg: dict, mpu, compile: bool = False):
+    """deepspeed.initialize with every parameter and the sequence-parallel mpu (sp.init_sequence_parallel)."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_cfg,
+                                           mpu=mpu)
+    if compile:
+        engine.compile()
+    return engine
+
+
+def compute_dtype(engine):
+    """The dtype inputs are cast to: bf16 / fp16 when the engine trains in it, else fp32."""
+    import torch
+
+    return torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+
+
+def micro_step(engine, batch: dict, weight: float, *, device, dtype, seed: int, epoch: int, shift: float,
+               seq_shard=None):
+    """Forward + backward of one micro-batch ({'latent', 'text', 'index'}): flow-matching loss with noise
+    and timesteps seeded per sample and epoch (flow.draw_noise), backward of sum(loss) * weight. Returns
+    the detached per-sample losses."""
+    from ds_adaptiveload.train import flow
+
+    x0 = batch["latent"].to(device, dtype, non_blocking=True)
+    text = batch["text"].to(device, dtype, non_blocking=True)
+    eps, t = flow.draw_noise(x0, batch["index"], seed, epoch, shift)
+    per_sample = flow.flow_matching_loss(engine, x0, text, eps, t, seq_shard=seq_shard)
+    engine.backward(per_sample.sum() * weight)
+    return per_sample.detach()
+
+
+def stand_in(engine, model_cfg, sp: int, *, device, dtype, seq_shard=None) -> None:
+    """After an OOM: a 1-sample, k-token micro-batch with zero weight, so this rank still issues the
+    forward/backward collectives (ZeRO-3 gathers, gradient reduce-scatters) its peers issue."""
+    import torch
+
+    from ds_adaptiveload.data.latents import LATENT_CHANNELS
+    from ds_adaptiveload.train import flow
+
+    x0 = torch.zeros(1, LATENT_CHANNELS, 1, 2, 2 * sp, device=device, dtype=dtype)
+    text = torch.zeros(1, model_cfg.text_len, model_cfg.text_dim, device=device, dtype=dtype)
+    loss = flow.flow_matching_loss(engine, x0, text, torch.zeros_like(x0, dtype=torch.float32),
+                                   torch.zeros(1, device=device), seq_shard=seq_shard)
+    engine.backward(loss.sum() * 0.0)
+
+
+def recover_after_oom(engine, accel, world: int) -> None:
+    """Free what the failed micro-batch held. With one rank under ZeRO-3, an exception inside forward
+    leaves gathered parameters and a half-recorded module trace: release them and end the trace step.
+    With several ranks that release would make this rank gather parameters its peers keep (persistent
+    ones), so its collectives would no longer match theirs; it is left out (docs/reliability.md: an OOM
+    after the micro-batch's first collective cannot be recovered with several ranks)."""
+    import gc
+
+    gc.collect()
+    if world == 1 and engine.zero_optimization_stage() == 3:
+        coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+        coordinator.release_and_reset_all(engine.module)
+        coordinator.reset_step()
+    accel.empty_cache()
+
+
+def dump_grads(engine, path, rank: int, step: int) -> None:
+    """Tests: full fp32 parameters and the accumulated gradients of `step` (before clipping and the
+    update), so a single process can recompute that step's gradient. Collective under ZeRO-3."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    params, grads = {}, {}
+    for n, p in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(p)
+        params[n] = (p if full is None else full).detach().float().cpu().clone()
+        grads[n] = safe_get_full_grad(p).detach().float().cpu().clone()
+    if rank == 0:
+        torch.save({"step": step, "params": params, "grads": grads}, path)

@@ -1,0 +1,316 @@
+"""How a multi-rank run fails (docs/reliability.md): errors agreed on every rank, a lost peer named, the
+messages that name the step, rank and samples, and the process group torn down on every exit path.
+
+The rule: an error that one rank detects is only raised after a collective has told every rank, so every
+rank raises the same `AgreedError` at the same point, rank 0 prints it as one line and every rank exits 2.
+A rank that raised alone would exit while its peers wait in a collective, which then fails with gloo's
+"Connection closed by peer" traceback and exit 1 (the launcher returns whichever code it polls first).
+"""
+import os
+import socket
+import sys
+
+from ds_adaptiveload.errors import UserError
+
+EXIT_USER_ERROR = 2
+EXIT_PEER_LOST = 3
+"""A rank stopped answering (killed, preempted, crashed): relaunch with --resume; 2 means fix the input."""
+
+
+class AgreedError(UserError):
+    """Raised on every rank with the same message after a collective (agree); rank 0 prints it."""
+
+
+class Terminated(BaseException):
+    """SIGTERM (on_sigterm): the launcher ends every rank once one has exited non-zero. A BaseException,
+    so that no `except Exception` on the way swallows it."""
+
+
+EXIT_TERMINATED = 128 + 15
+
+
+def on_sigterm(signum, frame):
+    """Raise Terminated in the main thread, so that a rank the launcher ends right after a peer died still
+    says which rank stopped (report); a rank blocked in a collective only gets here when it returns."""
+    raise Terminated()
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def error_text(e: BaseException) -> str:
+    """One line for an exception. A UserError raised in a DataLoader worker arrives wrapped in the
+    worker's traceback; its last line is the original message."""
+    lines = str(e).strip().splitlines()
+    text = lines[-1] if lines else type(e).__name__
+    return text.split("UserError: ", 1)[-1]
+
+
+def combine(messages) -> str:
+    """Distinct per-rank messages in rank order, at most three, as one line."""
+    distinct = list(dict.fromkeys(m for m in messages if m))
+    more = f" (and {len(distinct) - 3} more)" if len(distinct) > 3 else ""
+    return "; ".join(distinct[:3]) + more
+
+
+def agree(message) -> None:
+    """Collective: every rank calls it with its error message or None. When any rank has one, every rank
+    raises the same AgreedError (the ranks' messages combined); otherwise returns on every rank."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        if message:
+            raise AgreedError(message)
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, message)
+    if any(everyone):
+        raise AgreedError(combine(everyone))
+
+
+def agreed(fn, *args, **kwargs):
+    """Run fn on every rank, then agree on its UserError (fn must issue no collective: a rank that failed
+    inside it would leave its peers' collective unmatched). Returns fn's result."""
+    try:
+        out, err = fn(*args, **kwargs), None
+    except UserError as e:
+        out, err = None, error_text(e)
+    agree(err)
+    return out
+
+
+def sum_over_ranks(values, device) -> list:
+    """All-reduce (sum) of a few per-rank integers: every rank gets the same answer, so every rank
+    takes the same branch."""
+    import torch
+
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+    dist = _dist()
+    if dist is not None:
+        dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
+
+
+# ----------------------------------------------------------------------------------------------------
+# A lost peer: which rank stopped answering
+
+
+_PEER_ERRORS = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket timeout",
+                "timed out", "connection refused", "remote worker crashing", "nccl communicator was aborted",
+                "watchdog caught collective operation timeout")
+
+
+def register_rank() -> None:
+    """Publish this rank's host and pid in the process group's store, so a survivor can tell which peer
+    is gone (stopped_ranks). Best effort: without a store the message names no rank."""
+    store = _store()
+    if store is not None:
+        store.set(f"ds_adaptiveload/pid/{_rank()}", f"{socket.gethostname()}:{os.getpid()}")
+
+
+def _store():
+    dist = _dist()
+    try:
+        return dist.distributed_c10d._get_default_store() if dist is not None else None
+    except Exception:  # private API; absent in some torch versions
+        return None
+
+
+def _rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist is not None else int(os.environ.get("RANK", 0))
+
+
+def die_with_parent(parent_pid: int, worker_id: int = 0) -> None:
+    """DataLoader worker_init_fn (functools.partial with the rank's pid): the worker gets SIGKILL when its
+    rank dies. Workers are forked after the process group exists and hold copies of its sockets; a
+    killed rank's orphaned worker would keep them open until its watchdog notices (~5 s), so the peers
+    would see nothing and the launcher would end them before they could say which rank stopped."""
+    import ctypes
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the rank's on_sigterm is not the worker's
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the rank died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """A collective's error that means another rank is gone (gloo: the pair's connection closed; NCCL:
+    the watchdog aborted the communicator)."""
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistNetworkError", ())):
+        return True
+    return _dist() is not None and any(p in str(e).lower() for p in _PEER_ERRORS)
+
+
+def stopped_ranks() -> list:
+    """Ranks whose process is gone, from the pids register_rank published (same host: checked; the
+    store lives in rank 0, so an unreachable store means rank 0 is gone). [] when unknown."""
+    import psutil
+
+    dist, store = _dist(), _store()
+    if dist is None or store is None:
+        return []
+    host, gone = socket.gethostname(), []
+    for r in range(dist.get_world_size()):
+        if r == dist.get_rank():
+            continue
+        key = f"ds_adaptiveload/pid/{r}"
+        try:
+            if not store.check([key]):  # get() would wait for the key; a rank that never registered
+                continue
+            h, pid = store.get(key).decode().rsplit(":", 1)
+        except Exception:  # the store is served by rank 0's process
+            return [0] if dist.get_rank() != 0 else []
+        if h == host and not _alive(psutil, int(pid)):
+            gone.append(r)
+    return gone
+
+
+def _alive(psutil, pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # killed, not yet reaped by the launcher
+    except psutil.Error:
+        return False
+
+
+def peer_lost_message(step) -> tuple:
+    """(message, whether this rank prints it): the lowest rank still running prints, once."""
+    gone, me = stopped_ranks(), _rank()
+    when = f"step {step}: " if step else ""
+    if gone:
+        who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"
+        msg = f"{when}{who} stopped answering (its process ended; its own output says why)"
+    else:
+        msg = f"{when}another rank stopped answering (a collective failed)"
+    first_alive = min(r for r in range(me + 1) if r not in gone)
+    return (msg + f"; rank {me} stops too. Relaunch with --resume OUTPUT/checkpoints (docs/reliability.md)",
+            me == first_alive)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ending a run
+
+
+def report(e: BaseException, step=None) -> int:
+    """Print the error line (once over all ranks) and return the exit code; re-raises anything that is
+    neither bad input nor a lost peer (a bug: its traceback is wanted)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # decided: a later SIGTERM ends the process silently
+    dist = _dist()
+    if isinstance(e, UserError):
+        agreed_ = isinstance(e, AgreedError) or dist is None or dist.get_world_size() == 1
+        if _rank() == 0 or not agreed_:  # an error one rank raised alone is printed by that rank
+            print(f"error: {error_text(e)}", file=sys.stderr, flush=True)
+        if agreed_ and dist is not None:
+            _barrier()  # no rank exits (and gets its peers killed by the launcher) before rank 0 printed
+        return EXIT_USER_ERROR
+    if is_peer_failure(e) or (isinstance(e, Terminated) and stopped_ranks()):
+        msg, mine = peer_lost_message(step)
+        if mine:
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
+    if isinstance(e, Terminated):
+        print(f"error: {f'step {step}: ' if step else ''}stopped by SIGTERM (the launcher ends every rank once "
+              f"one has failed: see the first error above)", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
+    raise e
+
+
+def _barrier():
+    try:
+        _dist().barrier()
+    except Exception:  # a peer gone meanwhile: nothing left to wait for
+        pass
+
+
+def teardown() -> None:
+    """Destroy the process group (every exit path): left alive, its threads abort the interpreter's exit
+    with `terminate called without an active exception`."""
+    dist = _dist()
+    if dist is not None:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# Messages: each names the step, the rank and the samples with their manifest line
+
+
+def where(sample, manifest) -> str:
+    shard = sample.extra.get("shard")
+    return f"{shard + ', ' if shard else ''}{manifest}:{sample.line}"
+
+
+def bad_sample_message(step, rank, bad, hint=True) -> str:
+    """bad: [(sample id, reason)] of this rank's step, the reasons naming shard, sample and manifest line."""
+    more = f" (and {len(bad) - 1} more: {', '.join(i for i, _ in bad[1:4])})" if len(bad) > 1 else ""
+    tip = '; set adaptive_load.on_bad_sample "skip" to skip such steps' if hint else ""
+    return f"step {step}, rank {rank}: {bad[0][1]}{more}{tip}"
+
+
+def oom_message(step, rank, g, batch, samples, manifest, profile, sp, err) -> str:
+    """The micro-batch that ran out of memory, with what the profile predicted for it."""
+    s = samples[batch["index"][0]]
+    B, S = len(batch["index"]), profile.geometry.tokens(s.frames, s.height, s.width)
+    S_gpu = -(-S // sp)
+    mem = profile.memory
+    pred_mem = ""
+    if "bytes_per_token" in mem:
+        gib = (mem.get("fixed_bytes", 0) + mem["bytes_per_token"] * B * S_gpu) / 2**30
+        pred_mem = f", predicted {gib:.1f} GiB"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (f"step {step}, rank {rank}: out of memory in micro-batch {g} (B={B}, frames={s.frames}, "
+            f"{s.height}x{s.width}, {S} tokens/sample, {B * S_gpu} tokens/GPU; profile predicts "
+            f"{profile.micro_ms(B, S_gpu):.0f} ms{pred_mem}, budget_tokens {profile.budget_tokens}; "
+            f"samples {', '.join(batch['ids'][:4])}{' ...' if B > 4 else ''} ({where(s, manifest)})): "
+            f"{first[:200]}")
+
+
+OOM_HINT = ('; set adaptive_load.on_oom "skip" to skip such steps, or lower memory.budget_tokens / use '
+            '--checkpoint-blocks')
+
+
+def _nonfinite(seen):
+    for ids, index, per_sample, _ in seen:
+        for sid, i, v in zip(ids, index, per_sample.tolist()):
+            if v != v or v in (float("inf"), float("-inf")):
+                yield sid, i
+
+
+def nonfinite_samples(seen, samples, manifest) -> list:
+    """'id: non-finite loss (shard, manifest:line)' for this rank's samples whose loss is NaN/Inf."""
+    return [f"{sid}: non-finite loss ({where(samples[i], manifest)})" for sid, i in _nonfinite(seen)]
+
+
+def nonfinite_message(step, rank, seen, samples, manifest):
+    """This rank's part of the agreed error, or None when its losses are finite."""
+    mine = [f"{sid} ({where(samples[i], manifest)})" for sid, i in _nonfinite(seen)]
+    if not mine:
+        return None
+    return (f"step {step}: non-finite loss on rank {rank} for sample(s) {', '.join(mine)}; stopped before "
+            f"the optimizer update")
+
+
+def poison_gradients(engine) -> None:
+    """Make this step's gradient norm NaN, so ZeRO-3's step() takes its overflow path on every rank (the
+    norm is all-reduced): gradients discarded, optimizer state and LR schedule untouched, global_steps and
+    skipped_steps counted. A plain zero_grad would still let AdamW decay its moments and step its count."""
+    import torch
+    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+    for p in engine.module.parameters():
+        g = safe_get_local_grad(p)
+        if g is not None and g.numel():
+            safe_set_local_grad(p, torch.full_like(g, float("nan")))
+            return

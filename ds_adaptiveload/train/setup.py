@@ -1,0 +1,143 @@
+"""The collective-free pieces of a training run's setup (trainer.py): config, the synthetic dataset, the
+manifest, plan, sampler and dataset with the resume checks, reading one step, the end-of-run summary.
+None issues a collective, so the Trainer runs each on every rank and agrees on its UserError
+(failures.agreed): one error, every rank exits 2."""
+import os
+import sys
+
+from ds_adaptiveload.errors import UserError
+
+
+def read_config(args, world, rank):
+    """The DeepSpeed JSON, its adaptive_load section, the model and the profile (no collectives: the
+    caller agrees on the UserError)."""
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.model import WanConfig
+    from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.train import config, faults, sp
+
+    ds_cfg, al = config.load_ds_config(args.deepspeed_config)
+    dims = sp.ParallelDims(world=world, sp=ds_cfg.get("sequence_parallel_size", 1), rank=rank)
+    if world % dims.sp:
+        raise UserError(f"{args.deepspeed_config}: sequence_parallel_size {dims.sp} does not divide "
+                        f"the world size {world}")
+    # Skipping an update after backward relies on ZeRO-3 discarding a step whose gradient norm is NaN.
+    if al.on_oom == "skip" and ds_cfg.get("zero_optimization", {}).get("stage", 0) != 3:
+        raise UserError(f"{args.deepspeed_config}: adaptive_load.on_oom \"skip\" needs zero_optimization.stage 3")
+    changed = config.ds_batch_keys(ds_cfg, dims.dp)
+    model_cfg = WanConfig.from_yaml(args.model_config)
+    profile = CostProfile.load(al.resolve_profile(args.deepspeed_config))
+    fault = faults.Faults(args.fault, rank)
+    if rank == 0 and profile.meta.get("sp", dims.sp) != dims.sp:
+        # A profile's per-GPU terms depend on the SP degree (attention k x per GPU token, the all-to-all).
+        print(f"[train_wan] warning: the profile was calibrated for sp={profile.meta['sp']}, this run has "
+              f"sp={dims.sp}: predictions and balance will be off (measured: -33% on the 1.3B model); "
+              f"calibrate with this config or derive one (bench/sp_profile_check.py)", file=sys.stderr)
+    if rank == 0 and changed:
+        print(f"[train_wan] batch keys set to count micro-batches (docs/training.md): "
+              f"{ {k: v for k, (_, v) in changed.items()} } (config had { {k: o for k, (o, _) in changed.items()} })")
+    return SimpleNamespace(ds_cfg=ds_cfg, al=al, dims=dims, G=ds_cfg["gradient_accumulation_steps"],
+                           model_cfg=model_cfg, profile=profile, fault=fault)
+
+
+def write_synthetic(args, manifest, c, device, rank) -> None:
+    """Rank 0: the --synthetic dataset under OUTPUT/synthetic (c: read_config's result)."""
+    from ds_adaptiveload.data import latents as data
+    from ds_adaptiveload.schedule.mixes import make_mix
+
+    if rank != 0:
+        return
+    data.write_synthetic(os.path.dirname(manifest), make_mix(args.synthetic_mix, args.synthetic_num, c.al.seed),
+                         text_dim=c.model_cfg.text_dim, max_text_len=c.model_cfg.text_len, seed=c.al.seed,
+                         dtype="fp32" if device.type == "cpu" else "bf16", geometry=c.profile.geometry)
+
+
+def prepare_data(args, manifest, c, world, rank):
+    """Manifest, header check, plan, sampler, dataset, and the resume checks, all before DeepSpeed loads
+    anything (no collectives: the caller agrees on the UserError)."""
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.data import latents as data
+    from ds_adaptiveload.schedule.manifest import load_manifest
+    from ds_adaptiveload.schedule.planner import PlanConfig
+    from ds_adaptiveload.schedule.sampler import AdaptiveSampler
+    from ds_adaptiveload.train import checkpoint
+
+    al, geometry = c.al, c.profile.geometry
+    samples = load_manifest(manifest, geometry)
+    # skip: samples found bad now leave the plan (every rank reads the same headers, so all agree)
+    bad_upfront = data.check_samples(samples, manifest, geometry, c.model_cfg.text_dim, al.on_bad_sample)
+    if bad_upfront:
+        dropped = {id(s) for s, _ in bad_upfront}
+        samples = [s for s in samples if id(s) not in dropped]
+        if rank == 0:
+            for _, reason in bad_upfront[:20]:
+                print(f"[train_wan] skipped sample: {reason}", file=sys.stderr)
+            print(f"[train_wan] on_bad_sample=skip: {len(bad_upfront)} bad sample(s) left out of the plan, "
+                  f"{len(samples)} remain", file=sys.stderr)
+        if not samples:
+            raise UserError(f"{manifest}: every sample is bad")
+    # ZeRO-2/3 synchronise ranks at every micro-batch (reduce-scatter / all-gather): plan rounds, not totals.
+    lockstep = c.ds_cfg.get("zero_optimization", {}).get("stage", 0) >= 2
+    plan_cfg = PlanConfig(policy=al.policy, world_size=world, sp=c.dims.sp, grad_accum=c.G, seed=al.seed,
+                          on_oversize=al.on_oversize, window=al.window, fill=al.fill, lockstep=lockstep)
+    sampler = AdaptiveSampler(samples, c.profile, plan_cfg, c.dims.dp_rank)
+    # Bad samples found while reading come back as data ("bad"), so the loop can agree on them across ranks.
+    dataset = data.LatentDataset(samples, manifest, geometry, c.model_cfg.text_len, c.model_cfg.text_dim,
+                                 on_bad="skip")
+    # The failure policies may change between a crash and the resume (e.g. to skip what crashed it).
+    plan_keys = {k: v for k, v in al.to_dict().items() if k not in ("on_bad_sample", "on_oom")}
+    layout = {"world": world, "sp": c.dims.sp, "grad_accum": c.G, "adaptive_load": plan_keys,
+              "manifest_samples": len(samples)}
+    tag = checkpoint.find(args.resume) if args.resume else None
+    if tag:
+        checkpoint.check_layout(args.resume, tag, layout)
+    elif args.resume and rank == 0:
+        print(f"[train_wan] --resume {args.resume}: no checkpoint there yet, starting from step 0",
+              file=sys.stderr)
+    return SimpleNamespace(samples=samples, bad_upfront=bad_upfront, sampler=sampler, dataset=dataset,
+                           stream=data.MicroBatchStream(sampler), layout=layout, resume_tag=tag)
+
+
+def read_step(batches, stream, G, step, rank):
+    """-> (the step's G micro-batches, its PlannedStep, None) or (..., None, error line) when reading
+    failed on this rank (the caller agrees on it before any rank leaves the step)."""
+    import traceback
+
+    from ds_adaptiveload.train.failures import error_text
+
+    mbs = []
+    try:
+        for _ in range(G):
+            mbs.append(next(batches))
+        return mbs, stream.pending.popleft(), None
+    except UserError as e:  # e.g. the sampler planned no steps
+        return mbs, None, f"step {step}, rank {rank}: {error_text(e)}"
+    except Exception as e:  # a worker died or a bug: keep its traceback, still end every rank together
+        traceback.print_exc()
+        return mbs, None, f"step {step}, rank {rank}: reading the step failed ({type(e).__name__}: {error_text(e)})"
+
+
+def stop_workers(batches) -> None:
+    """Stop the DataLoader's workers now; an exception's traceback would keep the iterator alive."""
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def write_summary(out_dir, start, end, bad_upfront, skipped) -> None:
+    """OUTPUT/skipped.json and one stderr line: what this launch left out and why."""
+    import json
+
+    doc = {"steps": [start + 1, end], "samples_left_out_of_plan": [{"id": s.id, "reason": r} for s, r in bad_upfront],
+           "skipped_steps": skipped}
+    with open(os.path.join(out_dir, "skipped.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    if bad_upfront or skipped:
+        reasons = {}
+        for e in skipped:
+            reasons[e["reason"]] = reasons.get(e["reason"], 0) + 1
+        print(f"[train_wan] summary: {len(bad_upfront)} sample(s) left out of the plan, {len(skipped)} step(s) "
+              f"skipped {reasons} ({sum(len(e['ids']) for e in skipped)} samples not trained); "
+              f"see {os.path.join(out_dir, 'skipped.json')}", file=sys.stderr, flush=True)

@@ -1,0 +1,286 @@
+"""The training loop as a class (torchtitan's Trainer): `__init__` builds engine, data and resume state top
+to bottom, `train()` orders the steps, `train_step(step)` runs one step through small methods, and
+`forward_backward(batch, weight)` is the overridable micro-step (packed micro-batches extend it).
+
+Failures follow docs/reliability.md: what one rank detects is agreed with every rank (failures.py) before
+any rank leaves the step; setup.py holds the collective-free setup pieces that are agreed on.
+"""
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+from ds_adaptiveload.train import failures
+from ds_adaptiveload.train.setup import prepare_data, read_config, read_step, stop_workers, write_summary, \
+    write_synthetic
+
+
+class Trainer:
+    def __init__(self, args):
+        import functools
+
+        import torch
+        import torch.distributed as dist
+
+        from ds_adaptiveload.data import latents as data
+        from ds_adaptiveload.model import WanModel
+        from ds_adaptiveload.train import engine as eng, faults, metrics, sp
+
+        self.args = args
+        self.step = None
+        """The step in progress (1-based), named by the error of a lost peer."""
+        # -- distributed init, device ---------------------------------------------------------------------
+        self.accel, self.rank, self.world = eng.init_distributed()
+        failures.register_rank()
+        self.device = eng.pick_device(self.accel, int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0))))
+        # -- config (checks before the first collective are agreed: one error, every rank exits 2) ----------
+        c = failures.agreed(read_config, args, self.world, self.rank)
+        self.ds_cfg, self.al, self.dims, self.G = c.ds_cfg, c.al, c.dims, c.G
+        self.model_cfg, self.profile, self.fault = c.model_cfg, c.profile, c.fault
+        mpu = sp.init_sequence_parallel(self.dims)
+        # -- seed: same model init on every rank; noise/t are seeded per sample (flow.py) -------------------
+        torch.manual_seed(self.al.seed)
+        # -- data / sampler / resume checks (before DeepSpeed loads anything) -------------------------------
+        self.manifest = args.data
+        if args.synthetic:
+            self.manifest = os.path.join(args.output, "synthetic", "manifest.jsonl")
+            # the agreement is also the barrier before the other ranks read it
+            failures.agreed(write_synthetic, args, self.manifest, c, self.device, self.rank)
+        d = failures.agreed(prepare_data, args, self.manifest, c, self.world, self.rank)
+        self.samples, self.bad_upfront, self.sampler, self.stream = d.samples, d.bad_upfront, d.sampler, d.stream
+        self.layout = d.layout
+        workers = max(0, args.num_workers)
+        self.loader = torch.utils.data.DataLoader(
+            d.dataset, batch_sampler=self.stream, collate_fn=data.first, num_workers=workers,
+            pin_memory=self.device.type == "cuda", prefetch_factor=args.prefetch_factor if workers else None,
+            worker_init_fn=functools.partial(failures.die_with_parent, os.getpid()))
+        # -- model, deepspeed.initialize -------------------------------------------------------------------
+        model = WanModel(self.model_cfg, checkpoint_blocks=args.checkpoint_blocks)
+        self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads)
+        self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
+        self.divisor = sp.grad_divisor(self.engine, self.dims)  # what DeepSpeed divides summed gradients by
+        self.dtype = eng.compute_dtype(self.engine)
+        self.zero3 = self.engine.zero_optimization_stage() == 3
+        # -- checkpoint resume ------------------------------------------------------------------------------
+        self.start = self.resume(d.resume_tag) if d.resume_tag else 0
+        self.ckpt_dir = os.path.join(args.output, "checkpoints")
+        self.oom_error = faults.out_of_memory_error()
+        self.log = metrics.StepLog(args.output, self.rank)
+        self.skipped = []  # this launch's skipped steps, for the summary
+        self.plan_step = None  # the last step read: its sampler state is what a checkpoint saves
+        self._dist = dist
+
+    def resume(self, tag) -> int:
+        from ds_adaptiveload.train import checkpoint
+
+        cs = failures.agreed(checkpoint.load, self.engine, self.args.resume, tag, self.layout)  # raises after loading
+        failures.agreed(self.sampler.load_state_dict, cs["sampler"][self.rank])
+        return cs["step"]
+
+    # -- the loop --------------------------------------------------------------------------------------------
+
+    def train(self) -> None:
+        from tqdm import tqdm
+
+        args = self.args
+        self.bar = tqdm(total=args.max_steps, initial=self.start, disable=self.rank != 0, desc="train",
+                        dynamic_ncols=True)
+        self.batches = None
+        try:
+            self.batches = iter(self.loader)
+            for step in range(self.start, args.max_steps):
+                self.step = step + 1
+                self.train_step(step)
+                if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
+                    self.save(step + 1)
+            self.bar.close()
+            if self.start < args.max_steps and not args.no_final_save:
+                self.save(args.max_steps)
+            if self.rank == 0:
+                write_summary(args.output, self.start, args.max_steps, self.bad_upfront, self.skipped)
+        finally:  # every exit path: the bar's line ended (the error line starts a line), workers stopped
+            self.bar.close()
+            self.log.close()
+            stop_workers(self.batches)
+        self._dist.barrier()
+
+    def save(self, step: int) -> None:
+        from ds_adaptiveload.train import checkpoint
+
+        checkpoint.save(self.engine, self.ckpt_dir, step, self.plan_step.state, self.layout, self.fault)
+
+    def train_step(self, step: int) -> None:
+        """Read the step, agree on bad samples, run the micro-batches, decide whether to skip, apply or skip
+        the update, log."""
+        t_step = self.sync_clock()
+        mbs, data_ms, n_bad, bad = self.read_and_agree(step)
+        plan_step = self.plan_step
+        base = {"step": step + 1, "epoch": plan_step.epoch, "plan_step": plan_step.step,
+                "ids": [b["ids"] for b in mbs], "pad": plan_step.pad}
+        step_ids = [(b["ids"], g in plan_step.pad) for g, b in enumerate(mbs)]
+        if n_bad:  # on_bad_sample "skip": before any compute, on every rank
+            entry = self.skip_step(step, "bad_sample", [f"{sid}: {why}" for sid, why in bad], step_ids)
+            self.log.write({**base, "skipped": entry})
+            self.bar.update(1)
+            return
+        run = self.run_micro_batches(step, mbs)
+        run.counters["data_ms"] = data_ms
+        ranks = self.gather(run)
+        reason, detail = self.decide_skip(step, ranks, run)
+        lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler advances inside step())
+        entry = self.apply_or_skip(step, reason, detail, step_ids)
+        self.log_step(step, base, ranks, run, lr, entry, time.perf_counter() - t_step)
+
+    def sync_clock(self) -> float:
+        self.accel.synchronize()
+        return time.perf_counter()
+
+    def read_and_agree(self, step: int):
+        """The step's G micro-batches, read before any compute, so a bad sample is agreed on (an error on
+        every rank, or the step skipped on every rank) before any collective of the step."""
+        t0 = time.perf_counter()
+        mbs, plan_step, read_err = read_step(self.batches, self.stream, self.G, step + 1, self.rank)
+        data_ms = (time.perf_counter() - t0) * 1000
+        bad = [(sid, why) for b in mbs for sid, why in b.get("bad", ())]
+        fatal = read_err or (failures.bad_sample_message(step + 1, self.rank, bad)
+                             if bad and self.al.on_bad_sample != "skip" else None)
+        n_bad, n_fatal = failures.sum_over_ranks([len(bad), fatal is not None], self.device)
+        if n_fatal:
+            failures.agree(fatal)  # raises on every rank
+        for g, batch in enumerate(mbs):
+            assert batch["index"] == plan_step.micro_batches[g], "loader and sampler out of step"
+        self.plan_step = plan_step
+        return mbs, data_ms, n_bad, bad
+
+    def forward_backward(self, batch: dict, weight: float):
+        """One micro-batch's forward and backward with loss weight `weight`; returns per-sample losses."""
+        from ds_adaptiveload.train import engine as eng
+
+        return eng.micro_step(self.engine, batch, weight, device=self.device, dtype=self.dtype, seed=self.al.seed,
+                              epoch=self.plan_step.epoch, shift=self.args.timestep_shift, seq_shard=self.seq_shard)
+
+    def run_micro_batches(self, step: int, mbs: list) -> SimpleNamespace:
+        """Every micro-batch of the step. An OOM is caught and agreed later: this rank runs zero-weight
+        stand-ins for the rest of the step, so its collectives still match its peers'."""
+        import torch
+
+        from ds_adaptiveload.train import engine as eng, flow
+
+        plan_step, G = self.plan_step, self.G
+        run = SimpleNamespace(seen=[], oom=[], nonfinite=torch.zeros((), device=self.device),
+                              counters={"loss_sum": 0.0, "samples": 0, "tokens": 0, "flops": 0.0, "compute_ms": 0.0})
+        for g, batch in enumerate(mbs):
+            pad = g in plan_step.pad
+            t0 = time.perf_counter()
+            weight = 0.0 if pad else flow.loss_scale(self.divisor, G, plan_step.global_samples)
+            if not run.oom:
+                try:
+                    self.fault.before_forward(step + 1, g)
+                    per_sample = self.forward_backward(batch, weight)
+                except self.oom_error as e:  # agreed after the step's micro-batches (error or skip)
+                    run.oom.append(failures.oom_message(step + 1, self.rank, g, batch, self.samples, self.manifest,
+                                                        self.profile, self.dims.sp, e))
+                if run.oom:  # outside the except block, so the failed forward's frames and tensors are gone
+                    eng.recover_after_oom(self.engine, self.accel, self.world)
+            if run.oom:  # this rank's step is lost; keep issuing the collectives its peers issue
+                eng.stand_in(self.engine, self.model_cfg, self.dims.sp, device=self.device, dtype=self.dtype,
+                             seq_shard=self.seq_shard)
+            else:
+                run.nonfinite += (~torch.isfinite(per_sample)).sum()
+                run.seen.append((batch["ids"], batch["index"], per_sample, pad))
+            self.after_micro_batch(step, g)
+            run.counters["compute_ms"] += (time.perf_counter() - t0) * 1000
+            if not pad and not run.oom:
+                self.count(run.counters, batch)
+        return run
+
+    def after_micro_batch(self, step: int, g: int) -> None:
+        from ds_adaptiveload.train import engine as eng
+
+        if g == 0:
+            self.fault.after_backward(step + 1)
+        if self.args.dump_grads and g == self.G - 1 and step == self.args.max_steps - 1:
+            eng.dump_grads(self.engine, self.args.dump_grads, self.rank, step + 1)
+        if g < self.G - 1:
+            self.engine.step()  # inside the accumulation window: no optimizer update
+        self.accel.synchronize()
+
+    def count(self, counters: dict, batch: dict) -> None:
+        s = self.samples[batch["index"][0]]
+        S = self.profile.geometry.tokens(s.frames, s.height, s.width)
+        counters["samples"] += len(batch["ids"])
+        counters["tokens"] += S * len(batch["ids"])
+        counters["flops"] += self.model_cfg.flops_per_sample(S) * len(batch["ids"])
+
+    def gather(self, run) -> list:
+        """One all-gather per step, before the optimizer update, so a non-finite loss or an OOM on any rank
+        is known to every rank before it reaches the weights."""
+        from ds_adaptiveload.train import metrics
+
+        run.counters.update(loss_sum=float(sum(ps.sum() for _, _, ps, is_pad in run.seen if not is_pad)),
+                            nonfinite=float(run.nonfinite), oom=float(bool(run.oom)))
+        return metrics.gather_counters(run.counters, self.device)
+
+    def decide_skip(self, step: int, ranks: list, run):
+        """(reason, detail) of a step to skip, or (None, None); an error policy raises on every rank."""
+        if any(r["oom"] for r in ranks):
+            if self.al.on_oom != "skip":
+                failures.agree(run.oom[0] + failures.OOM_HINT if run.oom else None)  # raises on every rank
+            return "oom", run.oom
+        if any(r["nonfinite"] for r in ranks):
+            if self.al.on_bad_sample != "skip" or not self.zero3:
+                failures.agree(failures.nonfinite_message(step + 1, self.rank, run.seen, self.samples, self.manifest))
+            return "nonfinite_loss", failures.nonfinite_samples(run.seen, self.samples, self.manifest)
+        return None, None
+
+    def apply_or_skip(self, step: int, reason, detail, step_ids):
+        """The optimizer update, or (reason) its skip on every rank; returns the skip entry or None."""
+        if not reason:
+            self.engine.step()
+            self.accel.synchronize()
+            return None
+        entry = self.skip_step(step, reason, detail, step_ids)
+        failures.poison_gradients(self.engine)
+        self.engine.step()  # ZeRO-3 sees a NaN gradient norm: discards the gradients, no update, LR unchanged
+        if self.engine.was_step_applied():
+            raise RuntimeError(f"step {step + 1}: DeepSpeed applied an update that had to be skipped")
+        if self.device.type == "cuda":
+            self.accel.empty_cache()
+        self.accel.synchronize()
+        return entry
+
+    def skip_step(self, step: int, reason: str, detail: list, step_ids) -> dict:
+        """Every rank calls this with the same decision: log the skip with every rank's sample ids."""
+        everyone = [None] * self.world
+        self._dist.all_gather_object(everyone, {"ids": [i for ids, is_pad in step_ids if not is_pad for i in ids],
+                                                "detail": detail})
+        ids = sorted({i for e in everyone[::self.dims.sp] for i in e["ids"]})
+        details = [d for e in everyone for d in e["detail"]]
+        entry = {"step": step + 1, "reason": reason, "ids": ids, "detail": details}
+        self.skipped.append(entry)
+        if self.rank == 0:
+            print(f"[train_wan] step {step + 1} skipped on every rank ({reason}): "
+                  f"{'; '.join(details) if details else ''} samples {ids}", file=sys.stderr, flush=True)
+        return entry
+
+    def log_step(self, step: int, base: dict, ranks: list, run, lr: float, entry, step_s: float) -> None:
+        import torch
+
+        from ds_adaptiveload.train import metrics
+
+        ps = self.plan_step
+        m = metrics.step_metrics(ranks, self.dims.sp, step_s, self.args.peak_tflops, self.device)
+        m["pred_ms"] = list(ps.pred_ms)
+        m["pred_wall_ms"] = ps.pred_wall_ms
+        m["pred_idle_fraction"] = metrics.idle_fraction(ps.pred_ms, ps.pred_wall_ms)
+        rec = {**base, "lr": lr, **m, "rank_loss": run.counters["loss_sum"] / max(run.counters["samples"], 1)}
+        if entry:
+            rec["skipped"] = entry
+        self.log.write(rec)
+        if self.engine.monitor.enabled and not entry:
+            self.engine.monitor.write_events(metrics.monitor_events(m, step + 1, lr))
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{m['loss']:.4f}", sps=f"{m['samples_per_s']:.1f}",
+                             idle=f"{m['idle_fraction']:.2f}")

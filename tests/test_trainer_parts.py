@@ -1,0 +1,66 @@
+"""Single-process units of the training glue: derive_ds_config (the one place a DeepSpeed JSON is derived)
+and the failure agreement's messages (failures.py)."""
+import json
+import os
+
+import pytest
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.train import config, failures
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_JSON = os.path.join(ROOT, "configs", "ds_tiny_cpu.json")
+
+
+def test_derive_ds_config_overrides_and_leaves_the_base_alone(tmp_path):
+    base = json.load(open(TINY_JSON))
+    before = json.dumps(base, sort_keys=True)
+    ds = config.derive_ds_config(base, zero_stage=2, grad_accum=4, dp=3, sp=2, bf16=True,
+                                 adaptive_load={"policy": "dual", "on_oom": None}, monitor_path=tmp_path / "m",
+                                 steps_per_print=None, wall_clock_breakdown=True)
+    assert json.dumps(base, sort_keys=True) == before  # a deep copy
+    assert ds["zero_optimization"] == {**base["zero_optimization"], "stage": 2}
+    assert (ds["gradient_accumulation_steps"], ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"]) == (4, 1, 12)
+    assert ds["sequence_parallel_size"] == 2 and ds["bf16"] == {"enabled": True}
+    assert ds["adaptive_load"]["policy"] == "dual" and "on_oom" not in ds["adaptive_load"]
+    assert ds["adaptive_load"]["profile"] == base["adaptive_load"]["profile"]
+    assert ds["csv_monitor"] == {**base["csv_monitor"], "output_path": str(tmp_path / "m")}
+    assert "steps_per_print" not in ds and ds["wall_clock_breakdown"] is True
+    assert "sequence_parallel_size" not in config.derive_ds_config(ds, sp=1)
+
+
+def test_derive_ds_config_from_a_path_is_what_the_trainer_loads(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config.derive_ds_config(TINY_JSON, grad_accum=3,
+                                                       adaptive_load={"profile": os.path.join(
+                                                           ROOT, "configs", "profiles", "tiny-cpu.yaml")})))
+    ds, al = config.load_ds_config(path)
+    assert ds["gradient_accumulation_steps"] == 3 and al.policy == "balanced"
+    with pytest.raises(UserError, match="cannot read DeepSpeed config"):
+        config.derive_ds_config(str(tmp_path / "missing.json"))
+
+
+def test_agreement_without_a_process_group():
+    failures.agree(None)
+    with pytest.raises(failures.AgreedError, match="^step 3, rank 0: x$"):
+        failures.agree("step 3, rank 0: x")
+    assert failures.agreed(lambda a: a + 1, 1) == 2
+
+    def bad():
+        raise UserError("Traceback (most recent call last):\n  ...\nds_adaptiveload.errors.UserError: f.jsonl:3: no")
+    with pytest.raises(failures.AgreedError, match="^f.jsonl:3: no$"):  # a worker's wrapped error: its last line
+        failures.agreed(bad)
+
+
+def test_combined_messages_are_one_line():
+    assert failures.combine([None, "a", "a", "b"]) == "a; b"
+    assert failures.combine(["m1", "m2", "m3", "m4", "m5"]) == "m1; m2; m3 (and 2 more)"
+
+
+def test_report_prints_one_line_and_returns_the_code(capsys):
+    assert failures.report(failures.AgreedError("step 2, rank 1: bad")) == failures.EXIT_USER_ERROR
+    assert capsys.readouterr().err == "error: step 2, rank 1: bad\n"
+    assert failures.report(failures.Terminated(), step=4) == failures.EXIT_TERMINATED
+    assert capsys.readouterr().err.startswith("error: step 4: stopped by SIGTERM")
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        failures.report(KeyError("x"))
