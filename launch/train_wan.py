@@ -15,6 +15,16 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 
+def _ckpt_blocks(value: str):
+    """--checkpoint-blocks VALUE: 'auto' or a block count k (the flag alone: every block)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of blocks, got {value!r}") from None
+
+
 def parse_args(argv=None):
     import deepspeed
 
@@ -33,7 +43,11 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--no-final-save", action="store_true", help="skip the checkpoint at the end (benchmarks)")
     p.add_argument("--resume", help="checkpoint folder to continue from (OUTPUT/checkpoints of a run)")
-    p.add_argument("--checkpoint-blocks", action="store_true", help="per-block activation checkpointing")
+    p.add_argument("--checkpoint-blocks", nargs="?", const=True, default=False, type=_ckpt_blocks,
+                   help="per-block activation checkpointing: every block; 'auto': per micro-batch, as many blocks "
+                        "as its predicted peak memory needs (profile memory.block_bytes_per_token); an int k: the first k")
+    p.add_argument("--compile-blocks", action="store_true",
+                   help="regional torch.compile of each WanBlock (model/compile.py); --compile compiles the engine")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (engine.compile())")
     p.add_argument("--timestep-shift", type=float, default=5.0, help="Wan's shift s: t = s*u / (1 + (s-1)*u)")
     p.add_argument("--peak-tflops", type=float, default=989.0,

@@ -249,3 +249,27 @@ def test_missing_shard_exits_2_naming_it(tmp_path):
                   port=29519)
     assert proc.returncode == 2
     assert "shard-00001.safetensors: shard missing (needed by sample 'tiny-0000004'" in proc.stderr
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_packed_gradient_equals_one_big_batch(tmp_path, sp):
+    """The packed policy (micro-batches of several shapes, one packed forward each) under ZeRO-2: the step's
+    gradient equals the mean-loss gradient of its samples in one process, with dp = 2 and with sp = 2."""
+    with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
+        al = json.load(f)["adaptive_load"]
+    al.update(policy="packed", profile=os.path.join(ROOT, al["profile"]))
+    cfg = test_config(tmp_path, sequence_parallel_size=sp, scheduler=None, adaptive_load=al,
+                      zero_optimization={"stage": 2},
+                      optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
+    out = tmp_path / "run"
+    dump = tmp_path / "grads.pt"
+    check(launch(out, "--synthetic", "--max-steps", "2", "--dump-grads", str(dump), config=cfg, port=29525 + sp))
+    assert any(len({tuple(s) for s in shapes}) > 1 for shapes in _mb_shapes(out)), "no micro-batch mixed shapes"
+    reference_check(out, dump, sp)
+
+
+def _mb_shapes(out):
+    """(frames, height, width) of each micro-batch's samples over the run, from the synthetic manifest."""
+    with open(os.path.join(out, "synthetic", "manifest.jsonl")) as f:
+        shape = {r["id"]: (r["frames"], r["height"], r["width"]) for r in map(json.loads, f)}
+    return [[shape[i] for i in mb] for rec in steps(out, 0) for mb in rec["ids"]]

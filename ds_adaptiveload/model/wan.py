@@ -110,6 +110,19 @@ class Layout:
     attn_fn: AttentionFn
 
 
+class PatchEmbed(nn.Conv3d):
+    """Wan's patch embedding (a strided Conv3d, same parameters) over a list of shape groups in ONE module
+    call: under ZeRO-3 every module call gathers its parameters, so calling the conv once per group would
+    issue a different number of collectives on ranks whose micro-batches hold different numbers of shapes."""
+
+    def forward(self, xs):
+        """xs: per group [n_g, in_dim, F, H, W] -> all groups' token rows [sum n_g * S_g, dim] as ONE tensor
+        (ZeRO-3 also hooks each output tensor in backward: a list would vary that count too)."""
+        rows = [F.conv3d(x.to(self.weight.dtype), self.weight, self.bias, self.stride).flatten(2).transpose(1, 2)
+                .reshape(-1, self.out_channels) for x in xs]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: WanConfig):
         super().__init__()
@@ -227,7 +240,7 @@ class WanModel(nn.Module):
         self.cfg = cfg
         self.checkpoint_blocks = checkpoint_blocks
         d = cfg.dim
-        self.patch_embedding = nn.Conv3d(cfg.in_dim, d, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.patch_embedding = PatchEmbed(cfg.in_dim, d, kernel_size=cfg.patch_size, stride=cfg.patch_size)
         self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"),
                                             nn.Linear(d, d))
         self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
@@ -349,10 +362,11 @@ class WanModel(nn.Module):
     def _embed(self, group_x, packing: Packing, shard: Optional[SeqShard]):
         """Patch-embed each group's latents [n_g, in_dim, F, H, W] into this rank's token rows [T, dim],
         and the Layout (RoPE tables and SP padding per group) the blocks use."""
-        w_dtype = self.patch_embedding.weight.dtype
         parts, rope, kwargs = [], [], []
+        flat, off = self.patch_embedding(group_x), 0
         for g, xg in zip(packing.groups, group_x):
-            hg = self.patch_embedding(xg.to(w_dtype)).flatten(2).transpose(1, 2)    # [n_g, S, dim]
+            hg = flat[off:off + g.n * g.tokens].view(g.n, g.tokens, -1)                # [n_g, S, dim]
+            off += g.n * g.tokens
             start, kw = 0, {}
             if shard is not None:
                 start = shard.rank * g.local

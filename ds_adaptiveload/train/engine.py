@@ -50,17 +50,25 @@ def compute_dtype(engine):
 
 
 def micro_step(engine, batch: dict, weight: float, *, device, dtype, seed: int, epoch: int, shift: float,
-               seq_shard=None):
+               seq_shard=None, loss_weighting: str = "none"):
     """Forward + backward of one micro-batch ({'latent', 'text', 'index'}): flow-matching loss with noise
-    and timesteps seeded per sample and epoch (flow.draw_noise), backward of sum(loss) * weight. Returns
-    the detached per-sample losses."""
+    and timesteps seeded per sample and epoch (flow.draw_noise), backward of the (timestep-weighted,
+    adaptive_load.loss_weighting) loss sum * weight. A packed micro-batch of several shapes holds lists of
+    latents and text contexts (data/latents.py) and runs as one packed forward. Returns the detached,
+    unweighted per-sample losses."""
     from ds_adaptiveload.train import flow
 
-    x0 = batch["latent"].to(device, dtype, non_blocking=True)
-    text = batch["text"].to(device, dtype, non_blocking=True)
-    eps, t = flow.draw_noise(x0, batch["index"], seed, epoch, shift)
-    per_sample = flow.flow_matching_loss(engine, x0, text, eps, t, seq_shard=seq_shard)
-    engine.backward(per_sample.sum() * weight)
+    if isinstance(batch["latent"], list):
+        x0s = [x.to(device, dtype, non_blocking=True) for x in batch["latent"]]
+        texts = [c.to(device, dtype, non_blocking=True) for c in batch["text"]]
+        eps, t = flow.draw_noise_packed(x0s, batch["index"], seed, epoch, shift)
+        per_sample = flow.packed_flow_matching_loss(engine, x0s, texts, eps, t.to(device), seq_shard=seq_shard)
+    else:
+        x0 = batch["latent"].to(device, dtype, non_blocking=True)
+        text = batch["text"].to(device, dtype, non_blocking=True)
+        eps, t = flow.draw_noise(x0, batch["index"], seed, epoch, shift)
+        per_sample = flow.flow_matching_loss(engine, x0, text, eps, t, seq_shard=seq_shard)
+    engine.backward(flow.weighted_sum(per_sample, t, loss_weighting, shift) * weight)
     return per_sample.detach()
 
 

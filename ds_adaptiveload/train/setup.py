@@ -25,6 +25,12 @@ def read_config(args, world, rank):
     # Skipping an update after backward relies on ZeRO-3 discarding a step whose gradient norm is NaN.
     if al.on_oom == "skip" and ds_cfg.get("zero_optimization", {}).get("stage", 0) != 3:
         raise UserError(f"{args.deepspeed_config}: adaptive_load.on_oom \"skip\" needs zero_optimization.stage 3")
+    if al.policy == "packed" and ds_cfg.get("zero_optimization", {}).get("stage", 0) == 3 and world > 1:
+        # Seen on 2 CPU ranks (2026-12-01): ZeRO-3's parameter fetching hangs in the second step when the ranks'
+        # micro-batches hold different shape groups. Refused rather than left to hang until it is fixed.
+        raise UserError(f"{args.deepspeed_config}: adaptive_load.policy \"packed\" does not run under ZeRO-3 with "
+                        f"several ranks yet (it hangs in ZeRO-3's parameter fetching); use zero_optimization.stage 2 "
+                        f"(configs/ds_zero2_bf16.json) or policy \"balanced\"")
     changed = config.ds_batch_keys(ds_cfg, dims.dp)
     model_cfg = WanConfig.from_yaml(args.model_config)
     profile = CostProfile.load(al.resolve_profile(args.deepspeed_config))
@@ -33,7 +39,7 @@ def read_config(args, world, rank):
         # A profile's per-GPU terms depend on the SP degree (attention k x per GPU token, the all-to-all).
         print(f"[train_wan] warning: the profile was calibrated for sp={profile.meta['sp']}, this run has "
               f"sp={dims.sp}: predictions and balance will be off (measured: -33% on the 1.3B model); "
-              f"calibrate with this config or derive one (bench/sp_profile_check.py)", file=sys.stderr)
+              f"calibrate with this config or derive one (bench/plan/sp_profile_check.py)", file=sys.stderr)
     if rank == 0 and changed:
         print(f"[train_wan] batch keys set to count micro-batches (docs/training.md): "
               f"{ {k: v for k, (_, v) in changed.items()} } (config had { {k: o for k, (o, _) in changed.items()} })")
@@ -87,7 +93,10 @@ def prepare_data(args, manifest, c, world, rank):
     dataset = data.LatentDataset(samples, manifest, geometry, c.model_cfg.text_len, c.model_cfg.text_dim,
                                  on_bad="skip")
     # The failure policies may change between a crash and the resume (e.g. to skip what crashed it).
-    plan_keys = {k: v for k, v in al.to_dict().items() if k not in ("on_bad_sample", "on_oom")}
+    # The failure policies may change between a crash and its resume; LR scaling and loss weighting do not
+    # change the order of samples either (checkpoints from before these keys existed keep loading).
+    plan_keys = {k: v for k, v in al.to_dict().items()
+                 if k not in ("on_bad_sample", "on_oom", "loss_weighting", "lr_scaling_method", "lr_reference_batch_size")}
     layout = {"world": world, "sp": c.dims.sp, "grad_accum": c.G, "adaptive_load": plan_keys,
               "manifest_samples": len(samples)}
     tag = checkpoint.find(args.resume) if args.resume else None

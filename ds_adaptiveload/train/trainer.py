@@ -55,9 +55,15 @@ class Trainer:
             pin_memory=self.device.type == "cuda", prefetch_factor=args.prefetch_factor if workers else None,
             worker_init_fn=functools.partial(failures.die_with_parent, os.getpid()))
         # -- model, deepspeed.initialize -------------------------------------------------------------------
-        model = WanModel(self.model_cfg, checkpoint_blocks=args.checkpoint_blocks)
+        # "auto": every block until checkpoint_for sets the count of the first micro-batch
+        model = WanModel(self.model_cfg, checkpoint_blocks=True if args.checkpoint_blocks == "auto" else args.checkpoint_blocks)
         self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads)
+        if getattr(args, "compile_blocks", False):
+            from ds_adaptiveload.model.compile import compile_blocks
+
+            compile_blocks(model)  # regional: each WanBlock's forward (model/compile.py)
         self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
+        self.lr_scale = self.install_lr_scaling()
         self.divisor = sp.grad_divisor(self.engine, self.dims)  # what DeepSpeed divides summed gradients by
         self.dtype = eng.compute_dtype(self.engine)
         self.zero3 = self.engine.zero_optimization_stage() == 3
@@ -69,6 +75,15 @@ class Trainer:
         self.skipped = []  # this launch's skipped steps, for the summary
         self.plan_step = None  # the last step read: its sampler state is what a checkpoint saves
         self._dist = dist
+
+    def install_lr_scaling(self):
+        """adaptive_load.lr_scaling_method linear / sqrt: the LR follows each step's sample count relative to
+        the reference batch size (train/lr_scaling.py, DeepSpeed's dynamic-batching rule); none: untouched."""
+        if self.al.lr_scaling_method == "none":
+            return None
+        from ds_adaptiveload.train import lr_scaling
+
+        return lr_scaling.install(self.engine, self.al.lr_scaling_method, self.al.lr_reference_batch_size)
 
     def resume(self, tag) -> int:
         from ds_adaptiveload.train import checkpoint
@@ -150,14 +165,34 @@ class Trainer:
         for g, batch in enumerate(mbs):
             assert batch["index"] == plan_step.micro_batches[g], "loader and sampler out of step"
         self.plan_step = plan_step
+        if self.lr_scale:
+            self.lr_scale.set_batch_size(plan_step.global_samples)
         return mbs, data_ms, n_bad, bad
 
     def forward_backward(self, batch: dict, weight: float):
         """One micro-batch's forward and backward with loss weight `weight`; returns per-sample losses."""
         from ds_adaptiveload.train import engine as eng
 
+        self.checkpoint_for(batch)
         return eng.micro_step(self.engine, batch, weight, device=self.device, dtype=self.dtype, seed=self.al.seed,
-                              epoch=self.plan_step.epoch, shift=self.args.timestep_shift, seq_shard=self.seq_shard)
+                              epoch=self.plan_step.epoch, shift=self.args.timestep_shift, seq_shard=self.seq_shard,
+                              loss_weighting=self.al.loss_weighting)
+
+    def checkpoint_for(self, batch: dict) -> None:
+        """--checkpoint-blocks auto: checkpoint only as many blocks as this micro-batch's predicted peak needs
+        (schedule/memory.py; needs memory.block_bytes_per_token in the profile, else every block)."""
+        if self.args.checkpoint_blocks != "auto":
+            return
+        from ds_adaptiveload.schedule.memory import blocks_to_checkpoint
+
+        tokens = sum(-(-S // self.dims.sp) for S in self.sample_tokens(batch))
+        self.engine.module.checkpoint_blocks = blocks_to_checkpoint(
+            tokens, len(batch["index"]), self.profile.memory, self.model_cfg.num_layers)
+
+    def sample_tokens(self, batch: dict) -> list:
+        """Tokens of each sample of a micro-batch (a packed one mixes shapes)."""
+        geo = self.profile.geometry
+        return [geo.tokens(s.frames, s.height, s.width) for s in (self.samples[i] for i in batch["index"])]
 
     def run_micro_batches(self, step: int, mbs: list) -> SimpleNamespace:
         """Every micro-batch of the step. An OOM is caught and agreed later: this rank runs zero-weight
@@ -206,11 +241,10 @@ class Trainer:
         self.accel.synchronize()
 
     def count(self, counters: dict, batch: dict) -> None:
-        s = self.samples[batch["index"][0]]
-        S = self.profile.geometry.tokens(s.frames, s.height, s.width)
-        counters["samples"] += len(batch["ids"])
-        counters["tokens"] += S * len(batch["ids"])
-        counters["flops"] += self.model_cfg.flops_per_sample(S) * len(batch["ids"])
+        tokens = self.sample_tokens(batch)
+        counters["samples"] += len(tokens)
+        counters["tokens"] += sum(tokens)
+        counters["flops"] += sum(self.model_cfg.flops_per_sample(S) for S in tokens)
 
     def gather(self, run) -> list:
         """One all-gather per step, before the optimizer update, so a non-finite loss or an OOM on any rank
