@@ -41,6 +41,7 @@ SMOKE = os.environ.get("E2E_SMOKE") == "1"
 # name: (policy, fused op, sp)
 VARIANTS = {
     "balanced": ("balanced", True, 1),
+    "packed": ("packed", True, 1),
     "equal-tokens": ("equal-tokens", True, 1),
     "balanced-unfused": ("balanced", False, 1),
     "balanced-sp2": ("balanced", True, 2),
