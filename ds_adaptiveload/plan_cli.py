@@ -87,13 +87,18 @@ def write_dump(path, plan, samples):
     except OSError as e:  # permissions, a folder created meanwhile
         raise UserError(f"--dump {path}: cannot write ({e.strerror})") from None
     with f:
-        for s, step in enumerate(plan.steps):
-            for r, mbs in enumerate(step):
-                for m, mb in enumerate(mbs):
-                    rec = {"step": s, "rank": r, "micro": m, "ids": [samples[i].id for i in mb]}
-                    if (s, r, m) in plan.pad:
-                        rec["pad"] = True
-                    f.write(json.dumps(rec) + "\n")
+        f.writelines(dump_lines(plan, samples))
+
+
+def dump_lines(plan, samples):
+    """The --dump lines of a plan, one JSON object per micro-batch (tests/plan_digests.py hashes them)."""
+    for s, step in enumerate(plan.steps):
+        for r, mbs in enumerate(step):
+            for m, mb in enumerate(mbs):
+                rec = {"step": s, "rank": r, "micro": m, "ids": [samples[i].id for i in mb]}
+                if (s, r, m) in plan.pad:
+                    rec["pad"] = True
+                yield json.dumps(rec) + "\n"
 
 
 def print_table(summary):

@@ -23,14 +23,11 @@ def grid():
 
 def digest(plan, samples) -> str:
     """sha256 of the --dump lines (step, rank, micro, ids, pad) of a plan."""
+    from ds_adaptiveload.plan_cli import dump_lines
+
     h = hashlib.sha256()
-    for s, step in enumerate(plan.steps):
-        for r, mbs in enumerate(step):
-            for m, mb in enumerate(mbs):
-                rec = {"step": s, "rank": r, "micro": m, "ids": [samples[i].id for i in mb]}
-                if (s, r, m) in plan.pad:
-                    rec["pad"] = True
-                h.update((json.dumps(rec) + "\n").encode())
+    for line in dump_lines(plan, samples):
+        h.update(line.encode())
     return h.hexdigest()
 
 
