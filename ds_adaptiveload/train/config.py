@@ -38,7 +38,8 @@ class AdaptiveLoadConfig:
     """Cost profile YAML (profile.py); a relative path is looked up from the working directory, then
     from the JSON file's folder."""
     policy: str = "balanced"
-    """balanced | dual | equal-tokens (planner.py)."""
+    """balanced | packed | dual | equal-tokens (schedule/planner.py, schedule/packed.py). packed: micro-batches of
+    several shapes (ZeRO-2 at any world size, ZeRO-3 on one GPU only for now)."""
     seed: int = 0
     """Plan shuffling seed, and the seed of model init, noise and timesteps. `data_efficiency.seed`, when
     given, sets it (DeepSpeed's data-efficiency seed)."""
