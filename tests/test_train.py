@@ -273,3 +273,20 @@ def _mb_shapes(out):
     with open(os.path.join(out, "synthetic", "manifest.jsonl")) as f:
         shape = {r["id"]: (r["frames"], r["height"], r["width"]) for r in map(json.loads, f)}
     return [[shape[i] for i in mb] for rec in steps(out, 0) for mb in rec["ids"]]
+
+
+def test_bell_weighting_and_linear_lr_scaling_in_train_wan(tmp_path):
+    """adaptive_load.loss_weighting "bell" and lr_scaling_method "linear" reach train_wan: each step's LR is
+    the base LR times the step's sample count over the reference batch size."""
+    with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
+        al = json.load(f)["adaptive_load"]
+    al.update(profile=os.path.join(ROOT, al["profile"]), loss_weighting="bell", lr_scaling_method="linear",
+              lr_reference_batch_size=16)
+    cfg = test_config(tmp_path, scheduler=None, adaptive_load=al,
+                      optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
+    out = tmp_path / "run"
+    check(launch(out, "--synthetic", "--max-steps", "3", config=cfg, port=29661))
+    recs = steps(out, 0)
+    assert len({r["samples"] for r in recs}) >= 1 and all(r["loss"] == r["loss"] for r in recs)
+    for r in recs:
+        assert r["lr"] == pytest.approx(1e-3 * r["samples"] / 16, rel=1e-6), r
