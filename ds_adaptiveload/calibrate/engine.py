@@ -1,6 +1,6 @@
-"""Calibration's engine glue (torch + DeepSpeed): the engine set up as launch/train_wan.py sets it up, one
-training step on random inputs (the micro-step) with its OOM recovery, device facts, and a clock that
-agrees over ranks. The one module of calibrate that knows DeepSpeed: train/engine.py can replace it."""
+"""Calibration's engine glue (torch + DeepSpeed): the engine built with training's own pieces (train/engine.py:
+init_distributed, pick_device, build_engine, compute_dtype), one training step on random inputs through
+training's micro_step, its OOM recovery, device facts, and a clock that agrees over ranks."""
 import json
 import os
 import sys
@@ -10,29 +10,16 @@ import time
 def init_engine(cfg, ds, args):
     """deepspeed.initialize exactly as launch/train_wan.py does; a single process needs no launcher."""
     import torch
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
 
     from ds_adaptiveload.model import WanModel
-    from ds_adaptiveload.train import config as tconfig, sp as tsp
+    from ds_adaptiveload.train import config as tconfig, engine as eng, sp as tsp
 
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                  ("MASTER_PORT", str(29600 + os.getpid() % 300))):
         os.environ.setdefault(k, v)
-    accel = get_accelerator()
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if accel.device_name() == "cpu":
-        device = torch.device("cpu")
-        # Ranks share the host's cores (as launch/train_wan.py): not one thread per core each.
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", 1))))
-    else:
-        accel.set_device(local_rank)
-        device = torch.device(accel.device_name(local_rank))
+    accel, rank, world = eng.init_distributed()
+    # Ranks share the host's cores (as training does), unless the user set OMP_NUM_THREADS.
+    device = eng.pick_device(accel, int(os.environ.get("LOCAL_RANK", 0)), threads="OMP_NUM_THREADS" not in os.environ)
     ds = json.loads(json.dumps(ds))
     ds.pop("adaptive_load", None)
     # Calibrate on the JSON's sequence_parallel_size only when launched on enough ranks for it.
@@ -53,10 +40,8 @@ def init_engine(cfg, ds, args):
     with torch.no_grad():  # the zero-initialised head would make every other gradient zero
         model.head.head.weight.normal_(std=0.02)
     seq_shard = tsp.apply_ulysses(model, mpu, cfg.num_heads)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds,
-                                           mpu=mpu)
-    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
-    return engine, dims, seq_shard, device, dtype
+    engine = eng.build_engine(model, ds, mpu)
+    return engine, dims, seq_shard, device, eng.compute_dtype(engine)
 
 
 class StepFn:
@@ -84,7 +69,7 @@ class StepFn:
     def __call__(self, p):
         import torch
 
-        from ds_adaptiveload.train import flow
+        from ds_adaptiveload.train import engine as eng
 
         cuda = self.device.type == "cuda"
         try:
@@ -93,7 +78,7 @@ class StepFn:
             x0 = torch.randn(p.B, 16, *lat, generator=g, device=self.device).to(self.dtype)
             text = torch.randn(p.B, self.cfg.text_len, self.cfg.text_dim, generator=g, device=self.device)
             text = text.to(self.dtype)
-            eps, t = flow.draw_noise(x0, list(range(p.B)), self.seed, self.calls, 5.0)
+            batch, epoch = {"latent": x0, "text": text, "index": list(range(p.B))}, self.calls
             self.calls += 1
             if cuda:
                 if p.role in ("anchor", "probe"):  # the budget checks start from an empty cache, not the grid's
@@ -101,8 +86,9 @@ class StepFn:
                 torch.cuda.reset_peak_memory_stats(self.device)
             self.accel.synchronize()
             t0 = time.perf_counter()
-            loss = flow.flow_matching_loss(self.engine, x0, text, eps, t, seq_shard=self.seq_shard).mean()
-            self.engine.backward(loss)
+            # training's micro-step (train/engine.py): the mean loss is the sum with weight 1 / B
+            eng.micro_step(self.engine, batch, 1.0 / p.B, device=self.device, dtype=self.dtype, seed=self.seed,
+                           epoch=epoch, shift=5.0, seq_shard=self.seq_shard)
             self.accel.synchronize()
             t1 = time.perf_counter()
             self.engine.step()
