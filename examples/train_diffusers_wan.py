@@ -102,6 +102,9 @@ def main():
             print(f"step {step} loss {float(loss_sum) / batches.global_samples:.6f} "
                   f"samples {batches.global_samples} lr {lr:.6g}", flush=True)
     engine.save_checkpoint(ckpt, client_state={"loader": loader.state_dict()})  # the same on every rank
+    loader.close()
+    dist.barrier()
+    dist.destroy_process_group()  # else gloo's threads can abort the exit ("terminate called ...")
 
 
 if __name__ == "__main__":
