@@ -233,35 +233,25 @@ def profile_for(sp, run_profile, model_config):
 
 
 def write_ds_json(path, base, profile_path=None, policy=None, sp=1, grad_accum=1, seed=0, **adaptive):
-    """The one DeepSpeed JSON derivation of bench/ (the coordinator moves bench to
-    ds_adaptiveload.train.config.derive_ds_config once it is merged): micro-batch 1, G, SP, monitors off;
-    with a profile, an adaptive_load section of its own (policy, seed, oversize and OOM steps skipped), without
-    one the base's; adaptive: further adaptive_load keys (on_oom, profile, policy, ...)."""
-    with open(base) as f:
-        ds = json.load(f)
-    ds["gradient_accumulation_steps"] = grad_accum
-    ds["train_micro_batch_size_per_gpu"] = 1
-    ds.pop("train_batch_size", None)
-    if sp > 1:
-        ds["sequence_parallel_size"] = sp
-        ds.setdefault("zero_optimization", {})["reduce_scatter"] = True  # needed under SP (train/sp.py)
-    else:
-        ds.pop("sequence_parallel_size", None)
-    for key in ("csv_monitor", "tensorboard", "wandb"):
-        if key in ds:
-            ds[key] = {**ds[key], "enabled": False}
-    if profile_path is not None:
-        ds["adaptive_load"] = {"profile": os.path.abspath(profile_path), "policy": policy, "seed": seed,
-                               "on_oversize": "skip"}
-        from dataclasses import fields
+    """The benchmarks' DeepSpeed JSON, through ds_adaptiveload.train.config.derive_ds_config: micro-batch 1,
+    G, SP (with reduce_scatter, which SP needs: train/sp.py), monitors off; with a profile, an adaptive_load
+    section of its own (policy, seed, oversize and OOM steps skipped), without one the base's; adaptive:
+    further adaptive_load keys (on_oom, profile, policy, ...)."""
+    from ds_adaptiveload.train.config import MONITORS, derive_ds_config, read_json_object
 
-        from ds_adaptiveload.train.config import AdaptiveLoadConfig
-        if "on_oom" in {f.name for f in fields(AdaptiveLoadConfig)}:
-            # An OOM step is skipped and logged (counted below) instead of ending the run.
-            ds["adaptive_load"]["on_oom"] = "skip"
+    src = read_json_object(base, "DeepSpeed config")
+    top = {k: {**src[k], "enabled": False} for k in MONITORS if k in src}
+    if sp > 1:
+        top["zero_optimization"] = {**src.get("zero_optimization", {}), "reduce_scatter": True}
+    ds = derive_ds_config(src, grad_accum=grad_accum, sp=sp, train_micro_batch_size_per_gpu=1, train_batch_size=None,
+                          **top)
+    if profile_path is not None:
+        # Its own section: an oversize sample or an OOM step is skipped and logged instead of ending the run.
+        ds["adaptive_load"] = {"profile": os.path.abspath(profile_path), "policy": policy, "seed": seed,
+                               "on_oversize": "skip", "on_oom": "skip"}
     elif policy is not None:
         adaptive["policy"] = policy
-    ds.setdefault("adaptive_load", {}).update(adaptive)
+    ds["adaptive_load"] = {**ds.get("adaptive_load", {}), **adaptive}
     with open(path, "w") as f:
         json.dump(ds, f, indent=1)
 
