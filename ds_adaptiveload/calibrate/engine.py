@@ -1,7 +1,6 @@
 """Calibration's engine glue (torch + DeepSpeed): the engine built with training's own pieces (train/engine.py:
 init_distributed, pick_device, build_engine, compute_dtype), one training step on random inputs through
 training's micro_step, its OOM recovery, device facts, and a clock that agrees over ranks."""
-import json
 import os
 import sys
 import time
@@ -20,21 +19,16 @@ def init_engine(cfg, ds, args):
     accel, rank, world = eng.init_distributed()
     # Ranks share the host's cores (as training does), unless the user set OMP_NUM_THREADS.
     device = eng.pick_device(accel, int(os.environ.get("LOCAL_RANK", 0)), threads="OMP_NUM_THREADS" not in os.environ)
-    ds = json.loads(json.dumps(ds))
-    ds.pop("adaptive_load", None)
     # Calibrate on the JSON's sequence_parallel_size only when launched on enough ranks for it.
     k = int(ds.get("sequence_parallel_size", 1))
     if world % k:
         k = 1
-    if k == 1:
-        ds.pop("sequence_parallel_size", None)
     dims = tsp.ParallelDims(world=world, sp=k, rank=rank)
     mpu = tsp.init_sequence_parallel(dims)
-    # Every micro-batch is one optimizer step here, so fwd+bwd and the step are timed apart.
-    ds["gradient_accumulation_steps"] = 1
-    tconfig.ds_batch_keys(ds, dims.dp)
-    ds.pop("tensorboard", None), ds.pop("csv_monitor", None), ds.pop("wandb", None)
-    ds["steps_per_print"] = 10**9
+    # Every micro-batch is one optimizer step here, so fwd+bwd and the step are timed apart; no monitors.
+    ds = tconfig.derive_ds_config(ds, grad_accum=1, sp=k, dp=dims.dp, tensorboard=None, csv_monitor=None,
+                                  wandb=None, steps_per_print=10**9)
+    ds.pop("adaptive_load", None)
     torch.manual_seed(args.seed)
     model = WanModel(cfg, checkpoint_blocks=args.checkpoint_blocks)
     with torch.no_grad():  # the zero-initialised head would make every other gradient zero
