@@ -177,3 +177,11 @@ def test_plan_dump_into_a_folder_or_missing_folder(tmp_path, where, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: --dump {dump}: "), err
     assert ("is a folder" if where == "folder" else "its folder does not exist") in err
+
+
+def test_profile_floor_q_too_large_for_a_float_is_a_user_error(tmp_path):
+    """Found by the fuzz test in CI: an integer floor_q beyond float range overflowed in smooth_max."""
+    doc = json.loads(json.dumps(GOOD_PROFILE))
+    doc["time_ms"]["floor_q"] = 10 ** 400
+    with pytest.raises(UserError, match="time_ms.floor_q must be a number >= 1"):
+        CostProfile.load(write_profile(tmp_path, yaml.safe_dump(doc)))

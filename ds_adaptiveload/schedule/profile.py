@@ -93,7 +93,11 @@ class CostProfile:
         # Messages name the YAML keys (KEYS), the names a user edits.
         for name in ("fixed_ms", "per_token_ms", "per_token_sq_ms", "step_fixed_ms", "floor_ms", "sample_tokens"):
             _number(KEYS[name], getattr(self, name), ">= 0")
-        if not _is_number(self.floor_q) or not self.floor_q >= 1:
+        try:  # an int too large for a float would overflow in smooth_max's power
+            q = float(self.floor_q) if _is_number(self.floor_q) else None
+        except OverflowError:
+            q = None
+        if q is None or not q >= 1:
             raise UserError(f"profile: time_ms.floor_q must be a number >= 1, got {self.floor_q!r}")
         if self.per_token_ms == 0 and self.per_token_sq_ms == 0:
             raise UserError("profile: time_ms.per_token and time_ms.per_token_sq cannot both be 0")
