@@ -405,8 +405,9 @@ def main(argv=None):
 
 
 def markdown(res):
-    cols = ["ours", "ours_grid", "ours_v2", "ours_customop", "wan_eager", "wan_compile_dynamic", "torch_ln_mod",
-            "liger_ln_mod", "apex_fast_ln_mod"]
+    cols = ["ours", "ours_kernel", "ours_graph", "ours_grid", "ours_v2", "ours_customop", "wan_eager",
+            "wan_compile_dynamic", "torch_ln_mod", "liger_ln_mod", "apex_fast_ln_mod", "torch_ln", "liger_ln",
+            "apex_fast_ln"]
     lines = [f"Copy bandwidth {res['copy_TBps']:.2f} TB/s, {res['device']}, torch {res['torch']}, {res['date']}. "
              "Times in ms (median); bw% = byte floor / time / copy bandwidth.", "",
              "| shape | dtype | layout | pass | floor | " + " | ".join(cols) + " | ours bw% |",
