@@ -135,9 +135,10 @@ struct GridKernels {
   static const void* bwd() { return reinterpret_cast<const void*>(bwd_fast_kernel<TX, VPT, WPR, PF>); }
 };
 
-// The per-sample grid takes B = 1, and B >= 2 when the tuning module asks for it (flat_rows false).
-FastCfg fwd_cfg(const FwdParams& p) { return flat_rows(p) ? FastCfg{} : fwd_tile_cfg<GridKernels>(p, false); }
-FastCfg bwd_cfg(const BwdParams& p) { return flat_rows(p) ? FastCfg{} : bwd_tile_cfg<GridKernels>(p, false); }
+// The per-sample grid takes what the flat row space (tried first: ln_modulate_batch.cu) leaves: B = 1, B >= 2 where
+// the grid fills the wave, or when the tuning module asks for it; never when it forces the flat space.
+FastCfg fwd_cfg(const FwdParams& p) { return p.batch_path == 2 ? FastCfg{} : fwd_tile_cfg<GridKernels>(p, false); }
+FastCfg bwd_cfg(const BwdParams& p) { return p.batch_path == 2 ? FastCfg{} : bwd_tile_cfg<GridKernels>(p, false); }
 
 }  // namespace
 

@@ -239,8 +239,9 @@ inline bool bwd_tiles_apply(const BwdParams& p, bool tok) {
                          : p.sc_ss == 0 && p.sc_mode != kPerToken && p.sh_mode != kPerToken;
   return tiles_apply(p) && modes && !p.recompute && p.mean != nullptr && p.dweight == nullptr && p.dbias == nullptr;
 }
-// The flat row space (ln_modulate_batch.cu) instead of the per-sample grid: auto (0) for B >= 2; the tuning
-// module forces the grid (1) or the flat space (2, also at B = 1) for A-B comparison.
+// The flat row space (ln_modulate_batch.cu) may take the launch instead of the per-sample grid: auto (0) for B >= 2
+// where the grid would underfill the wave (batch.cu's grid_fills_wave); the tuning module forces the grid (1) or
+// the flat space (2, also at B = 1) for A-B comparison.
 template <typename P>
 inline bool flat_rows(const P& p) { return p.batch_path == 2 || (p.batch_path == 0 && p.B >= 2); }
 
