@@ -307,6 +307,8 @@ def host_overhead(bw):
     def op_call(x, sc, sh):
         return ln_modulate(x, sc, sh)
     paths = {"eager": ln_modulate,
+             # The floor any autograd path pays: F.layer_norm then modulate in x's dtype (two kernels each way).
+             "torch_ln": lambda x, sc, sh: F.layer_norm(x, x.shape[-1:], eps=EPS) * (1 + sc.to(x.dtype)) + sh.to(x.dtype),
              "customop": lambda x, sc, sh: lnm.ln_modulate_op(x, sc, sh, None, None, EPS, x.dtype)[0],
              "compiled": torch.compile(op_call, fullgraph=True, dynamic=True),
              "compiled_cudagraphs": torch.compile(op_call, fullgraph=True, dynamic=True, mode="reduce-overhead")}
@@ -317,7 +319,22 @@ def host_overhead(bw):
         except Exception as err:  # noqa: BLE001 - one shape's failure never ends the benchmark or its JSON
             rows.append({"B": B, "S": S, "D": D, "error": f"{type(err).__name__}: {str(err)[:300]}"})
         print("host", json.dumps(rows[-1]), flush=True)
+    host_profile()
     return rows
+
+
+def host_profile(B=1, S=8, D=1536, n=50):
+    """Where the eager fwd+bwd's host time goes: torch.profiler's CPU table over n calls at a tiny shape (log only)."""
+    xs, scs, shs, dys = make_inputs(B, S, D, torch.bfloat16, "sample", 1)
+    for _ in range(10):
+        torch.autograd.grad(ln_modulate(xs[0], scs[0], shs[0]), [xs[0], scs[0], shs[0]], dys[0])
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            torch.autograd.grad(ln_modulate(xs[0], scs[0], shs[0]), [xs[0], scs[0], shs[0]], dys[0])
+        torch.cuda.synchronize()
+    print(f"host profile, eager fwd+bwd x{n} at ({B},{S},{D}):", flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
 
 
 def host_row(paths, B, S, D, bw):
