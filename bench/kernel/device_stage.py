@@ -93,10 +93,9 @@ def main():
                  "load_op, op_error; m = load_op(); print('op', m and m.__file__, op_error(), f'{time.time() - t:.0f} s');"
                  " sys.exit(m is None)"], stage, cap(240), env)
     note(f"build rc {rc} in {s:.0f} s")
-    # 170 s: the suite took ~175 s on H200 before its longest test was halved (2026-12-01); --durations names
-    # what to cut next.
+    # 200 s: the trimmed suite passed all 458 tests in ~170 s on H200 (2026-12-01); --durations names what to cut next.
     rc, s = run([py, "-m", "pytest", "-q", "--maxfail=30", "-p", "no:cacheprovider", "--durations=12",
-                 "tests/test_ln_modulate.py"], os.path.join(args.out, "pytest.log"), cap(170), env)
+                 "tests/test_ln_modulate.py"], os.path.join(args.out, "pytest.log"), cap(200), env)
     note(f"pytest rc {rc} in {s:.0f} s")
     san = shutil.which("compute-sanitizer") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"),
                                                             "bin", "compute-sanitizer")

@@ -170,6 +170,12 @@ def shape_row(B, S, D, dtype, layout, provs, bw, args, t0):
            "floor_fwd_ms": fb / bw * 1e3, "floor_fwdbwd_ms": fbb / bw * 1e3}
     baselines = dtype == torch.bfloat16 and layout == "sample"
     row.update(ours_direct(sets, layout))
+    # One copy kernel of x's bytes at this size: what a single bandwidth-bound launch reaches here (launch and
+    # ramp are a visible share of the small shapes' ~50 us floors).
+    buf = torch.empty_like(sets[0][0])
+    row["copy_x_ms"] = bench_ms(lambda: buf.copy_(sets[0][0]))
+    row["copy_x_bw%"] = round(100 * 2 * buf.numel() * esize / (row["copy_x_ms"] * 1e-3) / bw, 1)
+    del buf
     if baselines and time.time() - t0 <= args.budget_s:
         row.update(ln_only(sets, args.ln_provs))
     for name, fn in provs.items():
