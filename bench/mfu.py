@@ -37,12 +37,16 @@ GIB = 2**30
 SHAPES = {"img32": (32, 1, 60, 104), "480p81": (1, 21, 60, 104), "720p81": (1, 21, 90, 160)}
 E2E_RESERVE_S = 200  # of --time-budget kept for e2e when both parts run
 PROBES = ((1, 3, 60, 104), (1, 6, 60, 104))  # 4,680 and 9,360 tokens: the activation-bytes slope
-E2E = {  # variant -> (MFU_CKPT, compiled blocks, train_wan flags); baseline = today's command, no levers
-    "baseline": (None, False, ["--checkpoint-blocks"]),
-    "auto": ("auto", False, []),
-    "compile-all": ("all", True, []),
-    "compile-auto": ("auto", True, []),
+E2E = {  # variant -> (MFU_CKPT, compiled blocks, train_wan flags, checkpoint policy); baseline = today's command
+    "baseline": (None, False, ["--checkpoint-blocks"], "full"),
+    "auto": ("auto", False, [], "full"),
+    "compile-all": ("all", True, [], "full"),
+    "compile-auto": ("auto", True, [], "full"),
+    "compile-auto-attn": ("auto", True, [], "attention"),
 }
+# mode -> (compiled blocks, checkpoint policy): "-attn" keeps the attention outputs of checkpointed blocks
+MODES = {"eager": (False, "full"), "compile": (True, "full"), "eager-attn": (False, "attention"),
+         "compile-attn": (True, "attention")}
 
 
 def parse_args(argv=None):
@@ -52,7 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--config", default="configs/ds_zero2_bf16.json")
     p.add_argument("--model-config", default="configs/wan_1_3b.yaml")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
-    p.add_argument("--modes", default="eager,compile", help="eager, compile (blocks compiled, dynamic tokens)")
+    p.add_argument("--modes", default="eager,compile",
+                   help="eager, compile (blocks compiled, dynamic tokens), eager-attn, compile-attn (checkpointed "
+                        "blocks keep their attention outputs: WanModel checkpoint_policy 'attention')")
     p.add_argument("--ckpt", default="all,k,none", help="all, k (schedule/memory.py), none: blocks checkpointed")
     p.add_argument("--reps", type=int, default=3, help="timed micro-batches per variant (after one warm-up)")
     p.add_argument("--safety", type=float, default=0.9, help="share of device memory k may plan for")
@@ -108,7 +114,8 @@ def tables(doc) -> str:
 
 def micro_step(engine, cfg, shape, seed, device, dtype):
     """One micro-batch on random inputs: flow-matching loss and backward (timed, peak memory), then the
-    optimizer step (timed apart). Returns (fwd+bwd ms, step ms, peak bytes; 0 on the CPU)."""
+    optimizer step (timed apart). Returns (fwd+bwd ms, step ms, peak bytes; 0 on the CPU, loss, the global
+    gradient norm DeepSpeed saw: a non-finite one means the step was skipped as an overflow)."""
     import torch
 
     from ds_adaptiveload.train import flow
@@ -132,7 +139,9 @@ def micro_step(engine, cfg, shape, seed, device, dtype):
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     engine.step()
     sync()
-    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, peak
+    norm = engine.get_global_grad_norm()
+    norm = float(norm) if norm is not None else None
+    return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, peak, float(loss), norm
 
 
 class Bench:
@@ -167,12 +176,13 @@ class Bench:
         self.calls += 1
         return micro_step(self.engine, self.cfg, shape, self.calls, self.device, self.dtype)
 
-    def measure(self, shape, k, compiled, reps):
-        """Warm-up then reps steps with k blocks checkpointed; a row (status ok / oom)."""
+    def measure(self, shape, k, mode, reps):
+        """Warm-up then reps steps with k blocks checkpointed in `mode` (MODES); a row (status ok / oom)."""
         torch = self.torch
+        compiled, policy = MODES[mode]
         ln = os.environ["DS_ADAPTIVELOAD_LN_MODULATE"] = self.args.compile_ln if compiled else self.ln_eager
-        self.levers.set(k, compiled)
-        row = {"k": k, "mode": "compile" if compiled else "eager", "after_oom": self.after_oom, "ln_modulate": ln}
+        self.levers.set(k, compiled, policy)
+        row = {"k": k, "mode": mode, "policy": policy, "after_oom": self.after_oom, "ln_modulate": ln}
         try:
             t0 = time.perf_counter()
             self.step(shape)
@@ -185,7 +195,8 @@ class Bench:
             return {**row, "status": "oom", "error": str(e).splitlines()[0][:200]}
         ms = [r[0] for r in runs]
         return {**row, "status": "ok", "ms": statistics.median(ms), "ms_all": [round(m, 1) for m in ms],
-                "step_ms": statistics.median(r[1] for r in runs), "peak_gib": max(r[2] for r in runs) / GIB}
+                "step_ms": statistics.median(r[1] for r in runs), "peak_gib": max(r[2] for r in runs) / GIB,
+                "loss": [round(r[3], 4) for r in runs], "grad_norm": [r[4] for r in runs]}
 
 
 def tokens_of(shape, cfg):
@@ -194,13 +205,13 @@ def tokens_of(shape, cfg):
     return (f // pt) * (h // ph) * (w // pw)
 
 
-def memory_fields(bench, compiled, profile_memory):
+def memory_fields(bench, mode, profile_memory):
     """Per-token bytes with all / no blocks checkpointed from the two B = 1 probes -> the memory dict
     schedule/memory.py plans with (profile_memory's per-sample bytes kept)."""
     L = bench.levers.num_layers
     probe = {}
     for k in (L, 0):
-        rows = [bench.measure(s, k, compiled, 1) for s in PROBES]
+        rows = [bench.measure(s, k, mode, 1) for s in PROBES]
         if any(r["status"] != "ok" for r in rows):
             return None, rows
         s1, s2 = (tokens_of(s, bench.cfg) for s in PROBES)
@@ -214,13 +225,13 @@ def memory_fields(bench, compiled, profile_memory):
                  "fixed_bytes": round(fixed), "probe_tokens": [tokens_of(s, bench.cfg) for s in PROBES]}
 
 
-def run_mode(bench, doc, compiled, shapes, ckpts, profile_memory, deadline):
+def run_mode(bench, doc, mode, shapes, ckpts, profile_memory, deadline):
     """Probes, then every shape x checkpointing variant of one mode; returns the proposed profile fields."""
     from ds_adaptiveload.schedule.memory import blocks_to_checkpoint, predicted_peak_bytes
 
-    mode, L, a = "compile" if compiled else "eager", bench.levers.num_layers, bench.args
+    L, a = bench.levers.num_layers, bench.args
     t0 = time.perf_counter()
-    mem, probe = memory_fields(bench, compiled, profile_memory)
+    mem, probe = memory_fields(bench, mode, profile_memory)
     proposed = {"mode": mode, "probe": probe, "probe_s": round(time.perf_counter() - t0, 1)}
     doc.doc.setdefault("proposed_profile", {})[mode] = proposed
     doc.save()
@@ -242,7 +253,7 @@ def run_mode(bench, doc, compiled, shapes, ckpts, profile_memory, deadline):
             if base["pred_peak_gib"] * GIB > 0.98 * bench.capacity:
                 doc.doc["rows"].append({**base, "mode": mode, "k": k, "status": "skipped: predicted over capacity"})
                 continue
-            row = {**base, **bench.measure(shape, k, compiled, a.reps if S < 60000 else max(1, a.reps - 1))}
+            row = {**base, **bench.measure(shape, k, mode, a.reps if S < 60000 else max(1, a.reps - 1))}
             if row["status"] == "ok":
                 row["mfu"] = bench.cfg.flops_per_sample(S) * B / (row["ms"] / 1e3 * a.peak_tflops * 1e12)
             row["capacity_gib"] = bench.capacity / GIB
@@ -268,7 +279,7 @@ def best_per_shape(rows):
         if r.get("status") == "ok" and r["mfu"] > best.get(r["shape"], {}).get("mfu", -1):
             best[r["shape"]] = r
     return [{"shape": r["shape"], "B": r["B"], "mfu": round(r["mfu"], 4), "ms": round(r["ms"], 1), "mode": r["mode"],
-             "k": r["k"], "peak_gib": round(r["peak_gib"], 2)} for r in best.values()]
+             "policy": r.get("policy", "full"), "k": r["k"], "peak_gib": round(r["peak_gib"], 2)} for r in best.values()]
 
 
 def part_shapes(args, doc, deadline):
@@ -283,11 +294,11 @@ def part_shapes(args, doc, deadline):
     doc.doc["build_s"] = round(bench.build_s, 1)
     doc.doc["ln_modulate_op"] = op_state(bench.device)  # what eager rows ran: the fused op, or PyTorch and why
     shapes, ckpts = split(args.shapes, SHAPES), split(args.ckpt, ("all", "k", "none"))
-    for mode in split(args.modes, ("eager", "compile")):
+    for mode in split(args.modes, MODES):
         if time.monotonic() > deadline:
             doc.doc["skipped"].append({"mode": mode, "why": "time budget"})
             continue
-        run_mode(bench, doc, mode == "compile", shapes, ckpts, profile_memory, deadline)
+        run_mode(bench, doc, mode, shapes, ckpts, profile_memory, deadline)
         doc.doc["per_shape"] = best_per_shape(doc.doc["rows"])
         doc.doc["compile_stats"] = compile_stats()
         doc.save()
@@ -327,7 +338,8 @@ def e2e_variant(args, name, manifest, memory, deadline):
     from train_e2e import read_steps, write_ds_json
     from train_steps import launch
 
-    ckpt, compiled, flags = E2E[name]
+    ckpt, compiled, flags, policy = E2E[name]
+    mode = ("compile" if compiled else "eager") + ("-attn" if policy == "attention" else "")
     run = os.path.join(args.work, f"run_{name}")
     os.makedirs(run, exist_ok=True)
     for f in os.listdir(run):  # a warm machine keeps /tmp: the step log appends otherwise
@@ -338,9 +350,10 @@ def e2e_variant(args, name, manifest, memory, deadline):
     write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), grad_accum=grad_accum)
     env = {"MFU_STATS": f"{run}/mfu_stats.json"}
     if ckpt:
-        env.update(MFU_CKPT=ckpt, MFU_MEMORY=f"{run}/memory.json", MFU_COMPILE="1" if compiled else "0")
+        env.update(MFU_CKPT=ckpt, MFU_MEMORY=f"{run}/memory.json", MFU_COMPILE="1" if compiled else "0",
+                   MFU_POLICY=policy)
         with open(env["MFU_MEMORY"], "w") as f:
-            json.dump(memory.get("compile" if compiled else "eager") or {}, f)
+            json.dump(memory.get(mode) or {}, f)
         if compiled:
             env["DS_ADAPTIVELOAD_LN_MODULATE"] = args.compile_ln
     log = os.path.join(args.out, f"e2e_{name}_train.log")
@@ -365,6 +378,10 @@ def e2e_variant(args, name, manifest, memory, deadline):
 # profile), ~3 MB/token eager without (-> 92 kB per open block), compiled 480p 81f 85 GB (-> 56 kB).
 ESTIMATED_MEMORY = {"eager": {"fixed_bytes": 23e9, "bytes_per_token": 224e3, "block_bytes_per_token": 92e3},
                     "compile": {"fixed_bytes": 23e9, "bytes_per_token": 224e3, "block_bytes_per_token": 56e3}}
+# "-attn": a checkpointed block also keeps its two attention outputs (2 x 3 KB per token at dim 1536, bf16)
+ESTIMATED_MEMORY.update({f"{m}-attn": {**v, "bytes_per_token": v["bytes_per_token"] + 30 * 6.2e3,
+                                       "block_bytes_per_token": v["block_bytes_per_token"] - 6.2e3}
+                         for m, v in list(ESTIMATED_MEMORY.items())})
 
 
 def e2e_memory(args, doc):
@@ -375,7 +392,7 @@ def e2e_memory(args, doc):
         with open(args.memory_json) as f:
             src, origin = json.load(f).get("proposed_profile", {}), args.memory_json
     out = {}
-    for mode in ("eager", "compile"):
+    for mode in MODES:
         measured = (src or {}).get(mode, {}).get("memory")
         out[mode] = {"capacity_bytes": None, "safety": args.safety, **(measured or ESTIMATED_MEMORY[mode])}
         doc.doc.setdefault("e2e_memory_source", {})[mode] = origin if measured else "estimated (ESTIMATED_MEMORY)"

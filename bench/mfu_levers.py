@@ -24,6 +24,13 @@ def _checkpointed(fn):
     return forward
 
 
+def _selective(fn):
+    """Policy "attention": WanBlock.forward's own selective checkpoint (inside the compiled region)."""
+    def forward(self, *args, **kwargs):
+        return fn(self, *args, save_attention=True, **kwargs)
+    return forward
+
+
 class Levers:
     """levers = Levers(model); levers.set(k=12, compiled=True) before a forward."""
 
@@ -36,26 +43,30 @@ class Levers:
         self.blocks = [b for b in self.model.blocks if isinstance(b, WanBlock)]
         self.compile_kw = dict(compile_kw or {})
         self._compiled = None
-        self.state = (None, None)
+        self.state = (None, None, None)
 
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
 
-    def set(self, k: int, compiled: bool = False) -> None:
-        """Checkpoint blocks 0..k-1 (k = num_layers: all, 0: none); compiled: the compiled forward."""
+    def set(self, k: int, compiled: bool = False, policy: str = "full") -> None:
+        """Checkpoint blocks 0..k-1 (k = num_layers: all, 0: none); compiled: the compiled forward; policy:
+        "full" recomputes checkpointed blocks whole, "attention" keeps their attention outputs."""
         if not 0 <= k <= self.num_layers:
             raise UserError(f"Levers.set: k must be in 0..{self.num_layers}, got {k}")
-        if self.state == (k, compiled):
+        if policy not in ("full", "attention"):
+            raise UserError(f"Levers.set: policy must be full or attention, got {policy!r}")
+        if self.state == (k, compiled, policy):
             return
         if compiled and self._compiled is None:
             from ds_adaptiveload.model.compile import block_forward
 
             self._compiled = block_forward(**self.compile_kw)
         fn = self._compiled if compiled else WanBlock.forward
+        wrap = _checkpointed if policy == "full" else _selective
         for i, b in enumerate(self.blocks):
-            b.forward = types.MethodType(_checkpointed(fn) if i < k else fn, b)
-        self.state = (k, compiled)
+            b.forward = types.MethodType(wrap(fn) if i < k else fn, b)
+        self.state = (k, compiled, policy)
 
 
 def micro_batch_tokens(x, patch_size) -> tuple:

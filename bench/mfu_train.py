@@ -5,6 +5,7 @@ the levers come from the environment (the deepspeed launcher passes it on):
     MFU_CKPT     auto (schedule/memory.py's k per micro-batch) | all | none | <k>; unset: no levers
     MFU_MEMORY   JSON of the memory dict k is planned with (capacity_bytes null: this GPU's)
     MFU_COMPILE  1: compiled blocks (model/compile.py)
+    MFU_POLICY   full (default) | attention: what checkpointed blocks recompute (WanModel checkpoint_policy)
     MFU_STATS    where to write, at exit, the k chosen per micro-batch and the compile counters
 
 WanModel.forward is wrapped at class level, so whichever code builds the model (today's train(), a Trainer)
@@ -22,7 +23,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
-def install(mode, memory, compiled, stats_path):
+def install(mode, memory, compiled, stats_path, policy="full"):
     import torch
 
     from ds_adaptiveload.model import wan
@@ -39,13 +40,14 @@ def install(mode, memory, compiled, stats_path):
                 memory["capacity_bytes"] = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         k = choose_k(x, memory, levers, mode) if torch.is_grad_enabled() else 0
         ks[k] += 1
-        levers.set(k, compiled)
+        levers.set(k, compiled, policy)
         return original(self, x, *args, **kwargs)
 
     wan.WanModel.forward = forward
 
     def dump():
         doc = {"k_counts": {str(k): n for k, n in sorted(ks.items())}, "ckpt_mode": mode, "compiled": compiled,
+               "policy": policy,
                "memory": memory}
         if compiled:
             from ds_adaptiveload.model.compile import compile_stats
@@ -65,7 +67,8 @@ def main():
         if os.environ.get("MFU_MEMORY"):
             with open(os.environ["MFU_MEMORY"]) as f:
                 memory = json.load(f)
-        install(mode, memory, os.environ.get("MFU_COMPILE") == "1", os.environ.get("MFU_STATS"))
+        install(mode, memory, os.environ.get("MFU_COMPILE") == "1", os.environ.get("MFU_STATS"),
+                os.environ.get("MFU_POLICY", "full"))
     script = os.path.join(ROOT, "launch", "train_wan.py")
     sys.argv = [script, *sys.argv[1:]]
     runpy.run_path(script, run_name="__main__")

@@ -89,7 +89,8 @@ def test_recompute_frac_and_best_per_shape():
     assert mfu.recompute_frac(rows, "eager", 30) == pytest.approx(0.2)
     assert mfu.recompute_frac(rows, "compile", 30) is None
     best = mfu.best_per_shape(rows)
-    assert best == [{"shape": "a", "B": 1, "mfu": 0.6, "ms": 50.0, "mode": "compile", "k": 0, "peak_gib": 1.5}]
+    assert best == [{"shape": "a", "B": 1, "mfu": 0.6, "ms": 50.0, "mode": "compile", "policy": "full", "k": 0,
+                     "peak_gib": 1.5}]
     assert "| a |" in mfu.tables({"rows": rows, "e2e": []})
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.config import WanConfig
@@ -154,6 +154,26 @@ class CrossAttention(SelfAttention):
         return self.o(lay.packing.map(sdpa_attention, (q,), (k, v)).flatten(1))
 
 
+# The attention kernels' forward ops (their outputs and logsumexp are what the backward needs): kept by the
+# "attention" checkpoint policy. At 720p 81f attention is ~85% of a block's FLOPs, so recomputing the rest of the
+# block costs little time, and the saved outputs cost ~3 KB per token per attention call at dim 1536 (bf16).
+_SAVED_ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward", "_efficient_attention_forward") if hasattr(torch.ops.aten, name))
+
+
+def save_attention_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def save_attention_context():
+    return create_selective_checkpoint_contexts(save_attention_policy)
+
+
+CHECKPOINT_POLICIES = ("full", "attention")
+
+
 def _gated_add(x, y, gate):
     """Residual add with a per-sample gate in fp32 (rounded to the activation dtype by the merge's copy)."""
     return x.float() + y.float() * gate
@@ -174,7 +194,16 @@ class WanBlock(nn.Module):
     def _modulate(self, x, scale, shift):
         return ln_modulate(x, scale, shift, eps=self.eps)
 
-    def forward(self, x, e0, context, lay: Layout):
+    def forward(self, x, e0, context, lay: Layout, save_attention: bool = False):
+        """save_attention: recompute this block in backward except its attention outputs (selective
+        checkpointing, save_attention_policy). Inside forward, so compile_blocks traces the checkpoint with the
+        block (a dispatch-mode policy cannot see into a compiled call) and module hooks (ZeRO-3) stay on."""
+        if save_attention and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, e0, context, lay, use_reentrant=False,
+                              context_fn=save_attention_context)
+        return self._forward(x, e0, context, lay)
+
+    def _forward(self, x, e0, context, lay: Layout):
         # x [T, dim]; e0 [n, 6, dim] fp32 time projection in packed order; modulation math stays fp32 as in Wan.
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float() + e0).chunk(6, dim=1)
         p = lay.packing
@@ -230,15 +259,20 @@ class WanModel(nn.Module):
 
     checkpoint_blocks: recompute blocks in backward (torch.utils.checkpoint, non-reentrant): True for every
         block, an int k for the first k (settable per micro-batch), False for none.
+    checkpoint_policy: what a checkpointed block recomputes: "full" (everything; the least memory) or
+        "attention" (everything but the attention kernels, whose outputs are saved: less recompute time).
     self_attn_fn: the self-attention core, (q, k, v) [B, S, heads, head_dim] -> same layout, called once
         per shape group of a packed micro-batch ([n_g, S_g, heads, head_dim]); None for sdpa_attention. Under sequence parallelism it also receives valid_len=<full token count> when
         the sequence was padded to a multiple of the SP world size (sdpa_attention handles it)."""
 
     def __init__(self, cfg: WanConfig, checkpoint_blocks: bool = False,
-                 self_attn_fn: Optional[AttentionFn] = None):
+                 self_attn_fn: Optional[AttentionFn] = None, checkpoint_policy: str = "full"):
         super().__init__()
+        if checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise UserError(f"WanModel: checkpoint_policy {checkpoint_policy!r}: expected one of {CHECKPOINT_POLICIES}")
         self.cfg = cfg
         self.checkpoint_blocks = checkpoint_blocks
+        self.checkpoint_policy = checkpoint_policy
         d = cfg.dim
         self.patch_embedding = PatchEmbed(cfg.in_dim, d, kernel_size=cfg.patch_size, stride=cfg.patch_size)
         self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"),
@@ -315,12 +349,14 @@ class WanModel(nn.Module):
 
         # checkpoint_blocks: True = every block, an int k = the first k (memory-aware checkpointing,
         # schedule/memory.blocks_to_checkpoint picks k per micro-batch), False / 0 = none.
+        # checkpoint_policy "attention": those blocks keep their attention outputs (WanBlock.forward).
         n_ckpt = len(self.blocks) if self.checkpoint_blocks is True else int(self.checkpoint_blocks or 0)
+        selective = self.checkpoint_policy == "attention"
         for i, block in enumerate(self.blocks):
-            if i < n_ckpt and torch.is_grad_enabled():
+            if i < n_ckpt and torch.is_grad_enabled() and not selective:
                 h = checkpoint(block, h, e0, context, lay, use_reentrant=False)
             else:
-                h = block(h, e0, context, lay)
+                h = block(h, e0, context, lay, i < n_ckpt and selective)
         h = self.head(h, e, packing)                                            # [T, out*pt*ph*pw]
         outs = self._unpatchify_groups(h, packing, shard)
         return packing.to_input(outs) if packed else outs[0]
