@@ -26,8 +26,8 @@ def _checkpointed(fn):
 
 def _selective(fn):
     """Policy "attention": WanBlock.forward's own selective checkpoint (inside the compiled region)."""
-    def forward(self, *args, **kwargs):
-        return fn(self, *args, save_attention=True, **kwargs)
+    def forward(self, x, e0, context, lay, *_, **__):  # the model's own save_attention flag is replaced
+        return fn(self, x, e0, context, lay, save_attention=True)
     return forward
 
 
