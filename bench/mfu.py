@@ -396,7 +396,17 @@ def e2e_memory(args, doc):
         measured = (src or {}).get(mode, {}).get("memory")
         out[mode] = {"capacity_bytes": None, "safety": args.safety, **(measured or ESTIMATED_MEMORY[mode])}
         doc.doc.setdefault("e2e_memory_source", {})[mode] = origin if measured else "estimated (ESTIMATED_MEMORY)"
+    for mode in ("eager", "compile"):  # the attention policy plans from the full policy's fields plus the
+        full, attn = out[mode], out[f"{mode}-attn"]  # bytes a block keeping its attention adds per token
+        out[f"{mode}-attn"] = {**full, "attention_bytes_per_token": max(
+            0.0, (attn["bytes_per_token"] - full["bytes_per_token"]) / bench_layers(args))}
     return out
+
+
+def bench_layers(args):
+    from ds_adaptiveload.model import WanConfig
+
+    return WanConfig.from_yaml(os.path.join(ROOT, args.model_config)).num_layers
 
 
 def part_e2e(args, doc, deadline):

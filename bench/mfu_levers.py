@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.wan import WanBlock, WanModel
-from ds_adaptiveload.schedule.memory import blocks_to_checkpoint
+from ds_adaptiveload.schedule.memory import blocks_to_checkpoint, selective_checkpoint
 
 
 def _checkpointed(fn):
@@ -43,30 +43,31 @@ class Levers:
         self.blocks = [b for b in self.model.blocks if isinstance(b, WanBlock)]
         self.compile_kw = dict(compile_kw or {})
         self._compiled = None
-        self.state = (None, None, None)
+        self.state = (None, None, None, None)
 
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
 
-    def set(self, k: int, compiled: bool = False, policy: str = "full") -> None:
+    def set(self, k: int, compiled: bool = False, policy: str = "full", k_full: int = 0) -> None:
         """Checkpoint blocks 0..k-1 (k = num_layers: all, 0: none); compiled: the compiled forward; policy:
-        "full" recomputes checkpointed blocks whole, "attention" keeps their attention outputs."""
+        "full" recomputes checkpointed blocks whole, "attention" keeps their attention outputs except in the
+        first k_full blocks (schedule/memory.selective_checkpoint)."""
         if not 0 <= k <= self.num_layers:
             raise UserError(f"Levers.set: k must be in 0..{self.num_layers}, got {k}")
         if policy not in ("full", "attention"):
             raise UserError(f"Levers.set: policy must be full or attention, got {policy!r}")
-        if self.state == (k, compiled, policy):
+        k_full = k if policy == "full" else min(k_full, k)
+        if self.state == (k, compiled, policy, k_full):
             return
         if compiled and self._compiled is None:
             from ds_adaptiveload.model.compile import block_forward
 
             self._compiled = block_forward(**self.compile_kw)
         fn = self._compiled if compiled else WanBlock.forward
-        wrap = _checkpointed if policy == "full" else _selective
         for i, b in enumerate(self.blocks):
-            b.forward = types.MethodType(wrap(fn) if i < k else fn, b)
-        self.state = (k, compiled, policy)
+            b.forward = types.MethodType(_checkpointed(fn) if i < k_full else _selective(fn) if i < k else fn, b)
+        self.state = (k, compiled, policy, k_full)
 
 
 def micro_batch_tokens(x, patch_size) -> tuple:
@@ -79,10 +80,13 @@ def micro_batch_tokens(x, patch_size) -> tuple:
     raise UserError(f"micro_batch_tokens: expected a [B, C, F, H, W] tensor or a list of [C, F, H, W], got {type(x)}")
 
 
-def choose_k(x, memory: dict, levers: Levers, mode) -> int:
-    """k for this micro-batch: mode 'auto' (blocks_to_checkpoint), 'all', 'none' or an int."""
+def choose_k(x, memory: dict, levers: Levers, mode, policy="full"):
+    """k for this micro-batch: mode 'auto' (blocks_to_checkpoint), 'all', 'none' or an int; with policy
+    'attention' and mode 'auto' the pair (k, k_full) of schedule/memory.selective_checkpoint."""
     if mode == "auto":
         samples, tokens = micro_batch_tokens(x, levers.model.cfg.patch_size)
+        if policy == "attention":
+            return selective_checkpoint(int(tokens), int(samples), memory, levers.num_layers)
         return blocks_to_checkpoint(int(tokens), int(samples), memory, levers.num_layers)
     if mode == "all":
         return levers.num_layers

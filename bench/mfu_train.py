@@ -38,9 +38,10 @@ def install(mode, memory, compiled, stats_path, policy="full"):
             levers = self.__dict__["_mfu_levers"] = Levers(self)
             if memory.get("capacity_bytes") is None and torch.cuda.is_available():
                 memory["capacity_bytes"] = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        k = choose_k(x, memory, levers, mode) if torch.is_grad_enabled() else 0
-        ks[k] += 1
-        levers.set(k, compiled, policy)
+        k = choose_k(x, memory, levers, mode, policy) if torch.is_grad_enabled() else 0
+        k, k_full = k if isinstance(k, tuple) else (k, k)
+        ks[k if policy == "full" else f"{k}/{k_full}"] += 1
+        levers.set(k, compiled, policy, k_full)
         return original(self, x, *args, **kwargs)
 
     wan.WanModel.forward = forward

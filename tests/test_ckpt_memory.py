@@ -108,3 +108,29 @@ def test_zero2_config_matches_the_zero3_one_but_for_zero():
     assert DeepSpeedZeroConfig(**zo).stage == 2  # DeepSpeed's own schema accepts every key
     with open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json")) as f:
         assert json.load(f)["zero_optimization"]["reduce_bucket_size"] >= 5e7
+
+
+def test_selective_checkpoint_keeps_attention_before_opening_blocks():
+    from ds_adaptiveload.schedule.memory import predicted_peak_bytes, selective_checkpoint
+
+    L = 30
+    mem = {"capacity_bytes": 100e9, "safety": 1.0, "fixed_bytes": 20e9, "bytes_per_token": 160e3,
+           "block_bytes_per_token": 80e3, "attention_bytes_per_token": 5e3}
+    assert selective_checkpoint(100_000, 1, {**mem, "attention_bytes_per_token": None}, L) == (
+        blocks_to_checkpoint(100_000, 1, mem, L),) * 2  # no field: every checkpointed block whole
+    seen = set()
+    for tokens in (1_000, 50_000, 200_000, 230_000, 400_000, 480_000, 600_000):
+        k, k_full = selective_checkpoint(tokens, 1, mem, L)
+        assert 0 <= k_full <= k <= L
+        kept = k - k_full  # blocks keeping attention; open blocks only once every block keeps it
+        assert k_full == 0 or k == L
+        # fits: the full-policy peak with L - k open blocks plus the kept blocks' attention bytes
+        peak = predicted_peak_bytes(tokens, 1, mem, L, k) + tokens * kept * mem["attention_bytes_per_token"]
+        assert peak <= mem["capacity_bytes"] or k_full == L, (tokens, k, k_full)
+        # and is the most it can keep: one block fewer recomputed whole would not fit
+        if 0 < k_full < L:
+            more = peak + tokens * mem["attention_bytes_per_token"]
+            assert more > mem["capacity_bytes"], (tokens, k, k_full)
+        seen.add((k == L, k_full > 0))
+    assert seen >= {(True, True), (True, False), (False, False)}, seen
+    assert selective_checkpoint(1_000_000, 1, mem, L) == (L, L)  # nothing fits: all whole, as before

@@ -87,6 +87,8 @@ STAGES = {
                        py("bench/kernel/ln_modulate.py", "--out", "{out}/ln_modulate-fp16.json", "--dtypes", "float16",
                           "--no-host", "--budget-s", "0")], 150,
                       "short check of the fp16 paths: their CUDA tests, every shape's rows in fp16", op=True),
+    "numerics": Stage([py("bench/model/compile_numerics.py", "--out", "{out}")], 150,
+                      "compiled vs eager gradients of one 480p clip (finite? equal?)", op=True),
     "ncu": Stage([py("bench/kernel/ncu_ln_modulate.py", "--out", "{out}")], 150, "Nsight Compute sections", op=True),
     "calib": Stage([py(*CAL, "--deepspeed_config", "configs/ds_zero3_bf16.json", "--out",
                        "{out}/h200-wan1.3b-calibrated.yaml", "--json", "{out}/calibrate.json", "--time-budget",

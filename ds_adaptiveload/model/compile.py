@@ -31,9 +31,9 @@ _DYNAMIC_DIMS = ((0, (0,)), (1, (0,)), (2, (0,)))
 class CompileOptions:
     """How compile_blocks compiles WanBlock.forward."""
     dynamic: bool = True
-    """Mark the token and batch dims dynamic. Under the packed Layout the group sizes are Python ints, so
-    dynamo still specialises on each micro-batch shape (measured in tests/test_compile_blocks.py: one graph per
-    (B, S), shared by every block); False: static shapes from the start."""
+    """Mark the token and batch dims dynamic. A one-shape micro-batch takes S from the tensor, so its graph
+    serves every S at that B; a micro-batch of several shape groups splits by Python ints, so dynamo
+    specialises on its composition (tests/test_compile_blocks.py counts the graphs); False: static shapes."""
     fullgraph: bool = False
     """Fail on a graph break instead of splitting the block (tests use True to prove the block traces whole)."""
     mode: Optional[str] = None

@@ -62,7 +62,9 @@ class Packing:
     def views(self, h: torch.Tensor) -> list[torch.Tensor]:
         """Each group's rows of a [T, ...] tensor as [n_g, local, ...] views. One split, not a slice per
         group: the backward of a split is one cat, where each slice would add a zero-filled [T, ...] tensor."""
-        parts = h.split([g.rows for g in self.groups]) if len(self.groups) > 1 else (h,)
+        if len(self.groups) == 1:  # S from the tensor: compiled blocks then stay dynamic in S (one graph per n)
+            return [h.unflatten(0, (self.groups[0].n, -1))]
+        parts = h.split([g.rows for g in self.groups])
         return [p.unflatten(0, (g.n, g.local)) for g, p in zip(self.groups, parts)]
 
     def sample_views(self, v: torch.Tensor) -> list[torch.Tensor]:

@@ -261,6 +261,8 @@ class WanModel(nn.Module):
         block, an int k for the first k (settable per micro-batch), False for none.
     checkpoint_policy: what a checkpointed block recomputes: "full" (everything; the least memory) or
         "attention" (everything but the attention kernels, whose outputs are saved: less recompute time).
+        Not under ZeRO-3 without leaf blocks: its parameter hooks inside the block run different ops in the
+        recompute, which selective checkpointing rejects.
     self_attn_fn: the self-attention core, (q, k, v) [B, S, heads, head_dim] -> same layout, called once
         per shape group of a packed micro-batch ([n_g, S_g, heads, head_dim]); None for sdpa_attention. Under sequence parallelism it also receives valid_len=<full token count> when
         the sequence was padded to a multiple of the SP world size (sdpa_attention handles it)."""
@@ -273,6 +275,7 @@ class WanModel(nn.Module):
         self.cfg = cfg
         self.checkpoint_blocks = checkpoint_blocks
         self.checkpoint_policy = checkpoint_policy
+        self.checkpoint_full_blocks = 0  # settable per micro-batch: schedule/memory.selective_checkpoint
         d = cfg.dim
         self.patch_embedding = PatchEmbed(cfg.in_dim, d, kernel_size=cfg.patch_size, stride=cfg.patch_size)
         self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"),
@@ -352,8 +355,10 @@ class WanModel(nn.Module):
         # checkpoint_policy "attention": those blocks keep their attention outputs (WanBlock.forward).
         n_ckpt = len(self.blocks) if self.checkpoint_blocks is True else int(self.checkpoint_blocks or 0)
         selective = self.checkpoint_policy == "attention"
+        # Under "attention", the first checkpoint_full_blocks of them still recompute whole (less memory).
+        n_full = min(self.checkpoint_full_blocks, n_ckpt) if selective else n_ckpt
         for i, block in enumerate(self.blocks):
-            if i < n_ckpt and torch.is_grad_enabled() and not selective:
+            if i < n_full and torch.is_grad_enabled():
                 h = checkpoint(block, h, e0, context, lay, use_reentrant=False)
             else:
                 h = block(h, e0, context, lay, i < n_ckpt and selective)

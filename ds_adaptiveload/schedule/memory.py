@@ -61,6 +61,30 @@ def blocks_to_checkpoint(tokens: int, samples: int, profile_memory: dict, num_la
     return max(0, num_layers - min(full, num_layers))
 
 
+def selective_checkpoint(tokens: int, samples: int, profile_memory: dict, num_layers: int) -> tuple:
+    """(k, k_full) under the "attention" checkpoint policy: blocks 0..k-1 checkpointed, the first k_full of
+    them recomputed whole and the rest keeping their attention outputs (memory.attention_bytes_per_token more
+    per token each). Keeping attention buys the most recompute per byte (attention is most of a long clip's
+    FLOPs, its outputs a few KB per token), so every block gets it before any block goes un-checkpointed.
+    Without attention_bytes_per_token: (blocks_to_checkpoint, same k), i.e. every checkpointed block whole."""
+    k = blocks_to_checkpoint(tokens, samples, profile_memory, num_layers)
+    attn = _number(profile_memory, "attention_bytes_per_token")
+    if attn is None or tokens == 0:
+        return k, k
+    block = _number(profile_memory, "block_bytes_per_token") or 0.0
+    free = (_number(profile_memory, "capacity_bytes", 0.0) * _number(profile_memory, "safety", DEFAULT_SAFETY)
+            - _number(profile_memory, "fixed_bytes", 0.0) - _number(profile_memory, "bytes_per_sample", 0.0) * samples
+            - _number(profile_memory, "bytes_per_token") * tokens)
+    if free <= 0:
+        return num_layers, num_layers
+    kept = num_layers if attn == 0 else min(num_layers, math.floor(free / (attn * tokens)))
+    if kept < num_layers:
+        return num_layers, num_layers - kept
+    rest = free - num_layers * attn * tokens
+    open_ = num_layers if block <= attn else min(num_layers, math.floor(rest / ((block - attn) * tokens)))
+    return num_layers - open_, 0
+
+
 def predicted_peak_bytes(tokens: int, samples: int, profile_memory: dict, num_layers: int, k: int) -> float:
     """peak(k) of the module docstring (needs fixed_bytes, bytes_per_token; block_bytes_per_token 0 if absent)."""
     if not 0 <= k <= num_layers:
