@@ -274,6 +274,8 @@ class PlannedStep:
         """This rank's pad micro-batches (repeats that keep ranks in lockstep; zero loss weight)."""
         self.global_samples = batch.global_samples
         """Real samples of the step over all dp ranks: the loss normalizer N."""
+        self.all_micro_batches = batch.all_micro_batches
+        """Every dp rank's micro-batches of the step (sample indices), as planned."""
 
 
 class MicroBatchStream:

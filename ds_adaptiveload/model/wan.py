@@ -320,13 +320,20 @@ class WanModel(nn.Module):
                 raise UserError(f"WanModel: context[{i}] has shape {tuple(c.shape)}, expected [L, {C}]")
         return torch.stack([F.pad(c[:L], (0, 0, 0, L - c[:L].shape[0])) for c in (items[i] for i in packing.order)])
 
-    def forward(self, x, t, context, seq_shard=None):
+    def forward(self, x, t, context, seq_shard=None, flat=False):
         """Tensor form: x [B, in_dim, F, H, W] latents, t [B] timesteps (0..1000, float or int; a scalar is
         broadcast), context [B, L, text_dim] or a list of [L_i, text_dim] -> [B, out_dim, F, H, W].
         Packed form: x a list of n latents [in_dim, F_i, H_i, W_i] of any mix of shapes, t [n], context a
         list of n [L_i, text_dim] -> list of n [out_dim, F_i, H_i, W_i], in input order. F, H, W must be
         divisible by patch_size. Samples are grouped by shape (model/packing.py): one GEMM per projection
         over all tokens, one batched attention call per group; the tensor form is a single group.
+
+        flat (packed form; the tensor form ignores it): return ONE 1-D tensor, the n predictions flattened
+        and concatenated in input order (split_flat() gives the list back). Needed under ZeRO-3 with several
+        ranks: DeepSpeed hooks every output tensor of every module, so a list of n outputs runs this module's
+        pre-backward hook n times; ZeRO-3 replays the module order it recorded in an earlier micro-batch, and
+        a rank whose sample count differs from the recorded one drops that trace and re-records it with
+        collectives its peers do not issue, which hangs (train/flow.py trains with flat=True).
 
         seq_shard: None, or SeqShard / (rank, world[, group]) for sequence parallelism. Each sample's S
         tokens are zero-padded to world * ceil(S / world) and this rank keeps tokens [rank*c, (rank+1)*c),
@@ -364,7 +371,21 @@ class WanModel(nn.Module):
                 h = block(h, e0, context, lay, i < n_ckpt and selective)
         h = self.head(h, e, packing)                                            # [T, out*pt*ph*pw]
         outs = self._unpatchify_groups(h, packing, shard)
-        return packing.to_input(outs) if packed else outs[0]
+        if not packed:
+            return outs[0]
+        if not flat:
+            return packing.to_input(outs)
+        # In input order; the groups' own order when it is the input order (one group, or shapes contiguous)
+        parts = outs if packing.is_identity else packing.to_input(outs)
+        return parts[0].flatten() if len(parts) == 1 else torch.cat([y.flatten() for y in parts])
+
+    @staticmethod
+    def split_flat(flat: torch.Tensor, xs) -> list:
+        """forward(xs, ..., flat=True)'s result -> the list of n [out_dim, F_i, H_i, W_i] views it holds
+        (out_dim: flat's numel over the latents' spatial sizes)."""
+        sizes = [math.prod(x.shape[1:]) for x in xs]
+        out_dim = flat.numel() // sum(sizes)
+        return [y.view(out_dim, *x.shape[1:]) for y, x in zip(flat.split([out_dim * n for n in sizes]), xs)]
 
     def _grids(self, x, packed: bool) -> list:
         """Patch grid (f, h, w) of every sample; UserError naming the input on a bad shape."""

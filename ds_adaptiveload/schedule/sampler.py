@@ -26,6 +26,9 @@ class StepBatch:
     """Predicted wall ms of the step (Plan.pred_wall_ms: lockstep-aware)."""
     global_samples: int
     """Real (non-pad) samples in this step over all data-parallel ranks: the loss normaliser."""
+    all_micro_batches: list
+    """Every data-parallel rank's micro-batches of this step (the plan's row, the same on every rank), for
+    settings all ranks must agree on without communication (the ZeRO-3 checkpoint count, trainer.py)."""
 
 
 def fingerprint(samples) -> str:
@@ -70,7 +73,7 @@ class AdaptiveSampler:
         pad = [(step, r, m) in plan.pad for m in range(len(mbs))]
         total = sum(len(mb) for k, rank_mbs in enumerate(plan.steps[step]) for m, mb in enumerate(rank_mbs)
                     if (step, k, m) not in plan.pad)
-        return StepBatch(step, mbs, pad, list(plan.pred_ms[step]), plan.pred_wall_ms[step], total)
+        return StepBatch(step, mbs, pad, list(plan.pred_ms[step]), plan.pred_wall_ms[step], total, plan.steps[step])
 
     def __iter__(self):
         """Yields this rank's steps from `next_step` on; `next_step` advances as steps are handed out."""

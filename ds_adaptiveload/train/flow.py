@@ -80,8 +80,10 @@ def packed_flow_matching_loss(model, x0s, contexts, eps, t, **model_kwargs) -> t
         x0f = x0.float()
         xts.append(((1 - ti) * x0f + ti * e).to(x0.dtype))
         targets.append(e - x0f)
-    preds = model(xts, t * 1000, contexts, **model_kwargs)
-    return torch.stack([(p.float() - v).pow(2).mean() for p, v in zip(preds, targets)])
+    # One output tensor whatever n (WanModel.forward's flat): ZeRO-3 hooks each output tensor in backward.
+    flat = model(xts, t * 1000, contexts, flat=True, **model_kwargs)
+    preds = flat.split([v.numel() for v in targets])
+    return torch.stack([(p.float() - v.flatten()).pow(2).mean() for p, v in zip(preds, targets)])
 
 
 def loss_scale(grad_divisor: int, grad_accum: int, global_samples: int) -> float:

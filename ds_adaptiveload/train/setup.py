@@ -25,12 +25,6 @@ def read_config(args, world, rank):
     # Skipping an update after backward relies on ZeRO-3 discarding a step whose gradient norm is NaN.
     if al.on_oom == "skip" and ds_cfg.get("zero_optimization", {}).get("stage", 0) != 3:
         raise UserError(f"{args.deepspeed_config}: adaptive_load.on_oom \"skip\" needs zero_optimization.stage 3")
-    if al.policy == "packed" and ds_cfg.get("zero_optimization", {}).get("stage", 0) == 3 and world > 1:
-        # Seen on 2 CPU ranks (2026-12-01): ZeRO-3's parameter fetching hangs in the second step when the ranks'
-        # micro-batches hold different shape groups. Refused rather than left to hang until it is fixed.
-        raise UserError(f"{args.deepspeed_config}: adaptive_load.policy \"packed\" does not run under ZeRO-3 with "
-                        f"several ranks yet (it hangs in ZeRO-3's parameter fetching); use zero_optimization.stage 2 "
-                        f"(configs/ds_zero2_bf16.json) or policy \"balanced\"")
     changed = config.ds_batch_keys(ds_cfg, dims.dp)
     model_cfg = WanConfig.from_yaml(args.model_config)
     profile = CostProfile.load(al.resolve_profile(args.deepspeed_config))

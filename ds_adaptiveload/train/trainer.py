@@ -74,6 +74,7 @@ class Trainer:
         self.log = metrics.StepLog(args.output, self.rank)
         self.skipped = []  # this launch's skipped steps, for the summary
         self.plan_step = None  # the last step read: its sampler state is what a checkpoint saves
+        self._k_step, self._k = None, None  # ZeRO-3, --checkpoint-blocks auto: the step whose count _k is
         self._dist = dist
 
     def install_lr_scaling(self):
@@ -180,14 +181,28 @@ class Trainer:
 
     def checkpoint_for(self, batch: dict) -> None:
         """--checkpoint-blocks auto: checkpoint only as many blocks as this micro-batch's predicted peak needs
-        (schedule/memory.py; needs memory.block_bytes_per_token in the profile, else every block)."""
+        (schedule/memory.py; needs memory.block_bytes_per_token in the profile, else every block).
+
+        Under ZeRO-3 every micro-batch of the step uses the step's largest count over every rank's
+        micro-batches (the plan is the same on every rank, so no communication): a checkpointed block is
+        called again in backward, and ZeRO-3 replays the module order it recorded; a rank whose count
+        differs leaves that order alone and re-records it with collectives its peers do not issue (hang)."""
         if self.args.checkpoint_blocks != "auto":
             return
+        if not self.zero3:
+            self.engine.module.checkpoint_blocks = self.blocks_to_checkpoint(batch["index"])
+            return
+        if self.plan_step is not self._k_step:
+            self._k_step = self.plan_step
+            self._k = max(self.blocks_to_checkpoint(mb) for mbs in self.plan_step.all_micro_batches for mb in mbs)
+        self.engine.module.checkpoint_blocks = self._k
+
+    def blocks_to_checkpoint(self, indices) -> int:
+        """schedule/memory.blocks_to_checkpoint of a micro-batch (its sample indices) on this rank's tokens."""
         from ds_adaptiveload.schedule.memory import blocks_to_checkpoint
 
-        tokens = sum(-(-S // self.dims.sp) for S in self.sample_tokens(batch))
-        self.engine.module.checkpoint_blocks = blocks_to_checkpoint(
-            tokens, len(batch["index"]), self.profile.memory, self.model_cfg.num_layers)
+        tokens = sum(-(-S // self.dims.sp) for S in self.sample_tokens({"index": indices}))
+        return blocks_to_checkpoint(tokens, len(indices), self.profile.memory, self.model_cfg.num_layers)
 
     def sample_tokens(self, batch: dict) -> list:
         """Tokens of each sample of a micro-batch (a packed one mixes shapes)."""

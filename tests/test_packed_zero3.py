@@ -1,0 +1,210 @@
+"""Packed micro-batches under ZeRO-3 with several ranks (CPU, 2 gloo ranks): ranks whose micro-batches hold
+different numbers of samples and shape groups, and checkpoint counts that change between micro-batches,
+must keep issuing the same parameter all-gathers (a mismatch hangs); gradients equal one process."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ds_adaptiveload.model import WanModel
+from tests.test_model import perturbed_model, rel_err, tiny_cfg
+from tests.test_packed import SHAPES, loss_of, packed_inputs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PORTS = range(29700, 29720)  # this module's master ports (other tests use fixed ports elsewhere)
+
+# Per micro-batch: each rank's sample shapes and the checkpoint count k (the same on both ranks). ZeRO-3
+# runs micro-batch 1 untraced, records its module trace in 2 and replays it from 3 on: in 3 rank 0 matches
+# the trace (3 samples, as recorded) while rank 1 (5 samples) does not, which hung before every packed
+# forward had one output tensor. 5 and 6 change k on both ranks (each re-records the trace alike).
+MICRO_BATCHES = [
+    ([(1, 4, 4), (1, 4, 4)], [(1, 2, 6), (2, 2, 2)], 1),
+    ([(1, 4, 4), (1, 2, 6), (2, 2, 2)], [(1, 4, 4), (1, 4, 4), (1, 4, 4)], 1),
+    ([(1, 2, 6), (1, 2, 6), (2, 2, 2)], [(2, 2, 2), (1, 4, 4), (2, 2, 2), (1, 2, 6), (1, 2, 6)], 1),
+    ([(2, 2, 2)] * 4, [(1, 4, 4), (1, 2, 6)], 1),
+    ([(1, 2, 6), (1, 4, 4)], [(1, 4, 4)], 0),
+    ([(1, 4, 4)], [(1, 4, 4), (2, 2, 2)], 2),
+]
+
+
+def test_flat_output_is_the_list_output_concatenated():
+    """forward(..., flat=True) is the input-order list flattened into one tensor (also when grouping
+    reorders the samples), split_flat gives the list back, and the gradients are the list form's."""
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg)
+    for shapes in (SHAPES, [(1, 6, 4)] * 3, [(1, 6, 4)]):
+        xs, t, ctxs = packed_inputs(cfg, shapes=shapes)
+        m.zero_grad()
+        ys = m(xs, t, ctxs)
+        loss_of(ys).backward()
+        g_list = {n: p.grad.clone() for n, p in m.named_parameters()}
+        m.zero_grad()
+        flat = m(xs, t, ctxs, flat=True)
+        assert flat.ndim == 1 and torch.equal(flat, torch.cat([y.flatten() for y in ys]))
+        split = WanModel.split_flat(flat, xs)
+        assert all(torch.equal(a, b) for a, b in zip(split, ys))
+        loss_of(split).backward()
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(p.grad, g_list[n], rtol=0, atol=0, msg=n)
+
+
+def _checkpoint_trainer(zero3, memory):
+    """A Trainer with just what checkpoint_for reads (2 dp ranks, no engine, no collectives)."""
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.schedule.geometry import Geometry
+    from ds_adaptiveload.train.trainer import Trainer
+
+    tr = Trainer.__new__(Trainer)
+    tr.args = SimpleNamespace(checkpoint_blocks="auto")
+    tr.zero3, tr._k_step, tr._k = zero3, None, None
+    tr.dims = SimpleNamespace(sp=1)
+    tr.profile = SimpleNamespace(memory=memory, geometry=Geometry())
+    tr.model_cfg = SimpleNamespace(num_layers=4)
+    tr.engine = SimpleNamespace(module=SimpleNamespace(checkpoint_blocks=True))
+    # sample i: one 64 x 64 (i + 1) frame, 16 (i + 1) tokens
+    tr.samples = [SimpleNamespace(frames=1, height=64, width=64 * (i + 1)) for i in range(8)]
+    return tr
+
+
+def test_checkpoint_count_is_the_steps_largest_under_zero3():
+    """--checkpoint-blocks auto: ZeRO-3 takes the largest count over every rank's micro-batches of the step
+    (from the plan, the same on every rank); other stages keep each micro-batch's own count."""
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.schedule.memory import blocks_to_checkpoint
+
+    memory = {"capacity_bytes": 400, "safety": 1.0, "bytes_per_token": 1, "block_bytes_per_token": 2}
+    rank_mbs = [[[0], [1, 2]], [[7], [3]]]                       # 2 ranks, G = 2
+    for zero3 in (False, True):
+        tr = _checkpoint_trainer(zero3, memory)
+        ks = [blocks_to_checkpoint(sum(tr.sample_tokens({"index": mb})), len(mb), memory, 4)
+              for mbs in rank_mbs for mb in mbs]
+        assert ks == [0, 2, 3, 2]                                # the micro-batches differ
+        for rank in (0, 1):
+            tr.plan_step = SimpleNamespace(all_micro_batches=rank_mbs)
+            got = []
+            for mb in rank_mbs[rank]:
+                tr.checkpoint_for({"index": mb})
+                got.append(tr.engine.module.checkpoint_blocks)
+            want = [max(ks)] * 2 if zero3 else ks[2 * rank:2 * rank + 2]
+            assert got == want, (zero3, rank, got, want)
+
+
+def _two_rank_worker(rank, world, port, result_path):
+    """Both ranks run MICRO_BATCHES through one ZeRO-3 engine (lr 0) and keep the dp-averaged full gradients."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    deepspeed.init_distributed("gloo")
+    torch.set_num_threads(1)
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg)
+    conf = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=m, config=conf, model_parameters=m.parameters())
+    grads = []
+    for i, mb in enumerate(MICRO_BATCHES):
+        xs, t, ctxs = packed_inputs(cfg, shapes=mb[rank], seed=10 * i + rank)
+        engine.module.checkpoint_blocks = mb[2]
+        engine.backward(loss_of(WanModel.split_flat(engine(xs, t, ctxs, flat=True), xs)))
+        grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
+        engine.step()
+    if rank == 0:
+        torch.save(grads, result_path)
+    torch.distributed.destroy_process_group()
+
+
+def _spawn(worker, port, tmp_path, timeout=240):
+    """worker on 2 ranks in a fresh interpreter, killed after `timeout` s (a hang fails, it does not block)."""
+    out = tmp_path / "result.pt"
+    code = (f"import torch.multiprocessing as mp, tests.test_packed_zero3 as t; "
+            f"mp.spawn(t.{worker.__name__}, args=(2, {port}, {str(out)!r}), nprocs=2, join=True)")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        log, _ = proc.communicate()
+        pytest.fail(f"2 ZeRO-3 ranks still running after {timeout} s (a collective mismatch hangs):\n{log[-3000:]}")
+    assert proc.returncode == 0, log[-5000:]
+    return torch.load(out)
+
+
+@pytest.mark.slow
+def test_packed_zero3_two_ranks_match_one_process(tmp_path):
+    pytest.importorskip("deepspeed")
+    got = _spawn(_two_rank_worker, PORTS[0], tmp_path)
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg)
+    for i, mb in enumerate(MICRO_BATCHES):
+        m.checkpoint_blocks = mb[2]
+        m.zero_grad()
+        for rank in (0, 1):
+            xs, t, ctxs = packed_inputs(cfg, shapes=mb[rank], seed=10 * i + rank)
+            (loss_of(m(xs, t, ctxs)) / 2).backward()          # DeepSpeed averages over the 2 dp ranks
+        for n, p in m.named_parameters():
+            assert rel_err(got[i][n], p.grad) < 1e-5, (i, n)
+
+
+# ---------------------------------------------------------------- launch/train_wan.py, 2 ranks, ZeRO-3
+
+def _launch(out, cfg, *extra, port, timeout=180):
+    """`deepspeed --num_gpus 2 launch/train_wan.py --synthetic ...` in its own process group, killed whole on
+    timeout (a rank stuck in a collective outlives the launcher), which fails the test."""
+    import shutil
+    import signal
+
+    bin_dir = os.path.dirname(sys.executable)
+    launcher = shutil.which("deepspeed", path=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    if launcher is None:
+        pytest.skip("deepspeed launcher not installed")
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(port), "launch/train_wan.py", "--deepspeed_config",
+           str(cfg), "--model-config", "configs/wan_tiny.yaml", "--synthetic", "--output", str(out),
+           "--num-workers", "1", "--no-final-save", *extra]
+    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"train_wan still running after {timeout} s (hung):\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-5000:]
+
+
+@pytest.mark.slow
+def test_packed_policy_trains_under_zero3_on_two_ranks(tmp_path):
+    """policy packed, ZeRO-3, 2 ranks, --checkpoint-blocks auto: 3 steps whose rounds give the ranks different
+    sample counts and shape groups; finite losses, and the last step's gradient equals one process's."""
+    import json
+    import math
+
+    from tests import test_train as tt
+
+    with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
+        al = json.load(f)["adaptive_load"]
+    al.update(policy="packed", profile=os.path.join(ROOT, al["profile"]))
+    cfg = tt.test_config(tmp_path, scheduler=None, adaptive_load=al,
+                         optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
+    out, dump = tmp_path / "run", tmp_path / "grads.pt"
+    _launch(out, cfg, "--max-steps", "3", "--checkpoint-blocks", "auto", "--dump-grads", str(dump), port=PORTS[1])
+    logs = [tt.steps(out, rank) for rank in (0, 1)]
+    assert [len(log) for log in logs] == [3, 3]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["rank_loss"]) for log in logs for r in log)
+    with open(out / "synthetic" / "manifest.jsonl") as f:
+        shape = {r["id"]: (r["frames"], r["height"], r["width"]) for r in map(json.loads, f)}
+    rounds = [(a, b) for r0, r1 in zip(*logs) for a, b in zip(r0["ids"], r1["ids"])]
+    groups = [tuple({shape[i]: None for i in mb}) for pair in rounds for mb in pair]
+    assert any(len(a) != len(b) for a, b in rounds), "no round gave the ranks different sample counts"
+    assert any(groups[2 * k] != groups[2 * k + 1] for k in range(len(rounds))), "no round differed in groups"
+    assert any(len(g) > 1 for g in groups), "no micro-batch mixed shapes"
+    tt.reference_check(out, dump, 1)
