@@ -27,8 +27,8 @@ choices.
 Modules: cli (the command), grid (points and their measuring order), fit (time and memory fits, budget),
 probe (budget probes), packs (the packed validation), report (predictions beside measurements), estimate
 (--estimate, the sp conversion), result (the CostProfile written), measure (`Calibration`: the measured run),
-engine (DeepSpeed glue: engine, micro-step, OOM recovery). All but measure and engine are pure (no torch), so they are tested on synthetic
-timings (tests/test_calibrate.py). The names below are re-exported for tests and bench scripts.
+engine (DeepSpeed glue: engine, micro-step, OOM recovery). All but measure and engine are pure (no torch),
+so they are tested on synthetic timings (tests/test_calibrate.py, tests/test_calibrate_packed.py). The names below are re-exported for tests and bench scripts.
 """
 from ds_adaptiveload.calibrate.estimate import estimate_profile, sp_profile, sp_terms
 from ds_adaptiveload.calibrate.fit import (TIME_FLOOR_Q, ZERO_BYTES_PER_PARAM, budget_tokens, fit_memory, fit_time,

@@ -12,14 +12,15 @@ from ds_adaptiveload.calibrate.estimate import sp_terms
 from ds_adaptiveload.calibrate.fit import (ZERO_BYTES_PER_PARAM, budget_tokens, fit_memory, fit_time,
                                            train_fixed_bytes)
 from ds_adaptiveload.calibrate.grid import grid_points, parse_batches, time_schedule
-from ds_adaptiveload.calibrate.packs import (PACK_GRID_FRAC, PACK_HEADROOM, PACK_RESERVE_FRAC, PACK_RESERVE_S, build_packs,
-                                             measure_packs, pack_cost, pack_rows, pack_seconds, packed_summary)
+from ds_adaptiveload.calibrate.packs import (PACK_GRID_FRAC, PACK_HEADROOM, PACK_RESERVE_FRAC, PACK_RESERVE_S,
+                                             build_packs, measure_packs, pack_rows, pack_seconds, packed_summary)
 from ds_adaptiveload.calibrate.probe import (PROBE_ANCHOR_S, PROBE_RESERVE_S, PROBE_RETRY_S, budget_after_oom,
                                              budget_probes)
 from ds_adaptiveload.calibrate.report import err_summary, print_packs, print_report, report
 from ds_adaptiveload.calibrate.result import build_profile, run_meta
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.geometry import Geometry
+from ds_adaptiveload.schedule.packed import pack_cost
 
 
 def measure_profile(cfg, ds, args, shapes, heldout):
