@@ -565,7 +565,8 @@ def test_calibration_stages_with_a_fake_engine(tmp_path, monkeypatch):
     ap = argparse.ArgumentParser()
     cli.add_arguments(ap)
     args = ap.parse_args(["--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", "sp2.json",
-                          "--out", str(tmp_path / "p.yaml"), "--json", str(tmp_path / "p.json")])
+                          "--out", str(tmp_path / "p.yaml"), "--json", str(tmp_path / "p.json"),
+                          "--packs", "0"])  # the packed stage: tests/test_calibrate_packed.py
     cfg = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_1_3b.yaml"))
     ds = {"sequence_parallel_size": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     prof = measure.measure_profile(cfg, ds, args, cal.GRID_SHAPES, cal.HELDOUT_SHAPES)

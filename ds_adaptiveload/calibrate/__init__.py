@@ -20,25 +20,30 @@ records the peak memory of every point, and fits
     sample_tokens = bytes_per_sample / bytes_per_token    (a micro-batch holds B * (s + sample_tokens) <= budget)
 
 An out-of-memory point is caught, excluded from the fit and recorded as a bound. Held-out shapes (not
-fitted) are measured too and their prediction error is reported. docs/calibration.md explains the choices.
+fitted) are measured too and their prediction error is reported; so are held-out packed micro-batches of
+mixed shapes (--packs), predicted as the planner costs them (fit.packed). docs/calibration.md explains the
+choices.
 
 Modules: cli (the command), grid (points and their measuring order), fit (time and memory fits, budget),
-probe (budget probes), report (predictions beside measurements), estimate (--estimate, the sp conversion),
-result (the CostProfile written), measure (`Calibration`: the measured run), engine (DeepSpeed glue: engine,
-micro-step, OOM recovery). All but measure and engine are pure (no torch), so they are tested on synthetic
-timings (tests/test_calibrate.py). The names below are re-exported for tests and bench scripts.
+probe (budget probes), packs (the packed validation), report (predictions beside measurements), estimate
+(--estimate, the sp conversion), result (the CostProfile written), measure (`Calibration`: the measured run),
+engine (DeepSpeed glue: engine, micro-step, OOM recovery). All but measure and engine are pure (no torch),
+so they are tested on synthetic timings (tests/test_calibrate.py, tests/test_calibrate_packed.py). The names below are re-exported for tests and bench scripts.
 """
 from ds_adaptiveload.calibrate.estimate import estimate_profile, sp_profile, sp_terms
 from ds_adaptiveload.calibrate.fit import (TIME_FLOOR_Q, ZERO_BYTES_PER_PARAM, budget_tokens, fit_memory, fit_time,
                                            nnls, predict_ms, predict_peak, rel_err, sample_tokens, train_fixed_bytes)
 from ds_adaptiveload.calibrate.grid import (BATCHES, GRID_SHAPES, HELDOUT_SHAPES, Point, grid_points, measure_point,
                                             time_schedule)
+from ds_adaptiveload.calibrate.packs import (PACKS, Pack, build_packs, measure_packs, pack_rows, packed_summary,
+                                             verdict)
 from ds_adaptiveload.calibrate.probe import budget_after_oom, budget_probes, probe_point
 from ds_adaptiveload.calibrate.report import err_summary, report
 from ds_adaptiveload.calibrate.result import build_profile
 
-__all__ = ["BATCHES", "GRID_SHAPES", "HELDOUT_SHAPES", "Point", "TIME_FLOOR_Q", "ZERO_BYTES_PER_PARAM",
-           "budget_after_oom", "budget_probes", "budget_tokens", "build_profile", "err_summary", "estimate_profile",
-           "fit_memory", "fit_time", "grid_points", "measure_point", "nnls", "predict_ms", "predict_peak",
+__all__ = ["BATCHES", "GRID_SHAPES", "HELDOUT_SHAPES", "PACKS", "Pack", "Point", "TIME_FLOOR_Q",
+           "ZERO_BYTES_PER_PARAM", "budget_after_oom", "budget_probes", "budget_tokens", "build_packs",
+           "build_profile", "err_summary", "estimate_profile", "fit_memory", "fit_time", "grid_points",
+           "measure_packs", "measure_point", "nnls", "pack_rows", "packed_summary", "predict_ms", "predict_peak",
            "probe_point", "rel_err", "report", "sample_tokens", "sp_profile", "sp_terms", "time_schedule",
-           "train_fixed_bytes"]
+           "train_fixed_bytes", "verdict"]

@@ -4,6 +4,7 @@ import argparse
 from ds_adaptiveload.calibrate.estimate import estimate_profile
 from ds_adaptiveload.calibrate.grid import GRID_SHAPES, HELDOUT_SHAPES, parse_shapes
 from ds_adaptiveload.calibrate.measure import measure_profile
+from ds_adaptiveload.calibrate.packs import PACKS
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
 from ds_adaptiveload.schedule.profile import CostProfile
@@ -35,6 +36,9 @@ def add_arguments(p):
     p.add_argument("--probe-budget", action=argparse.BooleanOptionalAction, default=True,
                    help="after the fit, run one micro-batch at the extrapolated budget when time allows (an OOM "
                         "there lowers the budget)")
+    p.add_argument("--packs", type=int, default=PACKS,
+                   help=f"held-out packed micro-batches of mixed shapes measured after the fit to validate the "
+                        f"planner's packed costing (default {PACKS}; 0 skips them and their time reserve)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per point after one warm-up (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pin-dual", action="store_true",
@@ -60,6 +64,8 @@ def run(args) -> int:
     ds = read_json_object(args.deepspeed_config, "DeepSpeed config")
     if not 0 < args.safety <= 1:
         raise UserError(f"--safety must be in (0, 1], got {args.safety}")
+    if args.packs < 0:
+        raise UserError(f"--packs must be >= 0, got {args.packs}")
     shapes = parse_shapes(args.shapes, "--shapes") if args.shapes is not None else GRID_SHAPES
     heldout = parse_shapes(args.heldout, "--heldout") if args.heldout is not None else HELDOUT_SHAPES
     if not shapes:

@@ -67,12 +67,7 @@ class StepFn:
 
         cuda = self.device.type == "cuda"
         try:
-            lat = self.geo.latent_shape(*p.shape)
-            g = torch.Generator(device=self.device).manual_seed(self.seed + self.calls)
-            x0 = torch.randn(p.B, 16, *lat, generator=g, device=self.device).to(self.dtype)
-            text = torch.randn(p.B, self.cfg.text_len, self.cfg.text_dim, generator=g, device=self.device)
-            text = text.to(self.dtype)
-            batch, epoch = {"latent": x0, "text": text, "index": list(range(p.B))}, self.calls
+            batch, epoch = self._inputs(p), self.calls
             self.calls += 1
             if cuda:
                 if p.role in ("anchor", "probe"):  # the budget checks start from an empty cache, not the grid's
@@ -112,6 +107,23 @@ class StepFn:
             ms = (float(v[0]), float(v[1]), int(v[2]) if peak is not None else None)
             self.reserved = int(v[3]) if self.reserved is not None else None
         return ms
+
+    def _inputs(self, p):
+        """Random latents and text contexts of p's shape: [B, C, ...] tensors for a grid Point, lists of
+        [C, F_i, H_i, W_i] latents and [L, text_dim] contexts for a packed micro-batch (calibrate.packs.Pack,
+        run as one packed forward by micro_step as training runs it)."""
+        import torch
+
+        g = torch.Generator(device=self.device).manual_seed(self.seed + self.calls)
+        dev, dt, cfg = self.device, self.dtype, self.cfg
+        shapes = getattr(p, "shapes", None)
+        if shapes is None:
+            x0 = torch.randn(p.B, 16, *self.geo.latent_shape(*p.shape), generator=g, device=dev).to(dt)
+            text = torch.randn(p.B, cfg.text_len, cfg.text_dim, generator=g, device=dev).to(dt)
+        else:
+            x0 = [torch.randn(16, *self.geo.latent_shape(*sh), generator=g, device=dev).to(dt) for sh in shapes]
+            text = [torch.randn(cfg.text_len, cfg.text_dim, generator=g, device=dev).to(dt) for _ in shapes]
+        return {"latent": x0, "text": text, "index": list(range(p.B))}
 
     def _peak(self, p):
         """This rank's peak allocated bytes over the step just run (None on CPU)."""

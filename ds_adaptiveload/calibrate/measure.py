@@ -1,23 +1,26 @@
 """Measured calibration (torch + DeepSpeed): the grid timed on the real training step, the fits, the budget
-probes and the profile they give. `Calibration` holds what every stage reads (engine, points, fits,
-budget); each stage is a method."""
+probes, the profile they give and its check on held-out packed micro-batches. `Calibration` holds what every
+stage reads (engine, points, fits, budget); each stage is a method."""
 import json
 import os
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from ds_adaptiveload.calibrate import engine as eng
 from ds_adaptiveload.calibrate.estimate import sp_terms
 from ds_adaptiveload.calibrate.fit import (ZERO_BYTES_PER_PARAM, budget_tokens, fit_memory, fit_time,
                                            train_fixed_bytes)
 from ds_adaptiveload.calibrate.grid import grid_points, parse_batches, time_schedule
+from ds_adaptiveload.calibrate.packs import (PACK_GRID_FRAC, PACK_HEADROOM, PACK_RESERVE_FRAC, PACK_RESERVE_S,
+                                             build_packs, measure_packs, pack_rows, pack_seconds, packed_summary)
 from ds_adaptiveload.calibrate.probe import (PROBE_ANCHOR_S, PROBE_RESERVE_S, PROBE_RETRY_S, budget_after_oom,
                                              budget_probes)
-from ds_adaptiveload.calibrate.report import err_summary, print_report, report
+from ds_adaptiveload.calibrate.report import err_summary, print_packs, print_report, report
 from ds_adaptiveload.calibrate.result import build_profile, run_meta
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.geometry import Geometry
+from ds_adaptiveload.schedule.packed import pack_cost
 
 
 def measure_profile(cfg, ds, args, shapes, heldout):
@@ -58,17 +61,24 @@ class Calibration:
                                   self.dims)
         self.capacity = eng.capacity(self.device)
         self.mem = self.mem_doc = self.mem_note = None  # the memory fit, set by fit_grid / memory_budget
+        # Seconds kept at the end for the packed validation (packs.PACK_RESERVE_S; none with --packs 0).
+        self.pack_reserve = min(PACK_RESERVE_S, PACK_RESERVE_FRAC * self.deadline) if args.packs else 0.0
+        self.packs = []
 
     def run(self):
-        """Grid, fits, budget probes: the profile on rank 0 (printed, --json written), None elsewhere."""
+        """Grid, fits, budget probes, packed validation: the profile on rank 0 (printed, --json written), None
+        elsewhere."""
         self.measure_grid()
         budget = self.fit_grid()
         if self.mem and self.capacity and self.args.probe_budget:
             budget = self.probe_budget(budget)
         rows, prof = self.profile(budget)
+        prof.fit["packed"] = self.validate_packs(prof)  # every rank: the packs' steps are collective
+        prof.fit["elapsed_s"] = round(time.monotonic() - self.t_start, 1)
         if not self.is_main:
             return None
         print_report(rows, prof.fit, prof)
+        print_packs(prof.fit["packed"])
         self.write_json(prof.fit)
         return prof
 
@@ -90,7 +100,7 @@ class Calibration:
         reserve = (min(PROBE_RESERVE_S + PROBE_ANCHOR_S + (0 if multi else PROBE_RETRY_S), 0.25 * self.deadline)
                    if args.probe_budget and self.capacity else 0.0)
         time_schedule(self.points, self.step_fn, None, clock=self.clock, oom_types=self.oom_types,
-                      repeats=args.repeats, on_point=on_point, deadline=self.deadline - reserve,
+                      repeats=args.repeats, on_point=on_point, deadline=self.deadline - reserve - self.pack_reserve,
                       mem_limit=self.capacity * args.safety if multi and self.capacity else None)
         bar.close()
 
@@ -148,7 +158,8 @@ class Calibration:
         fixed, a, b, _ = self.coef
         small = min((p for p in points if p.status == "ok"), key=lambda p: p.s)
         self._budget = budget  # what _before_probe and _lower_budget start from
-        probes = budget_probes(small, points, self.capacity, args.safety, self.step_fn, self.clock, self.deadline,
+        probes = budget_probes(small, points, self.capacity, args.safety, self.step_fn, self.clock,
+                               self.deadline - self.pack_reserve,
                                lambda p: (fixed + a * p.tokens + b * p.tokens * p.s + self.step_fixed) / 1000,
                                self.oom_types, retry=not self.multi,
                                before=self._before_probe if self.multi and self.is_main else None)
@@ -211,10 +222,51 @@ class Calibration:
                              pin_dual=args.pin_dual)
         return rows, prof
 
+    def validate_packs(self, prof):
+        """Held-out packed micro-batches (packs.build_packs) of the fitted shapes that ran, each within
+        PACK_HEADROOM of the memory budget the fit predicts for this run and PACK_GRID_FRAC of the grid's
+        largest micro-batch, timed and peaked as the grid was, predicted by the profile as the planner costs a packed
+        micro-batch (schedule.packed.pack_cost) and, for memory, at this run's fixed bytes (the profile's
+        are the training run's ZeRO-3 shards). fit.packed: the rows and the verdicts against 10% / 5%."""
+        args = self.args
+        if not args.packs:
+            return {"note": "not run (--packs 0)"}
+        _, a, b, _ = self.coef
+        # A one-GPU measurement of a k-way SP config writes per-GPU terms for k GPUs: this run's steps are
+        # predicted by the measured terms in the profile's form.
+        run_prof = prof if self.emulate_sp == 1 else replace(prof, per_token_ms=a, per_token_sq_ms=b)
+        budget, memory, floor_bytes = prof.budget_tokens, None, 0.0
+        if self.mem and self.capacity:
+            budget = min(budget, budget_tokens(self.capacity, args.safety, self.mem[0], self.mem[1], self.oom_tokens))
+            memory, floor_bytes = {**prof.memory, "fixed_bytes": self.mem[0]}, self.mem[2]
+        ok = [p for p in self.points if p.status == "ok" and p.role == "fit"]
+        target = min(PACK_HEADROOM * budget, PACK_GRID_FRAC * max(p.B * run_prof.mem_tokens(p.s) for p in ok))
+        sp, layers = self.dims.sp, self.cfg.num_layers
+        self.packs = build_packs(sorted({p.shape for p in ok}), self.geometry, args.packs, target, sp=sp,
+                                 sample_tokens=run_prof.sample_tokens, seed=args.seed)
+
+        def seconds(pk):
+            return pack_seconds(pack_cost(run_prof, pk.shapes, sp)[0], self.step_fixed, args.repeats)
+
+        def mem_ok(pk):  # several ranks: an OOM cannot be recovered, so a pack predicted over the limit is not run
+            return pack_rows([pk], run_prof, sp, memory, floor_bytes, layers)[0]["pred_bytes"] <= limit
+
+        limit = self.capacity * args.safety if self.multi and memory else None
+        measure_packs(self.packs, self.step_fn, self.clock, self.deadline, seconds, self.oom_types, args.repeats,
+                      mem_ok if limit else None)
+        return packed_summary(
+            pack_rows(self.packs, run_prof, sp, memory, floor_bytes, layers), seed=args.seed,
+            target_mem_tokens=round(target, 1), budget_tokens_here=int(budget),
+            predicted_by="time: schedule.packed.pack_cost (the planner's PackedCtx.mb_ms) of "
+                         + ("the profile written" if run_prof is prof else "the measured terms (sp emulated)")
+                         + "; memory: schedule.memory.predicted_peak_bytes at this run's fixed bytes, "
+                           "max with the fitted floor")
+
     def write_json(self, fit):
-        """--json: meta, the raw points and the fit report."""
+        """--json: meta, the raw points and packs, and the fit report."""
         path = self.args.json
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path, "w") as f:
-                json.dump({"meta": self.meta, "points": [asdict(p) for p in self.points], "fit": fit}, f, indent=1)
+                json.dump({"meta": self.meta, "points": [asdict(p) for p in self.points],
+                           "packs": [asdict(p) for p in self.packs], "fit": fit}, f, indent=1)

@@ -1,6 +1,6 @@
 """Predictions beside measurements (pure, no torch): per-point rows of measured and predicted time and
 peak with their relative errors, the fit and held-out error summaries, the dual's error against the time
-model, and the printed table."""
+model, and the printed tables (grid points, packed validation)."""
 import statistics
 
 from ds_adaptiveload.calibrate.fit import predict_ms, predict_peak, rel_err
@@ -74,3 +74,27 @@ def print_report(rows, fit, prof):
         print(f"out of memory at {fit['oom_bound_tokens']} tokens per micro-batch (bound)")
     print(f"budget_tokens {prof.budget_tokens}; start-up {fit['init_s']} s, elapsed {fit['elapsed_s']} s")
 
+
+
+def print_packs(sec):
+    """The packed validation (fit.packed, packs.packed_summary) on stdout: a row per pack, then the median
+    errors against their thresholds, PASS / FAIL."""
+    if not sec or "packs" not in sec:
+        print(f"packed validation: {(sec or {}).get('note', 'not run')}")
+        return
+    gib = 2**30
+    print(f"packed validation: {sec['n_measured']} of {sec['n_built']} pack(s) measured (seed {sec['seed']}, "
+          f"<= {sec['target_mem_tokens']:.0f} memory tokens each)")
+    for r in sec["packs"]:
+        mem = (f", peak {r['peak_bytes'] / gib:.2f} GiB pred {r['pred_bytes'] / gib:.2f} ({r['mem_err']:+.1%})"
+               if "mem_err" in r else "")
+        got = (f"{r['ms']:.1f} ms pred {r['pred_ms']:.1f} ({r['err']:+.1%}){mem}" if r["status"] == "ok"
+               else f"{r['status']} (pred {r['pred_ms']:.1f} ms){': ' + r['note'] if r.get('note') else ''}")
+        print(f"  {r['recipe']:<18} n={r['n']:<3} {r['tokens']:>7} tokens  {got}  [{r['shapes']}]")
+    for what in ("time", "memory"):
+        v = sec[what]
+        if v["n"]:
+            print(f"packed {what}: median |err| {v['median_abs_rel_err']:.1%} (worst {v['worst_abs_rel_err']:.1%}) "
+                  f"over {v['n']} pack(s): {'PASS' if v['pass'] else 'FAIL'} (<= {v['threshold']:.0%})")
+        else:
+            print(f"packed {what}: not measured")

@@ -21,7 +21,8 @@ from collections import deque
 from itertools import accumulate
 from dataclasses import dataclass
 
-from ds_adaptiveload.schedule.planner import _Ctx, token_class
+from ds_adaptiveload.schedule.geometry import per_gpu_tokens
+from ds_adaptiveload.schedule.planner import PlanConfig, _Ctx, token_class
 
 # Average fill of a slot's memory that sets the target cost T; the rest is room for the packing to even out
 # costs (0.86 and 0.97 predicted more wall time on video-heavy with memory for one 720p clip).
@@ -52,6 +53,16 @@ class PackedCtx(_Ctx):
 
     def mb_ms(self, mb):
         return self.profile.packed_ms(map(self.gpu.__getitem__, mb))
+
+
+def pack_cost(profile, shapes, sp: int = 1) -> tuple:
+    """(predicted fwd+bwd ms, memory in tokens' worth) of one micro-batch of samples of `shapes` ((F, H, W)
+    each) at Ulysses degree sp, exactly as packed_steps costs and fills a slot (PackedCtx.mb_ms, the sum of
+    PackedCtx.mem): what calibrate's packed validation predicts its measured micro-batches with."""
+    full = [profile.geometry.tokens(*sh) for sh in shapes]
+    gpu = [per_gpu_tokens(t, sp) for t in full]
+    ctx = PackedCtx(profile, PlanConfig("packed", world_size=sp, sp=sp), full, gpu, [tuple(sh) for sh in shapes], {})
+    return ctx.mb_ms(range(len(shapes))), sum(ctx.mem)
 
 
 def packed_steps(keep, ctx: PackedCtx, rng):
