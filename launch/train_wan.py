@@ -46,6 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-blocks", nargs="?", const=True, default=False, type=_ckpt_blocks,
                    help="per-block activation checkpointing: every block; 'auto': per micro-batch, as many blocks "
                         "as its predicted peak memory needs (profile memory.block_bytes_per_token); an int k: the first k")
+    p.add_argument("--checkpoint-policy", choices=("full", "attention"), default="full",
+                   help="what a checkpointed block recomputes: everything (full), or all but its attention kernels, "
+                        "whose outputs it keeps (attention: less recompute, ~3 KB/token more per attention call; "
+                        "ZeRO-0/1/2 only). With auto, memory.attention_bytes_per_token sizes it")
     p.add_argument("--compile-blocks", action="store_true",
                    help="regional torch.compile of each WanBlock (model/compile.py); --compile compiles the engine")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (engine.compile())")

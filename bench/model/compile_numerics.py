@@ -19,13 +19,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from ds_adaptiveload.model import WanConfig, WanModel  # noqa: E402
+from ds_adaptiveload.model import WanConfig, WanModel, wan  # noqa: E402
 from ds_adaptiveload.model.compile import compile_blocks, uncompile_blocks  # noqa: E402
 
+SDPA = wan.sdpa_attention
 # variant -> (compiled, checkpoint_blocks, policy, SDPA backend or None for the default)
 VARIANTS = {"eager": (False, False, "full", None), "compile": (True, False, "full", None),
             "compile-flash": (True, False, "full", "flash"), "compile-attn-all": (True, True, "attention", None),
-            "eager-full-all": (False, True, "full", None)}
+            "eager-full-all": (False, True, "full", None), "compile-sdpa-eager": (True, False, "full", "eager")}
 
 
 def grads_of(model, inputs, backend):
@@ -62,6 +63,10 @@ def main(argv=None):
     for name in args.variants.split(","):
         compiled, ckpt, policy, backend = VARIANTS[name]
         uncompile_blocks(model)
+        torch._dynamo.reset()  # no graph of an earlier variant (an SDPA backend is not part of the guards)
+        # "eager" backend: both attention cores run outside the compiled graph (a graph break each)
+        wan.sdpa_attention = torch.compiler.disable(SDPA) if backend == "eager" else SDPA
+        model.set_attention(wan.sdpa_attention)
         if compiled:
             compile_blocks(model)
         model.checkpoint_blocks, model.checkpoint_policy = ckpt, policy

@@ -27,9 +27,9 @@ from ds_adaptiveload.schedule.geometry import Geometry
 # Allowed keys per section; anything else is a typo we refuse rather than ignore.
 _SCHEMA = {
     "geometry": {"vae_stride", "patch_size"},
-    "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed", "floor", "floor_q"},
+    "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed", "floor", "floor_q", "recompute_frac"},
     "memory": {"budget_tokens", "sample_tokens", "fixed_bytes", "bytes_per_token", "bytes_per_sample",
-               "capacity_bytes", "safety"},
+               "capacity_bytes", "safety", "block_bytes_per_token", "attention_bytes_per_token"},
     "dual": {"p", "m_comp"},
     "meta": None,  # free-form provenance: model, device, versions, date, estimated
     "fit": None,   # free-form fit report written by `calibrate`
@@ -40,7 +40,9 @@ _SCHEMA = {
 KEYS = {"fixed_ms": "time_ms.fixed", "per_token_ms": "time_ms.per_token", "per_token_sq_ms": "time_ms.per_token_sq",
         "step_fixed_ms": "time_ms.step_fixed", "floor_ms": "time_ms.floor", "sample_tokens": "memory.sample_tokens"}
 # memory keys beyond the budget that the trainer and calibrate read as numbers.
-MEMORY_NUMBERS = ("fixed_bytes", "bytes_per_token", "bytes_per_sample", "capacity_bytes", "safety")
+# block_bytes_per_token / attention_bytes_per_token: --checkpoint-blocks auto (schedule/memory.py).
+MEMORY_NUMBERS = ("fixed_bytes", "bytes_per_token", "bytes_per_sample", "capacity_bytes", "safety",
+                  "block_bytes_per_token", "attention_bytes_per_token")
 
 
 def _is_number(v) -> bool:

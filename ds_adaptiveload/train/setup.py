@@ -25,6 +25,11 @@ def read_config(args, world, rank):
     # Skipping an update after backward relies on ZeRO-3 discarding a step whose gradient norm is NaN.
     if al.on_oom == "skip" and ds_cfg.get("zero_optimization", {}).get("stage", 0) != 3:
         raise UserError(f"{args.deepspeed_config}: adaptive_load.on_oom \"skip\" needs zero_optimization.stage 3")
+    if getattr(args, "checkpoint_policy", "full") == "attention" and ds_cfg.get("zero_optimization", {}).get("stage", 0) == 3:
+        # ZeRO-3's parameter hooks inside a block run other ops in the recompute than in the forward, which
+        # selective checkpointing refuses (seen on CPU, 2026-12-01).
+        raise UserError(f"{args.deepspeed_config}: --checkpoint-policy attention needs zero_optimization.stage 0-2 "
+                        f"(ZeRO-3 gathers parameters inside the checkpointed block); use --checkpoint-policy full")
     changed = config.ds_batch_keys(ds_cfg, dims.dp)
     model_cfg = WanConfig.from_yaml(args.model_config)
     profile = CostProfile.load(al.resolve_profile(args.deepspeed_config))

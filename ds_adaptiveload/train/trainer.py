@@ -56,7 +56,8 @@ class Trainer:
             worker_init_fn=functools.partial(failures.die_with_parent, os.getpid()))
         # -- model, deepspeed.initialize -------------------------------------------------------------------
         # "auto": every block until checkpoint_for sets the count of the first micro-batch
-        model = WanModel(self.model_cfg, checkpoint_blocks=True if args.checkpoint_blocks == "auto" else args.checkpoint_blocks)
+        model = WanModel(self.model_cfg, checkpoint_blocks=True if args.checkpoint_blocks == "auto" else args.checkpoint_blocks,
+                         checkpoint_policy=getattr(args, "checkpoint_policy", "full"))
         self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads)
         if getattr(args, "compile_blocks", False):
             from ds_adaptiveload.model.compile import compile_blocks
@@ -190,19 +191,29 @@ class Trainer:
         if self.args.checkpoint_blocks != "auto":
             return
         if not self.zero3:
-            self.engine.module.checkpoint_blocks = self.blocks_to_checkpoint(batch["index"])
+            k = self.blocks_to_checkpoint(batch["index"])
+            self.engine.module.checkpoint_blocks, self.engine.module.checkpoint_full_blocks = k
             return
         if self.plan_step is not self._k_step:
             self._k_step = self.plan_step
-            self._k = max(self.blocks_to_checkpoint(mb) for mbs in self.plan_step.all_micro_batches for mb in mbs)
-        self.engine.module.checkpoint_blocks = self._k
+            self._k = max(self.blocks_to_checkpoint(mb)[0] for mbs in self.plan_step.all_micro_batches for mb in mbs)
+        self.engine.module.checkpoint_blocks = self._k  # (ZeRO-3 runs the "full" policy only: setup.py)
 
-    def blocks_to_checkpoint(self, indices) -> int:
-        """schedule/memory.blocks_to_checkpoint of a micro-batch (its sample indices) on this rank's tokens."""
-        from ds_adaptiveload.schedule.memory import blocks_to_checkpoint
+    def blocks_to_checkpoint(self, indices) -> tuple:
+        """(k, k_full) of a micro-batch (its sample indices) on this rank's tokens: schedule/memory's
+        blocks_to_checkpoint (k_full = k) or, under --checkpoint-policy attention, selective_checkpoint."""
+        from ds_adaptiveload.schedule.memory import blocks_to_checkpoint, selective_checkpoint
 
         tokens = sum(-(-S // self.dims.sp) for S in self.sample_tokens({"index": indices}))
-        return blocks_to_checkpoint(tokens, len(indices), self.profile.memory, self.model_cfg.num_layers)
+        mem, L = self.profile.memory, self.model_cfg.num_layers
+        if "capacity_bytes" not in mem and self.device.type == "cuda":  # the profile may leave it to the device
+            import torch
+
+            mem = {**mem, "capacity_bytes": torch.cuda.get_device_properties(self.device).total_memory}
+        if getattr(self.args, "checkpoint_policy", "full") == "attention":
+            return selective_checkpoint(tokens, len(indices), mem, L)
+        k = blocks_to_checkpoint(tokens, len(indices), mem, L)
+        return k, k
 
     def sample_tokens(self, batch: dict) -> list:
         """Tokens of each sample of a micro-batch (a packed one mixes shapes)."""
