@@ -26,13 +26,14 @@ SDPA = wan.sdpa_attention
 # variant -> (compiled, checkpoint_blocks, policy, SDPA backend or None for the default)
 VARIANTS = {"eager": (False, False, "full", None), "compile": (True, False, "full", None),
             "compile-flash": (True, False, "full", "flash"), "compile-attn-all": (True, True, "attention", None),
-            "eager-full-all": (False, True, "full", None), "compile-sdpa-eager": (True, False, "full", "eager")}
+            "eager-full-all": (False, True, "full", None), "compile-sdpa-eager": (True, False, "full", "eager"),
+            "compile-static": (True, False, "full", "static")}
 
 
 def grads_of(model, inputs, backend):
     x, t, ctx, target = inputs
     model.zero_grad(set_to_none=True)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if backend == "flash" else contextlib.nullcontext():
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if backend == "flash" else contextlib.nullcontext():  # noqa: E501
         pred = model(x, t, ctx)
         loss = (pred.float() - target).pow(2).mean()
         loss.backward()
@@ -43,7 +44,8 @@ def grads_of(model, inputs, backend):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--variants", default="eager,compile,compile-flash,compile-attn-all")
+    ap.add_argument("--variants", default="eager,compile,compile-static,compile-sdpa-eager,compile-flash",
+                    help=", ".join(VARIANTS))
     ap.add_argument("--latent", default="21x60x104", help="F x H x W of the latent (480p 81f)")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ADAPTIVELOAD_LN_MODULATE", "torch")  # as bench/mfu.py's compiled rows
@@ -68,7 +70,7 @@ def main(argv=None):
         wan.sdpa_attention = torch.compiler.disable(SDPA) if backend == "eager" else SDPA
         model.set_attention(wan.sdpa_attention)
         if compiled:
-            compile_blocks(model)
+            compile_blocks(model, dynamic=backend != "static")
         model.checkpoint_blocks, model.checkpoint_policy = ckpt, policy
         row = {"variant": name}
         try:
