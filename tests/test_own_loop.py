@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import socket
 import shutil
 import subprocess
 import sys
@@ -276,6 +277,14 @@ def load_example():
     return mod
 
 
+def free_port() -> int:
+    """A port the kernel has just handed out as free (ephemeral range, so never one of the suite's fixed ports):
+    the fixed 29641 was found in use once in a CI-like run (EADDRINUSE), by a process outside this test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_example(out, *extra, port):
     """`deepspeed --num_gpus 2 examples/train_diffusers_wan.py ...` -> its step lines (step, loss, samples, lr)."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
@@ -293,7 +302,7 @@ def two_steps(tmp_path_factory):
     """The example for 2 steps, dumping the last step's gradient; leaves its checkpoint in out/checkpoints."""
     out = tmp_path_factory.mktemp("example") / "run"
     dump = out.parent / "grads.pt"
-    return out, dump, run_example(out, "--steps", "2", "--dump-grads", str(dump), port=29641)
+    return out, dump, run_example(out, "--steps", "2", "--dump-grads", str(dump), port=free_port())
 
 
 @needs_launcher
@@ -334,8 +343,8 @@ def test_diffusers_example_gradient_equals_one_big_batch(two_steps):
 @needs_launcher
 def test_diffusers_example_resumes_where_it_stopped(two_steps, tmp_path):
     out, _, first = two_steps
-    resumed = run_example(out, "--steps", "3", "--resume", port=29642)
-    straight = run_example(tmp_path / "straight", "--steps", "3", port=29643)
+    resumed = run_example(out, "--steps", "3", "--resume", port=free_port())
+    straight = run_example(tmp_path / "straight", "--steps", "3", port=free_port())
     assert [int(s) for s, *_ in resumed] == [3]
     assert first[0][2:] == straight[0][2:] and resumed[0][2:] == straight[2][2:]  # same samples, same LR
     assert float(resumed[0][1]) == pytest.approx(float(straight[2][1]), rel=1e-5)
