@@ -2,6 +2,7 @@
 different numbers of samples and shape groups, and checkpoint counts that change between micro-batches,
 must keep issuing the same parameter all-gathers (a mismatch hangs); gradients equal one process."""
 import os
+import re
 import subprocess
 import sys
 
@@ -184,6 +185,7 @@ def _launch(out, cfg, *extra, port, timeout=180):
         _, stderr = proc.communicate()
         pytest.fail(f"train_wan still running after {timeout} s (hung):\n{stderr[-3000:]}")
     assert proc.returncode == 0, stdout[-2000:] + stderr[-5000:]
+    return stdout
 
 
 @pytest.mark.slow
@@ -201,7 +203,12 @@ def test_packed_policy_trains_under_zero3_on_two_ranks(tmp_path):
     cfg = tt.test_config(tmp_path, scheduler=None, adaptive_load=al,
                          optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
     out, dump = tmp_path / "run", tmp_path / "grads.pt"
-    _launch(out, cfg, "--max-steps", "3", "--checkpoint-blocks", "auto", "--dump-grads", str(dump), port=PORTS[1])
+    stdout = _launch(out, cfg, "--max-steps", "3", "--checkpoint-blocks", "auto", "--dump-grads", str(dump),
+                     port=PORTS[1])
+    # built inside zero.Init: rank 0 holds about half of every parameter from the start (ceil per tensor)
+    held, total = (int(v.replace(",", "")) for v in re.search(
+        r"model built partitioned \(zero.Init\), ([\d,]+) of ([\d,]+) parameter elements", stdout).groups())
+    assert total > 0 and held <= total / 2 + 1000, (held, total)
     logs = [tt.steps(out, rank) for rank in (0, 1)]
     assert [len(log) for log in logs] == [3, 3]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["rank_loss"]) for log in logs for r in log)

@@ -23,7 +23,7 @@ class Trainer:
         import torch.distributed as dist
 
         from ds_adaptiveload.data import latents as data
-        from ds_adaptiveload.model import WanModel
+        from ds_adaptiveload.train.build import build_model
         from ds_adaptiveload.train import engine as eng, faults, metrics, sp
 
         self.args = args
@@ -56,8 +56,16 @@ class Trainer:
             worker_init_fn=functools.partial(failures.die_with_parent, os.getpid()))
         # -- model, deepspeed.initialize -------------------------------------------------------------------
         # "auto": every block until checkpoint_for sets the count of the first micro-batch
-        model = WanModel(self.model_cfg, checkpoint_blocks=True if args.checkpoint_blocks == "auto" else args.checkpoint_blocks,
-                         checkpoint_policy=getattr(args, "checkpoint_policy", "full"))
+        # Under ZeRO-3 built inside zero.Init (train/build.py): partitioned as it is constructed, never one full
+        # copy per rank; the same weights as an unpartitioned build (tests/test_build.py). WanBlock stays a
+        # non-leaf module here: the leaf form is measured in bench/mfu.py's z3 part only.
+        model = build_model(self.model_cfg, self.ds_cfg, leaf_blocks=False,
+                            checkpoint_blocks=True if args.checkpoint_blocks == "auto" else args.checkpoint_blocks,
+                            checkpoint_policy=getattr(args, "checkpoint_policy", "full"))
+        if self.rank == 0 and hasattr(next(model.parameters()), "ds_tensor"):
+            held = sum(p.ds_tensor.numel() for p in model.parameters())
+            print(f"[train_wan] ZeRO-3: model built partitioned (zero.Init), {held:,} of "
+                  f"{sum(p.ds_numel for p in model.parameters()):,} parameter elements on rank 0", flush=True)
         self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads)
         if getattr(args, "compile_blocks", False):
             from ds_adaptiveload.model.compile import compile_blocks
