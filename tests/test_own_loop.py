@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.train import config, flow
 from ds_adaptiveload.train.lr_scaling import BatchSizeLR, scale_lr
+from tests.test_packed import free_port  # a free ephemeral port: the fixed 29641 was once in use (EADDRINUSE)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")
@@ -275,14 +275,6 @@ def load_example():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def free_port() -> int:
-    """A port the kernel has just handed out as free (ephemeral range, so never one of the suite's fixed ports):
-    the fixed 29641 was found in use once in a CI-like run (EADDRINUSE), by a process outside this test."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_example(out, *extra, port):

@@ -170,18 +170,24 @@ def test_packed_flow_loss_equals_per_sample_loss():
 
 # ---------------------------------------------------------------- Ulysses SP, 2 gloo ranks
 
-def _packed_sp_worker(rank, world, port, result_path):
-    """One SP rank running the packed forward through train/sp.py: DeepSpeed's DistributedAttention per group."""
+def gloo_rank(rank, world, port):
+    """A spawned worker's set-up: this rank of `world` in a gloo group on `port`, one thread; the tiny config."""
     import deepspeed
-    import torch.distributed as dist
-
-    from ds_adaptiveload.train import sp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     deepspeed.init_distributed("gloo")
     torch.set_num_threads(1)
-    cfg = tiny_cfg()
+    return tiny_cfg()
+
+
+def _packed_sp_worker(rank, world, port, result_path):
+    """One SP rank running the packed forward through train/sp.py: DeepSpeed's DistributedAttention per group."""
+    import torch.distributed as dist
+
+    from ds_adaptiveload.train import sp
+
+    cfg = gloo_rank(rank, world, port)
     m = perturbed_model(cfg)
     shard = sp.apply_ulysses(m, sp.init_sequence_parallel(sp.ParallelDims(world, world, rank)), cfg.num_heads)
     xs, t, ctxs = packed_inputs(cfg, shapes=SP_SHAPES)
@@ -222,10 +228,7 @@ def _zero3_worker(rank, world, port, result_path):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    deepspeed.init_distributed("gloo")
-    torch.set_num_threads(1)
-    cfg = tiny_cfg()
+    cfg = gloo_rank(rank, world, port)  # spawned with world 1
     ref, m = perturbed_model(cfg), perturbed_model(cfg)
     conf = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
             "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}}}
@@ -240,13 +243,18 @@ def _zero3_worker(rank, world, port, result_path):
                                                                                     ref.parameters()))}, result_path)
 
 
+def free_port() -> int:
+    """A port the kernel has just handed out as free (ephemeral range, so never one of the suite's fixed ports)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def spawn(worker, world, tmp_path):
     """Run worker(rank, world, port, result_path) on `world` processes; returns what rank 0 saved."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "result.pt")
     mp.spawn(worker, args=(world, port, out), nprocs=world, join=True)
     return torch.load(out)

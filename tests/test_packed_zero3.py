@@ -11,7 +11,7 @@ import torch
 
 from ds_adaptiveload.model import WanModel
 from tests.test_model import perturbed_model, rel_err, tiny_cfg
-from tests.test_packed import SHAPES, loss_of, packed_inputs
+from tests.test_packed import SHAPES, gloo_rank, loss_of, packed_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PORTS = range(29700, 29720)  # this module's master ports (other tests use fixed ports elsewhere)
@@ -99,11 +99,7 @@ def _two_rank_worker(rank, world, port, result_path):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    deepspeed.init_distributed("gloo")
-    torch.set_num_threads(1)
-    cfg = tiny_cfg()
+    cfg = gloo_rank(rank, world, port)
     m = perturbed_model(cfg)
     conf = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": 3},
@@ -163,29 +159,16 @@ def test_packed_zero3_two_ranks_match_one_process(tmp_path):
 # ---------------------------------------------------------------- launch/train_wan.py, 2 ranks, ZeRO-3
 
 def _launch(out, cfg, *extra, port, timeout=180):
-    """`deepspeed --num_gpus 2 launch/train_wan.py --synthetic ...` in its own process group, killed whole on
-    timeout (a rank stuck in a collective outlives the launcher), which fails the test."""
-    import shutil
-    import signal
+    """`deepspeed --num_gpus 2 launch/train_wan.py --synthetic ...` through test_reliability.launch (its own
+    process group, killed whole on timeout: a rank stuck in a collective outlives the launcher, which fails the
+    test); exits 0, returns its stdout."""
+    from tests import test_reliability as rel
 
-    bin_dir = os.path.dirname(sys.executable)
-    launcher = shutil.which("deepspeed", path=bin_dir + os.pathsep + os.environ.get("PATH", ""))
-    if launcher is None:
+    if rel.DEEPSPEED is None:
         pytest.skip("deepspeed launcher not installed")
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(port), "launch/train_wan.py", "--deepspeed_config",
-           str(cfg), "--model-config", "configs/wan_tiny.yaml", "--synthetic", "--output", str(out),
-           "--num-workers", "1", "--no-final-save", *extra]
-    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"train_wan still running after {timeout} s (hung):\n{stderr[-3000:]}")
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-5000:]
-    return stdout
+    proc = rel.launch(out, None, cfg, "--no-final-save", *extra, port=port, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return proc.stdout
 
 
 @pytest.mark.slow

@@ -31,9 +31,10 @@ needs_launcher = pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launche
 
 def launch(out, manifest, cfg, *extra, port, timeout=180, gpus=2):
     """Run the launcher in its own process group; on timeout kill the whole group (a surviving rank can
-    hang in a collective) and fail."""
+    hang in a collective) and fail. manifest None: --synthetic data."""
+    data = ["--synthetic"] if manifest is None else ["--data", str(manifest)]
     cmd = [DEEPSPEED, "--num_gpus", str(gpus), "--master_port", str(port), "launch/train_wan.py",
-           "--deepspeed_config", str(cfg), "--model-config", "configs/wan_tiny.yaml", "--data", str(manifest),
+           "--deepspeed_config", str(cfg), "--model-config", "configs/wan_tiny.yaml", *data,
            "--output", str(out), "--num-workers", "1", *extra]
     env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -42,8 +43,9 @@ def launch(out, manifest, cfg, *extra, port, timeout=180, gpus=2):
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"launcher still running after {timeout} s: the surviving rank was not torn down")
+        _, stderr = proc.communicate()
+        pytest.fail(f"launcher still running after {timeout} s: the surviving rank was not torn down "
+                    f"(a hang):\n{stderr[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
