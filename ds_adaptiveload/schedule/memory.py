@@ -31,6 +31,17 @@ def _number(mem: dict, key: str, default=None) -> float:
     return float(v)
 
 
+def _free_bytes(tokens: int, samples: int, profile_memory: dict) -> float:
+    """capacity * safety - peak(k = L): what is left beyond every block checkpointed (the profile has
+    capacity_bytes and bytes_per_token)."""
+    safety = _number(profile_memory, "safety", DEFAULT_SAFETY)
+    if not 0 < safety <= 1:
+        raise UserError(f"profile: memory.safety must be in (0, 1], got {safety!r}")
+    return (_number(profile_memory, "capacity_bytes") * safety - _number(profile_memory, "fixed_bytes", 0.0)
+            - _number(profile_memory, "bytes_per_sample", 0.0) * samples
+            - _number(profile_memory, "bytes_per_token") * tokens)
+
+
 def blocks_to_checkpoint(tokens: int, samples: int, profile_memory: dict, num_layers: int) -> int:
     """The fewest blocks k (checkpointing blocks 0..k-1) with which the micro-batch fits, from 0 to
     num_layers. num_layers when the profile has no block_bytes_per_token, no capacity_bytes or no
@@ -51,11 +62,7 @@ def blocks_to_checkpoint(tokens: int, samples: int, profile_memory: dict, num_la
         return num_layers
     if tokens == 0 or block == 0:
         return 0
-    safety = _number(profile_memory, "safety", DEFAULT_SAFETY)
-    if not 0 < safety <= 1:
-        raise UserError(f"profile: memory.safety must be in (0, 1], got {safety!r}")
-    free = (capacity * safety - _number(profile_memory, "fixed_bytes", 0.0)
-            - _number(profile_memory, "bytes_per_sample", 0.0) * samples - per_token * tokens)
+    free = _free_bytes(tokens, samples, profile_memory)
     # Un-checkpointed blocks the free bytes hold; the rest must be checkpointed.
     full = math.floor(free / (block * tokens)) if free > 0 else 0
     return max(0, num_layers - min(full, num_layers))
@@ -69,12 +76,10 @@ def selective_checkpoint(tokens: int, samples: int, profile_memory: dict, num_la
     Without attention_bytes_per_token: (blocks_to_checkpoint, same k), i.e. every checkpointed block whole."""
     k = blocks_to_checkpoint(tokens, samples, profile_memory, num_layers)
     attn = _number(profile_memory, "attention_bytes_per_token")
-    if attn is None or tokens == 0:
-        return k, k
+    if attn is None or tokens == 0 or _number(profile_memory, "capacity_bytes") is None:
+        return k, k  # without a capacity blocks_to_checkpoint checkpoints every block: all recomputed whole
     block = _number(profile_memory, "block_bytes_per_token") or 0.0
-    free = (_number(profile_memory, "capacity_bytes", 0.0) * _number(profile_memory, "safety", DEFAULT_SAFETY)
-            - _number(profile_memory, "fixed_bytes", 0.0) - _number(profile_memory, "bytes_per_sample", 0.0) * samples
-            - _number(profile_memory, "bytes_per_token") * tokens)
+    free = _free_bytes(tokens, samples, profile_memory)
     if free <= 0:
         return num_layers, num_layers
     kept = num_layers if attn == 0 else min(num_layers, math.floor(free / (attn * tokens)))
