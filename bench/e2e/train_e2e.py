@@ -376,22 +376,11 @@ def merge(args):
     return 0
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.merge:
-        return merge(args)
-    if args.render:
-        with open(args.render) as f:
-            res = json.load(f)
-        render(res, args.out_dir, os.path.splitext(os.path.basename(args.render))[0])
-        return 0
-    os.makedirs(args.out_dir, exist_ok=True)
-    args.work = args.work or os.path.join(args.out_dir, "runs")
-    os.makedirs(args.work, exist_ok=True)
+def write_run_profile(args):
+    """The runs' profile: the calibrated one, with the planning budget override recorded in meta. Returns (its
+    path under args.work, the loaded profile, the calibrated budget)."""
     from ds_adaptiveload.schedule.profile import CostProfile
 
-    t_start = time.monotonic()
-    # The runs' profile: the calibrated one, with the planning budget override recorded in meta.
     prof_doc = CostProfile.load(args.profile)
     run_profile = os.path.join(args.work, "profile.yaml")
     calibrated_budget = prof_doc.budget_tokens
@@ -400,27 +389,31 @@ def main(argv=None):
         prof_doc.meta = {**prof_doc.meta, "budget_tokens_calibrated": calibrated_budget,
                          "budget_override": "bench/e2e/train_e2e.py --budget-tokens (a planning choice)"}
     prof_doc.to_yaml(run_profile)
-    profile = CostProfile.load(run_profile)
+    return run_profile, CostProfile.load(run_profile), calibrated_budget
 
-    manifest = args.data
-    if not manifest:
-        manifest = os.path.join(args.work, "synthetic", "manifest.jsonl")
-        if not os.path.exists(manifest):
-            from ds_adaptiveload.model import WanConfig
 
-            mc = WanConfig.from_yaml(args.model_config)
-            subprocess.run([sys.executable, "-m", "ds_adaptiveload", "synthesize", "--out", os.path.dirname(manifest),
-                            "--num", str(args.num), "--mix", args.mix, "--text-dim", str(mc.text_dim),
-                            "--text-len", str(mc.text_len), "--dtype", "fp32" if SMOKE else "bf16"],
-                           cwd=ROOT, check=True)
+def ensure_data(args) -> str:
+    """--data, else a synthetic manifest under args.work (written once: a warm machine reuses it)."""
+    if args.data:
+        return args.data
+    manifest = os.path.join(args.work, "synthetic", "manifest.jsonl")
+    if not os.path.exists(manifest):
+        from ds_adaptiveload.model import WanConfig
 
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    bad = [n for n in names if n not in VARIANTS]
-    if bad:
-        print(f"error: unknown variant(s) {bad}; choose from {list(VARIANTS)}", file=sys.stderr)
-        return 2
+        mc = WanConfig.from_yaml(args.model_config)
+        subprocess.run([sys.executable, "-m", "ds_adaptiveload", "synthesize", "--out", os.path.dirname(manifest),
+                        "--num", str(args.num), "--mix", args.mix, "--text-dim", str(mc.text_dim),
+                        "--text-len", str(mc.text_len), "--dtype", "fp32" if SMOKE else "bf16"],
+                       cwd=ROOT, check=True)
+    return manifest
+
+
+def plan_variants(args, names, manifest, run_profile, lockstep):
+    """Each variant's epoch plan and step-time model: (plans, costs, same_plan, profile_paths). A variant whose
+    plan equals an earlier one's with the same kernel and SP is not run again (same_plan names the twin)."""
+    from ds_adaptiveload.schedule.profile import CostProfile
+
     plans, costs, same_plan, profile_paths = {}, {}, {}, {}
-    lockstep = lockstep_of(args.ds_base)
     for n in names:
         policy, fused, sp = VARIANTS[n]
         profile_paths[n] = profile_for(sp, run_profile, args.model_config)
@@ -437,6 +430,31 @@ def main(argv=None):
         plans[n]["_epoch_steps"] = len(per_step)
     for n, twin in same_plan.items():
         print(f"[e2e] {n}: plan identical to {twin}'s (the compute cap does not bind at this budget): not run")
+    return plans, costs, same_plan, profile_paths
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.merge:
+        return merge(args)
+    if args.render:
+        with open(args.render) as f:
+            res = json.load(f)
+        render(res, args.out_dir, os.path.splitext(os.path.basename(args.render))[0])
+        return 0
+    os.makedirs(args.out_dir, exist_ok=True)
+    args.work = args.work or os.path.join(args.out_dir, "runs")
+    os.makedirs(args.work, exist_ok=True)
+    t_start = time.monotonic()
+    run_profile, profile, calibrated_budget = write_run_profile(args)
+    manifest = ensure_data(args)
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        print(f"error: unknown variant(s) {bad}; choose from {list(VARIANTS)}", file=sys.stderr)
+        return 2
+    lockstep = lockstep_of(args.ds_base)
+    plans, costs, same_plan, profile_paths = plan_variants(args, names, manifest, run_profile, lockstep)
     if args.epoch:
         kept = list(costs)
         steps_of = {n: args.warmup + plans[n]["_epoch_steps"] for n in kept}
