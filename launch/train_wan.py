@@ -51,8 +51,8 @@ def parse_args(argv=None):
                         "whose outputs it keeps (attention: less recompute, ~3 KB/token more per attention call; "
                         "ZeRO-0/1/2 only). With auto, memory.attention_bytes_per_token sizes it")
     p.add_argument("--compile-blocks", action="store_true",
-                   help="regional torch.compile of each WanBlock (model/compile.py; EXPERIMENTAL: its gradients "
-                        "differed from eager on the H200, docs/benchmarks.md); --compile compiles the engine")
+                   help="regional torch.compile of each WanBlock, token count dynamic (model/compile.py; inductor's "
+                        "mix-order reduction off, pytorch/pytorch#193061); --compile compiles the engine")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (engine.compile())")
     p.add_argument("--timestep-shift", type=float, default=5.0, help="Wan's shift s: t = s*u / (1 + (s-1)*u)")
     p.add_argument("--peak-tflops", type=float, default=989.0,

@@ -78,3 +78,70 @@ def test_bad_model_is_a_user_error():
         compile_blocks("not a model")
     with pytest.raises(UserError, match="WanBlock"):
         compile_blocks(torch.nn.Linear(2, 2))
+
+
+def test_inductor_compiles_blocks_without_mix_order_reduction(monkeypatch):
+    """pytorch/pytorch#193061: mix-order reduction leaves slices of the [n, 6, dim] modulation gradient unwritten,
+    so compile_blocks must hand inductor mix_order_reduction=False, with or without a mode; other backends take
+    the mode as it is."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    from ds_adaptiveload.model.compile import block_forward
+
+    block_forward()
+    block_forward(mode="max-autotune-no-cudagraphs")
+    block_forward(mode="reduce-overhead", backend="aot_eager")
+    assert seen[0]["options"] == {"triton.mix_order_reduction": False} and "mode" not in seen[0]
+    assert seen[1]["options"]["triton.mix_order_reduction"] is False and seen[1]["options"]["max_autotune"]
+    assert seen[2]["mode"] == "reduce-overhead" and "options" not in seen[2]
+
+
+@pytest.mark.cuda
+def test_inductor_blocks_match_eager_on_gpu(monkeypatch):
+    """Compiled blocks (inductor) against eager on the GPU at a size where inductor fuses the AdaLN backward into
+    mix-order reductions (thousands of tokens): every gradient, the modulation's included, within fp32 rounding
+    (TF32 off, so that cuDNN's convolution does not round the patch embedding's gradient to 10 bits)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch._dynamo.reset()
+    cfg = WanConfig(dim=256, ffn_dim=512, num_heads=2, num_layers=2, text_dim=32, text_len=8, freq_dim=32)
+    torch.manual_seed(0)
+    eager = WanModel(cfg).cuda()
+    with torch.no_grad():
+        eager.head.head.weight.normal_(std=0.02)
+    comp = copy.deepcopy(eager)
+    compile_blocks(comp)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, w = (torch.randn(1, 16, 8, 64, 128, generator=g, device="cuda") for _ in range(2))  # 16,384 tokens
+    t = torch.full((1,), 500.0, device="cuda")
+    ctx = torch.randn(1, 8, cfg.text_dim, generator=g, device="cuda")
+    grads = []
+    for m in (eager, comp, comp):  # twice compiled: a stale buffer shows on a later call
+        m.zero_grad(set_to_none=True)
+        (m(x, t, ctx) * w).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    for call, got in enumerate(grads[1:]):
+        err = {n: float((got[n] - ref).norm() / ref.norm()) for n, ref in grads[0].items()}
+        bad = {n: e for n, e in err.items() if not e < 1e-3}
+        assert not bad, f"compiled call {call}: relative gradient errors over 1e-3: {bad}"
+
+
+def test_compile_blocks_allows_a_graph_per_micro_batch_kind():
+    """Past dynamo's recompile limit a block runs eagerly, outside the compiled memory model: compile_blocks raises
+    the limit to RECOMPILE_LIMIT (and never lowers a higher one)."""
+    from ds_adaptiveload.model.compile import RECOMPILE_LIMIT
+
+    cfg = torch._dynamo.config
+    with cfg.patch(recompile_limit=8):
+        compile_blocks(tiny(), backend="aot_eager")
+        assert cfg.recompile_limit == RECOMPILE_LIMIT >= 32
+    with cfg.patch(recompile_limit=1000):
+        compile_blocks(tiny(), backend="aot_eager")
+        assert cfg.recompile_limit == 1000
+
+
+def test_whole_model_compile_gets_the_same_inductor_options():
+    from ds_adaptiveload.model.compile import INDUCTOR_OPTIONS, engine_compile_kwargs
+
+    assert engine_compile_kwargs() == {"options": INDUCTOR_OPTIONS}
+    assert engine_compile_kwargs("aot_eager") == {"mode": None}

@@ -8,11 +8,13 @@ instead of compiling 30 times. Only forward is compiled, not the module call, so
 ZeRO-3's parameter gathering) run eagerly around it; under ZeRO-3 make WanBlock a leaf module
 (train/build.py) so that no hook sits on a submodule inside the compiled region.
 
-On CUDA the fused LayerNorm-Modulate op is a graph break until it is a torch custom op: run compiled blocks
-with DS_ADAPTIVELOAD_LN_MODULATE=torch (its PyTorch path, which inductor fuses) or fullgraph=False.
+Inductor's mix-order reduction is switched off for these graphs (INDUCTOR_OPTIONS). With it on (the default
+since torch 2.10), the backward of the AdaLN chain sums each scale/shift gradient out of a workspace into a new
+tensor instead of into its slice of the [n, 6, dim] modulation gradient, so those slices are never written:
+pytorch/pytorch#193061. On the H200 (torch 2.11) that left blocks.*.modulation and the time embedding with
+gradients 0.4 to 2,000 times wrong, varying from call to call (bench/model/compile_numerics.py, 2026-12-01).
 """
 import types
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +28,15 @@ from ds_adaptiveload.model.wan import WanBlock
 # tables cos/sin [1, S_g, 1, head_dim/2] are marked in _mark (dim 1). The number of shape groups in a
 # micro-batch is structure, not a size: each group count gets its own graph.
 _DYNAMIC_DIMS = ((0, (0,)), (1, (0,)), (2, (0,)))
+
+# Graphs dynamo may hold for WanBlock.forward. One is needed per batch size, per shape-group composition and per
+# checkpoint choice (save_attention), so a video-heavy mix needs more than dynamo's default of 8; past the limit
+# dynamo runs the block eagerly, whose activations the compiled memory model does not cover (an out-of-memory
+# at step 2 on the H200, 2026-12-01).
+RECOMPILE_LIMIT = 64
+
+# Inductor options for the compiled blocks: no mix-order reduction (module docstring, pytorch/pytorch#193061).
+INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
 
 
 @dataclass(frozen=True)
@@ -56,13 +67,31 @@ def _mark(args):
                 torch._dynamo.maybe_mark_dynamic(t, 1)
 
 
+def _mode_and_options(opts: CompileOptions) -> dict:
+    """torch.compile's mode / options keywords. It takes one or the other, so under inductor a mode is passed as
+    its options (torch._inductor.list_mode_options) with INDUCTOR_OPTIONS on top; they then apply to the
+    backward's compilation too."""
+    if opts.backend != "inductor":
+        return {"mode": opts.mode}
+    from torch._inductor import list_mode_options
+
+    return {"options": {**list_mode_options(opts.mode or "default", opts.dynamic), **INDUCTOR_OPTIONS}}
+
+
+def engine_compile_kwargs(backend: str = "inductor") -> dict:
+    """torch.compile keywords for a whole-model compile (DeepSpeed's engine.compile): the same inductor options."""
+    return _mode_and_options(CompileOptions(backend=backend))
+
+
 def block_forward(dynamic: bool = True, fullgraph: bool = False, mode: Optional[str] = None,
                   backend: str = "inductor"):
     """A compiled WanBlock.forward(self, x, e0, context, lay) to bind to any number of blocks
     (compile_blocks binds it; a caller that wraps blocks further, e.g. in checkpointing, binds it itself)."""
     opts = CompileOptions(dynamic=dynamic, fullgraph=fullgraph, mode=mode, backend=backend)
+    if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     compiled = torch.compile(WanBlock.forward, dynamic=None if opts.dynamic else False,
-                             fullgraph=opts.fullgraph, mode=opts.mode, backend=opts.backend)
+                             fullgraph=opts.fullgraph, backend=opts.backend, **_mode_and_options(opts))
 
     def forward(self, *args, **kwargs):
         if opts.dynamic:
@@ -81,12 +110,6 @@ def compile_blocks(model: torch.nn.Module, dynamic: bool = True, fullgraph: bool
     blocks = [m for m in model.modules() if isinstance(m, WanBlock)]
     if not blocks:
         raise UserError("compile_blocks: model has no WanBlock")
-    if backend == "inductor" and (torch.cuda.is_available() or any(p.is_cuda for p in model.parameters())):
-        # bench/model/compile_numerics.py, H200, torch 2.11, one 480p 81f clip: same loss as eager, but a
-        # gradient norm of 324 against eager's 14 (2026-12-01). Until that is explained, say so.
-        warnings.warn("compile_blocks: on CUDA with inductor the compiled blocks' gradients differed from eager "
-                      "on the H200 (docs/benchmarks.md, 2026-12-01); treat --compile-blocks as experimental",
-                      stacklevel=2)
     forward = block_forward(dynamic, fullgraph, mode, backend)
     for b in blocks:
         if "forward" not in b.__dict__:  # an instance attribute: this block is compiled already

@@ -38,7 +38,9 @@ def build_engine(model, ds_cfg: dict, mpu, compile: bool = False):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_cfg,
                                            mpu=mpu)
     if compile:
-        engine.compile()
+        from ds_adaptiveload.model.compile import engine_compile_kwargs
+
+        engine.compile(compile_kwargs=engine_compile_kwargs())  # inductor without mix-order reduction
     return engine
 
 
