@@ -25,12 +25,13 @@ from ds_adaptiveload.model.wan import WanBlock
 
 # WanBlock.forward(x, e0, context, lay): argument position -> dims to mark dynamic.
 # x [T, dim] packed token rows, e0 [n, 6, dim], context [n, text_len, dim]; the Layout's per-group RoPE
-# tables cos/sin [1, S_g, 1, head_dim/2] are marked in _mark (dim 1). The number of shape groups in a
-# micro-batch is structure, not a size: each group count gets its own graph.
+# tables cos/sin [1, S_g, 1, head_dim/2] and size tensors [n_g, local_g, 0] are marked in _mark. The blocks read
+# group sizes only from those shapes, so the graph depends on the number of shape groups, on which of them hold a
+# single sample (torch specialises sizes of 1) and on save_attention (tests/test_compile_blocks.py counts them).
 _DYNAMIC_DIMS = ((0, (0,)), (1, (0,)), (2, (0,)))
 
-# Graphs dynamo may hold for WanBlock.forward. One is needed per batch size, per shape-group composition and per
-# checkpoint choice (save_attention), so a video-heavy mix needs more than dynamo's default of 8; past the limit
+# Graphs dynamo may hold for WanBlock.forward: one per kind of micro-batch (above), more than dynamo's default of 8
+# on a mixed run; past the limit
 # dynamo runs the block eagerly, whose activations the compiled memory model does not cover (an out-of-memory
 # at step 2 on the H200, 2026-12-01).
 RECOMPILE_LIMIT = 64
@@ -43,9 +44,9 @@ INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
 class CompileOptions:
     """How compile_blocks compiles WanBlock.forward."""
     dynamic: bool = True
-    """Mark the token and batch dims dynamic. A one-shape micro-batch takes S from the tensor, so its graph
-    serves every S at that B; a micro-batch of several shape groups splits by Python ints, so dynamo
-    specialises on its composition (tests/test_compile_blocks.py counts the graphs); False: static shapes."""
+    """Mark the token, sample and group-size dims dynamic, so one graph serves every micro-batch with the same
+    number of shape groups and the same groups of one sample (tests/test_compile_blocks.py counts the graphs);
+    False: static shapes."""
     fullgraph: bool = False
     """Fail on a graph break instead of splitting the block (tests use True to prove the block traces whole)."""
     mode: Optional[str] = None
@@ -65,6 +66,9 @@ def _mark(args):
         for t in table:
             if isinstance(t, torch.Tensor) and t.ndim > 1:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
+    for t in getattr(lay, "sizes", None) or ():  # [n_g, local, 0]: the group sizes
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(t, 1)
 
 
 def _mode_and_options(opts: CompileOptions) -> dict:
@@ -94,8 +98,9 @@ def block_forward(dynamic: bool = True, fullgraph: bool = False, mode: Optional[
                              fullgraph=opts.fullgraph, backend=opts.backend, **_mode_and_options(opts))
 
     def forward(self, *args, **kwargs):
-        if opts.dynamic:
-            _mark(args)  # before dynamo sees the tensors: the first graph is already dynamic in S
+        if not opts.dynamic:
+            return compiled(self, *args, **kwargs)
+        _mark(args)  # before dynamo sees the tensors: the first graph is already dynamic in S
         return compiled(self, *args, **kwargs)
 
     return forward

@@ -59,23 +59,32 @@ class Packing:
     def is_identity(self) -> bool:
         return self.order == tuple(range(self.n))
 
-    def views(self, h: torch.Tensor) -> list[torch.Tensor]:
+    def views(self, h: torch.Tensor, sizes=None) -> list[torch.Tensor]:
         """Each group's rows of a [T, ...] tensor as [n_g, local, ...] views. One split, not a slice per
-        group: the backward of a split is one cat, where each slice would add a zero-filled [T, ...] tensor."""
-        if len(self.groups) == 1:  # S from the tensor: compiled blocks then stay dynamic in S (one graph per n)
-            return [h.unflatten(0, (self.groups[0].n, -1))]
-        parts = h.split([g.rows for g in self.groups])
-        return [p.unflatten(0, (g.n, g.local)) for g, p in zip(self.groups, parts)]
+        group: the backward of a split is one cat, where each slice would add a zero-filled [T, ...] tensor.
+        sizes: size_tensors() — the group sizes read from tensor shapes instead of this object's ints, so
+        torch.compile keeps them symbolic rather than compiling a graph per micro-batch composition."""
+        dims = [(s.shape[0], s.shape[1]) for s in sizes] if sizes is not None else [(g.n, g.local) for g in self.groups]
+        if len(dims) == 1:  # S from the tensor: compiled blocks then stay dynamic in S
+            return [h.unflatten(0, (dims[0][0], -1))]
+        parts = h.split([n * local for n, local in dims])
+        return [p.unflatten(0, d) for d, p in zip(dims, parts)]
 
-    def sample_views(self, v: torch.Tensor) -> list[torch.Tensor]:
-        """Each group's rows [n_g, ...] of a per-sample tensor [n, ...] in packed order."""
-        return list(v.split([g.n for g in self.groups])) if len(self.groups) > 1 else [v]
+    def sample_views(self, v: torch.Tensor, sizes=None) -> list[torch.Tensor]:
+        """Each group's rows [n_g, ...] of a per-sample tensor [n, ...] in packed order (sizes: as views)."""
+        counts = [s.shape[0] for s in sizes] if sizes is not None else [g.n for g in self.groups]
+        return list(v.split(counts)) if len(counts) > 1 else [v]
 
-    def map(self, fn: Callable, rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = (), dtype=None):
+    def map(self, fn: Callable, rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = (), dtype=None,
+            sizes=None):
         """fn(*group views of `rows`, *group rows of `samples`) per group, results merged into [T, ...] (cast
-        to dtype in the merge's copy if given)."""
-        cols = [self.views(r) for r in rows] + [self.sample_views(s) for s in samples]
+        to dtype in the merge's copy if given; sizes: as views)."""
+        cols = [self.views(r, sizes) for r in rows] + [self.sample_views(s, sizes) for s in samples]
         return merge([fn(*args) for args in zip(*cols)], dtype)
+
+    def size_tensors(self, device) -> tuple[torch.Tensor, ...]:
+        """Per group an empty tensor [n_g, local, 0] that carries the group's sizes in its shape (views)."""
+        return tuple(torch.empty(g.n, g.local, 0, device=device) for g in self.groups)
 
     def to_packed(self, v: torch.Tensor) -> torch.Tensor:
         """A per-sample tensor [n, ...] from input order into packed order."""

@@ -108,6 +108,15 @@ class Layout:
     attn_kwargs: tuple
     """Keyword arguments of the self-attention core per group."""
     attn_fn: AttentionFn
+    sizes: tuple = None
+    """Packing.size_tensors(): the group sizes as tensor shapes. The blocks read sizes only from these (and the
+    RoPE tables), never from the packing's ints, so a compiled block is not specialised on them."""
+
+    def views(self, h):
+        return self.packing.views(h, self.sizes)
+
+    def map(self, fn, rows, samples=(), dtype=None):
+        return self.packing.map(fn, rows, samples, dtype, self.sizes)
 
 
 class PatchEmbed(nn.Conv3d):
@@ -135,8 +144,7 @@ class SelfAttention(nn.Module):
     def forward(self, x, lay: Layout):
         """x [T, dim] -> [T, dim]: projections over all tokens, RoPE and the core per group."""
         heads = (self.num_heads, -1)
-        p = lay.packing
-        q, k, v = (p.views(t.unflatten(-1, heads)) for t in (self.norm_q(self.q(x)), self.norm_k(self.k(x)), self.v(x)))
+        q, k, v = (lay.views(t.unflatten(-1, heads)) for t in (self.norm_q(self.q(x)), self.norm_k(self.k(x)), self.v(x)))
         out = [lay.attn_fn(apply_rope(qg, cos, sin), apply_rope(kg, cos, sin), vg, **kw)
                for qg, kg, vg, (cos, sin), kw in zip(q, k, v, lay.rope, lay.attn_kwargs)]
         return self.o(merge(out).flatten(1))
@@ -151,7 +159,7 @@ class CrossAttention(SelfAttention):
         q = self.norm_q(self.q(x)).unflatten(-1, heads)
         k = self.norm_k(self.k(context)).unflatten(-1, heads)
         v = self.v(context).unflatten(-1, heads)
-        return self.o(lay.packing.map(sdpa_attention, (q,), (k, v)).flatten(1))
+        return self.o(lay.map(sdpa_attention, (q,), (k, v)).flatten(1))
 
 
 # The attention kernels' forward ops (their outputs and logsumexp are what the backward needs): kept by the
@@ -206,12 +214,11 @@ class WanBlock(nn.Module):
     def _forward(self, x, e0, context, lay: Layout):
         # x [T, dim]; e0 [n, 6, dim] fp32 time projection in packed order; modulation math stays fp32 as in Wan.
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float() + e0).chunk(6, dim=1)
-        p = lay.packing
-        y = self.self_attn(p.map(self._modulate, (x,), (scale1, shift1)), lay)
-        x = p.map(_gated_add, (x, y), (gate1,), x.dtype)
+        y = self.self_attn(lay.map(self._modulate, (x,), (scale1, shift1)), lay)
+        x = lay.map(_gated_add, (x, y), (gate1,), x.dtype)
         x = x + self.cross_attn(self.norm3(x), context, lay)
-        y = self.ffn(p.map(self._modulate, (x,), (scale2, shift2)))
-        return p.map(_gated_add, (x, y), (gate2,), x.dtype)
+        y = self.ffn(lay.map(self._modulate, (x,), (scale2, shift2)))
+        return lay.map(_gated_add, (x, y), (gate2,), x.dtype)
 
 
 class Head(nn.Module):
@@ -439,7 +446,8 @@ class WanModel(nn.Module):
             parts.append(hg)
             rope.append(rope_tables(g.grid, self.cfg, start, g.local, xg.device))
             kwargs.append(kw)
-        return merge(parts).contiguous(), Layout(packing, tuple(rope), tuple(kwargs), self._attn_fn)
+        sizes = packing.size_tensors(flat.device)
+        return merge(parts).contiguous(), Layout(packing, tuple(rope), tuple(kwargs), self._attn_fn, sizes)
 
     def _unpatchify_groups(self, h: torch.Tensor, packing: Packing, shard: Optional[SeqShard]) -> list:
         """Head output rows [T, C] -> per group [n_g, out_dim, F, H, W]; under SP gathered from all ranks."""
