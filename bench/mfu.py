@@ -44,6 +44,11 @@ E2E = {  # variant -> (MFU_CKPT, compiled blocks, train_wan flags, checkpoint po
     "compile-auto": ("auto", True, [], "full"),
     "compile-auto-attn": ("auto", True, [], "attention"),
 }
+# Levers through launch/train_wan.py's own flags (no bench/mfu_train.py), with the profile's memory section from
+# the probed fields: variant -> the planner's policy. "packed" folds small image micro-batches into fuller ones.
+TRAINER_FLAGS = ["--compile-blocks", "--checkpoint-blocks", "auto", "--checkpoint-policy", "attention"]
+TRAINER_E2E = {"train-compile-attn": "balanced", "train-compile-attn-packed": "packed"}
+E2E.update({name: (None, True, TRAINER_FLAGS, "attention") for name in TRAINER_E2E})
 # mode -> (compiled blocks, checkpoint policy): "-attn" keeps the attention outputs of checkpointed blocks
 MODES = {"eager": (False, "full"), "compile": (True, "full"), "eager-attn": (False, "attention"),
          "compile-attn": (True, "attention")}
@@ -316,15 +321,21 @@ def split(text, allowed):
 
 
 def e2e_summary(recs, warmup, peak_tflops):
-    """e2e_mfu = model FLOPs / (step wall x peak) summed over the trained steps after warm-up."""
+    """e2e_mfu = model FLOPs / (step wall x peak) summed over the trained steps after warm-up; warm_mfu the same
+    over the steps that compiled no new block graph (where the step log counts them: block_graphs)."""
     trained = [r for r in recs if "skipped" not in r]
     body = trained[warmup:] if len(trained) > warmup else []
+    keys = ("step", "samples", "tokens", "step_ms", "mfu", "mem_peak_gib", "block_graphs")
     out = {"steps": len(body), "steps_logged": len(recs), "skipped_steps": len(recs) - len(trained),
-           "per_step": [{k: r.get(k) for k in ("step", "samples", "tokens", "step_ms", "mfu", "mem_peak_gib")}
-                        for r in recs]}
+           "per_step": [{k: r.get(k) for k in keys if k in r or k != "block_graphs"} for r in recs]}
+    graphs = [r.get("block_graphs") for r in recs]
+    warm = [r for i, r in enumerate(recs) if i and "skipped" not in r and graphs[i] is not None
+            and graphs[i] == graphs[i - 1]]
+    if warm:
+        out.update(warm_steps=len(warm), warm_mfu=_wall_weighted_mfu(warm))
     if body:
         wall = sum(r["step_ms"] for r in body)
-        out.update(e2e_mfu=sum(r["mfu"] * r["step_ms"] for r in body) / wall,
+        out.update(e2e_mfu=_wall_weighted_mfu(body),
                    step_ms_median=statistics.median(r["step_ms"] for r in body),
                    tokens_per_s=sum(r["tokens"] for r in body) / (wall / 1e3),
                    samples_per_s=sum(r["samples"] for r in body) / (wall / 1e3),
@@ -333,8 +344,27 @@ def e2e_summary(recs, warmup, peak_tflops):
     return out
 
 
+def _wall_weighted_mfu(recs):
+    """Model FLOPs over wall x peak for these steps together (not a mean of per-step MFUs)."""
+    return sum(r["mfu"] * r["step_ms"] for r in recs) / sum(r["step_ms"] for r in recs)
+
+
+def write_trainer_profile(path, base_ds, memory):
+    """The base DeepSpeed JSON's profile with its memory section's checkpoint fields (fixed, per-token,
+    per-block, attention bytes; safety) from `memory`, for --checkpoint-blocks auto in the trainer."""
+    from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.train.config import read_json_object
+
+    src = read_json_object(os.path.join(ROOT, base_ds), "DeepSpeed config")["adaptive_load"]["profile"]
+    prof = CostProfile.load(os.path.join(ROOT, src))
+    keys = ("fixed_bytes", "bytes_per_token", "block_bytes_per_token", "attention_bytes_per_token", "safety")
+    prof.memory.update({k: memory[k] for k in keys if memory.get(k) is not None})
+    prof.to_yaml(path)
+
+
 def e2e_variant(args, name, manifest, memory, deadline):
-    """One launch of bench/mfu_train.py (launch/train_wan.py with the variant's levers)."""
+    """One launch of bench/mfu_train.py (launch/train_wan.py with the variant's levers), or for TRAINER_E2E of
+    launch/train_wan.py with TRAINER_FLAGS and a profile carrying the probed memory fields."""
     from train_e2e import read_steps, write_ds_json
     from train_steps import launch
 
@@ -347,15 +377,20 @@ def e2e_variant(args, name, manifest, memory, deadline):
             os.remove(os.path.join(run, f))
     with open(os.path.join(ROOT, args.config)) as f:
         grad_accum = json.load(f).get("gradient_accumulation_steps", 1)
-    write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), grad_accum=grad_accum)
+    if name in TRAINER_E2E:
+        write_trainer_profile(f"{run}/profile.yaml", args.config, memory[mode])
+        write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), f"{run}/profile.yaml", TRAINER_E2E[name],
+                      grad_accum=grad_accum)
+    else:
+        write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), grad_accum=grad_accum)
     env = {"MFU_STATS": f"{run}/mfu_stats.json"}
     if ckpt:
         env.update(MFU_CKPT=ckpt, MFU_MEMORY=f"{run}/memory.json", MFU_COMPILE="1" if compiled else "0",
                    MFU_POLICY=policy)
         with open(env["MFU_MEMORY"], "w") as f:
             json.dump(memory.get(mode) or {}, f)
-        if compiled:
-            env["DS_ADAPTIVELOAD_LN_MODULATE"] = args.compile_ln
+    if compiled:
+        env["DS_ADAPTIVELOAD_LN_MODULATE"] = args.compile_ln
     log = os.path.join(args.out, f"e2e_{name}_train.log")
     os.environ.update(env)
     try:

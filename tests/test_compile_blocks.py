@@ -6,6 +6,7 @@ block). The aot_eager backend runs dynamo and
 AOTAutograd without inductor's C++ code generation, which takes minutes per graph on these 2 shared cores;
 inductor itself runs on the GPU in bench/mfu.py."""
 import copy
+import os
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ import torch
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model import WanConfig, WanModel
 from ds_adaptiveload.model.compile import compile_blocks, compile_stats, uncompile_blocks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (B, F, H, W) latents: S = F*H*W/4 tokens of 6, 12 and 24; B = 1 twice around a B = 2
 SHAPES = [(1, 1, 4, 6), (2, 3, 4, 4), (1, 2, 6, 8)]
@@ -203,3 +206,44 @@ def test_inductor_packed_blocks_match_eager_on_gpu(monkeypatch):
         bad = {n: e for n, e in err.items() if not e < 1e-3}
         assert not bad, f"pack {i}: relative gradient errors over 1e-3: {bad}"
     assert compile_stats()["block_graphs"] == 3
+
+
+@pytest.mark.slow
+def test_trainer_trains_packed_micro_batches_with_compiled_blocks(tmp_path):
+    """launch/train_wan.py --compile-blocks (aot_eager) --checkpoint-blocks auto --checkpoint-policy attention, policy
+    packed, ZeRO-2, 2 ranks: finite losses, and each step logs the block graphs so far, which stay few (one per
+    kind of micro-batch, not per composition)."""
+    import json
+    import math
+
+    import yaml
+
+    from tests import test_reliability as rel
+    from tests import test_train as tt
+    from tests.test_packed import free_port
+
+    if rel.DEEPSPEED is None:
+        pytest.skip("deepspeed launcher not installed")
+    with open(os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")) as f:
+        prof = yaml.safe_load(f)
+    # a memory model under which the tiny micro-batches need some, not all, of the 2 blocks checkpointed
+    prof["memory"].update(capacity_bytes=1500, safety=1.0, fixed_bytes=0, bytes_per_token=1, block_bytes_per_token=5,
+                          attention_bytes_per_token=1)
+    (tmp_path / "profile.yaml").write_text(yaml.safe_dump(prof))
+    with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
+        al = json.load(f)["adaptive_load"]
+    al.update(policy="packed", profile=str(tmp_path / "profile.yaml"))
+    cfg = tt.test_config(tmp_path, adaptive_load=al, zero_optimization={"stage": 2})
+    out = tmp_path / "run"
+    proc = rel.launch(out, None, cfg, "--no-final-save", "--max-steps", "4", "--compile-blocks", "--compile-backend",
+                      "aot_eager", "--checkpoint-blocks", "auto", "--checkpoint-policy", "attention",
+                      port=free_port(), timeout=300)
+    rel.ok(proc)
+    log = tt.steps(out, 0)
+    assert len(log) == 4 and all(math.isfinite(r["loss"]) for r in log)
+    graphs = [r["block_graphs"] for r in log]
+    with open(out / "synthetic" / "manifest.jsonl") as f:
+        shape = {r["id"]: (r["frames"], r["height"], r["width"]) for r in map(json.loads, f)}
+    groups = [len({shape[i] for i in mb}) for r in log for mb in r["ids"]]
+    assert max(groups) > 1, "no micro-batch mixed shapes"
+    assert graphs == sorted(graphs) and 1 <= graphs[-1] <= 12, graphs

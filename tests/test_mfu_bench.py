@@ -159,3 +159,29 @@ def test_z3_part_smoke_on_cpu(tmp_path, monkeypatch):
     assert z3["num_layers"] == 2 and len(z3["rows"]) == 4
     assert all(r["partitioned_at_construction"] and r["ms"] > 0 for r in z3["rows"])
     assert {r["leaf_blocks"] for r in z3["rows"]} == {True, False}
+
+
+def test_e2e_summary_counts_warm_steps_from_the_graph_counts():
+    """warm_mfu covers the steps after which the block graph count did not rise (no compile in them)."""
+    recs = [{"step": i, "samples": 1, "tokens": 10, "step_ms": ms, "mfu": u, "block_graphs": g}
+            for i, (ms, u, g) in enumerate([(9000, 0.01, 2), (5000, 0.1, 4), (1000, 0.4, 4), (2000, 0.2, 5),
+                                            (1000, 0.5, 5)])]
+    out = mfu.e2e_summary(recs, warmup=1, peak_tflops=989)
+    assert out["warm_steps"] == 2 and out["warm_mfu"] == pytest.approx((0.4 * 1000 + 0.5 * 1000) / 2000)
+    assert out["per_step"][0]["block_graphs"] == 2
+    assert "warm_mfu" not in mfu.e2e_summary([{k: v for k, v in r.items() if k != "block_graphs"} for r in recs],
+                                             warmup=1, peak_tflops=989)
+
+
+def test_trainer_profile_takes_the_probed_memory_fields(tmp_path):
+    from ds_adaptiveload.schedule.profile import CostProfile
+
+    mem = {"capacity_bytes": None, "safety": 0.8, "fixed_bytes": 2.3e10, "bytes_per_token": 166275.0,
+           "block_bytes_per_token": 79506.0, "attention_bytes_per_token": 5068.0}
+    mfu.write_trainer_profile(tmp_path / "p.yaml", "configs/ds_zero2_bf16.json", mem)
+    prof = CostProfile.load(tmp_path / "p.yaml")
+    base = CostProfile.load(os.path.join(ROOT, "configs/profiles/h200-wan1.3b-calibrated.yaml"))
+    assert (prof.budget_tokens, prof.per_token_ms, prof.floor_ms) == (base.budget_tokens, base.per_token_ms, base.floor_ms)
+    assert {k: prof.memory[k] for k in mem if k != "capacity_bytes"} == {k: v for k, v in mem.items()
+                                                                        if k != "capacity_bytes"}
+    assert prof.memory["capacity_bytes"] == base.memory["capacity_bytes"]  # None leaves the profile's

@@ -70,7 +70,7 @@ class Trainer:
         if getattr(args, "compile_blocks", False):
             from ds_adaptiveload.model.compile import compile_blocks
 
-            compile_blocks(model)  # regional: each WanBlock's forward (model/compile.py)
+            compile_blocks(model, backend=getattr(args, "compile_backend", "inductor"))  # regional (model/compile.py)
         self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
         self.lr_scale = self.install_lr_scaling()
         self.divisor = sp.grad_divisor(self.engine, self.dims)  # what DeepSpeed divides summed gradients by
@@ -342,6 +342,10 @@ class Trainer:
         m["pred_wall_ms"] = ps.pred_wall_ms
         m["pred_idle_fraction"] = metrics.idle_fraction(ps.pred_ms, ps.pred_wall_ms)
         rec = {**base, "lr": lr, **m, "rank_loss": run.counters["loss_sum"] / max(run.counters["samples"], 1)}
+        if getattr(self.args, "compile_blocks", False):  # graphs so far: a step that compiled shows a rise
+            from ds_adaptiveload.model.compile import compile_stats
+
+            rec["block_graphs"] = compile_stats()["block_graphs"]
         if entry:
             rec["skipped"] = entry
         self.log.write(rec)
