@@ -1,5 +1,5 @@
-"""Regional torch.compile of the Wan DiT: each WanBlock's forward compiled, with the token (and batch)
-dimension dynamic, so inductor fuses the elementwise chain (fp32 RoPE, RMSNorm, gates, casts) between the
+"""Regional torch.compile of the Wan DiT: each WanBlock's forward compiled, with the token, sample and group
+sizes dynamic, so inductor fuses the elementwise chain (fp32 RoPE, RMSNorm, gates, casts) between the
 matmuls while the embeddings, head and loop stay eager.
 
 One compiled function serves every block: WanBlock.forward is compiled once and bound to each block, and
@@ -12,7 +12,8 @@ Inductor's mix-order reduction is switched off for these graphs (INDUCTOR_OPTION
 since torch 2.10), the backward of the AdaLN chain sums each scale/shift gradient out of a workspace into a new
 tensor instead of into its slice of the [n, 6, dim] modulation gradient, so those slices are never written:
 pytorch/pytorch#193061. On the H200 (torch 2.11) that left blocks.*.modulation and the time embedding with
-gradients 0.4 to 2,000 times wrong, varying from call to call (bench/model/compile_numerics.py, 2026-12-01).
+gradients off by 0.4 to 2,400 times their norm, varying from call to call (bench/model/compile_numerics.py,
+2026-12-01).
 """
 import types
 from dataclasses import dataclass
@@ -31,9 +32,8 @@ from ds_adaptiveload.model.wan import WanBlock
 _DYNAMIC_DIMS = ((0, (0,)), (1, (0,)), (2, (0,)))
 
 # Graphs dynamo may hold for WanBlock.forward: one per kind of micro-batch (above), more than dynamo's default of 8
-# on a mixed run; past the limit
-# dynamo runs the block eagerly, whose activations the compiled memory model does not cover (an out-of-memory
-# at step 2 on the H200, 2026-12-01).
+# on a mixed run. Past the limit dynamo runs the block eagerly, whose activations the compiled memory model does
+# not cover (an out-of-memory at step 2 on the H200, 2026-12-01).
 RECOMPILE_LIMIT = 64
 
 # Inductor options for the compiled blocks: no mix-order reduction (module docstring, pytorch/pytorch#193061).
