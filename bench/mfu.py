@@ -72,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-mode", default=None, help="torch.compile mode for the blocks")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (tests: aot_eager)")
     p.add_argument("--e2e-variants", default="baseline,compile-auto", help=f"comma list of {', '.join(E2E)}")
+    p.add_argument("--compile-cache", help="train-* e2e variants: train_wan --compile-cache FILE (compiled artifacts "
+                                           "loaded if present, saved as they grow; carry it to the next call)")
     p.add_argument("--e2e-num", type=int, default=48, help="video-heavy synthetic samples")
     p.add_argument("--e2e-steps", type=int, default=10)
     p.add_argument("--e2e-warmup", type=int, default=3, help="steps left out of e2e_mfu (start-up, compiles)")
@@ -391,6 +393,8 @@ def e2e_variant(args, name, manifest, memory, deadline):
             json.dump(memory.get(mode) or {}, f)
     if compiled:
         env["DS_ADAPTIVELOAD_LN_MODULATE"] = args.compile_ln
+    if name in TRAINER_E2E and args.compile_cache:
+        flags = [*flags, "--compile-cache", os.path.abspath(args.compile_cache)]
     log = os.path.join(args.out, f"e2e_{name}_train.log")
     os.environ.update(env)
     try:

@@ -55,6 +55,8 @@ def parse_args(argv=None):
                         "mix-order reduction off, pytorch/pytorch#193061); --compile compiles the engine")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of --compile-blocks (aot_eager: traced, no code generation)")
+    p.add_argument("--compile-cache", help="file of compiled artifacts: loaded at start if present, rewritten after "
+                                           "steps that compiled new graphs (a restart or a new machine compiles less)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (engine.compile())")
     p.add_argument("--timestep-shift", type=float, default=5.0, help="Wan's shift s: t = s*u / (1 + (s-1)*u)")
     p.add_argument("--peak-tflops", type=float, default=989.0,

@@ -247,3 +247,40 @@ def test_trainer_trains_packed_micro_batches_with_compiled_blocks(tmp_path):
     groups = [len({shape[i] for i in mb}) for r in log for mb in r["ids"]]
     assert max(groups) > 1, "no micro-batch mixed shapes"
     assert graphs == sorted(graphs) and 1 <= graphs[-1] <= 12, graphs
+
+
+_CACHE_RUN = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from torch._dynamo.utils import counters
+from ds_adaptiveload.model.compile import compile_blocks, load_compile_cache, save_compile_cache
+from tests.test_compile_blocks import tiny, run
+m = tiny()
+compile_blocks(m)
+loaded = load_compile_cache({path!r})
+run(m, (1, 1, 4, 6), 0)
+n = save_compile_cache({path!r}) if not loaded else 0
+print("RESULT", loaded, n, counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+"""
+
+
+@pytest.mark.slow
+def test_compile_cache_carries_compiled_graphs_to_a_fresh_machine(tmp_path):
+    """save_compile_cache in one process, load_compile_cache in another with an empty inductor cache folder (a
+    fresh machine): the second compiles its graphs from the artifacts (FX graph cache hits, no misses)."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "cache.bin")
+    results = []
+    for i in range(2):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor{i}"), PYTHONPATH=ROOT)
+        proc = subprocess.run([sys.executable, "-c", _CACHE_RUN.format(root=ROOT, path=path)], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1].split()
+        results.append((line[1] == "True", int(line[2]), int(line[3]), int(line[4])))
+    (loaded0, written, _, miss0), (loaded1, _, hit1, miss1) = results
+    assert not loaded0 and written > 0 and miss0 > 0  # the first run compiled and saved
+    assert loaded1 and hit1 > 0 and miss1 == 0, results  # the second found every graph in the artifacts
+    assert not __import__("ds_adaptiveload.model.compile", fromlist=["x"]).load_compile_cache(str(tmp_path / "none"))

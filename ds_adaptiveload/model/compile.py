@@ -129,6 +129,41 @@ def uncompile_blocks(model: torch.nn.Module) -> None:
             m.__dict__.pop("forward", None)
 
 
+def load_compile_cache(path) -> bool:
+    """Load inductor's compiled artifacts saved by an earlier run (torch.compiler.load_cache_artifacts), so
+    that the blocks' graphs compile from the cache instead of from scratch: on a fresh machine, or after a
+    restart. False, with a warning, when the file is absent or does not load (another torch, say)."""
+    import os
+    import warnings
+
+    if not path or not os.path.exists(path):
+        return False
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        torch.compiler.load_cache_artifacts(data)
+    except Exception as err:  # noqa: BLE001 - a stale cache must not stop training; it only costs compile time
+        warnings.warn(f"compile cache {path} not loaded ({type(err).__name__}: {err}); compiling from scratch",
+                      stacklevel=2)
+        return False
+    return True
+
+
+def save_compile_cache(path) -> int:
+    """Write the artifacts compiled so far to `path` (atomically); returns the bytes written, 0 if none."""
+    import os
+
+    art = torch.compiler.save_cache_artifacts()
+    if not art:
+        return 0
+    data = art[0]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(f"{path}.tmp", "wb") as f:
+        f.write(data)
+    os.replace(f"{path}.tmp", path)
+    return len(data)
+
+
 def compile_stats() -> dict:
     """Graphs dynamo holds for WanBlock.forward (recompiles = graphs - 1), and process-wide dynamo counters:
     unique graphs and graph breaks (by reason)."""

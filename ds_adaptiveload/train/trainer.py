@@ -68,9 +68,12 @@ class Trainer:
                   f"{sum(p.ds_numel for p in model.parameters()):,} parameter elements on rank 0", flush=True)
         self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads)
         if getattr(args, "compile_blocks", False):
-            from ds_adaptiveload.model.compile import compile_blocks
+            from ds_adaptiveload.model.compile import compile_blocks, load_compile_cache
 
             compile_blocks(model, backend=getattr(args, "compile_backend", "inductor"))  # regional (model/compile.py)
+            if getattr(args, "compile_cache", None) and load_compile_cache(args.compile_cache) and self.rank == 0:
+                print(f"[train_wan] compile cache loaded from {args.compile_cache}", flush=True)
+        self._saved_graphs = 0
         self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
         self.lr_scale = self.install_lr_scaling()
         self.divisor = sp.grad_divisor(self.engine, self.dims)  # what DeepSpeed divides summed gradients by
@@ -128,6 +131,16 @@ class Trainer:
             self.log.close()
             stop_workers(self.batches)
         self._dist.barrier()
+
+    def save_compile_cache(self, graphs) -> None:
+        """--compile-cache: rank 0 writes the compiled artifacts after a step that compiled new graphs (not at the
+        end only: a run cut short keeps what it compiled)."""
+        path = getattr(self.args, "compile_cache", None)
+        if path and self.rank == 0 and graphs is not None and graphs > self._saved_graphs:
+            from ds_adaptiveload.model.compile import save_compile_cache
+
+            save_compile_cache(path)
+            self._saved_graphs = graphs
 
     def save(self, step: int) -> None:
         from ds_adaptiveload.train import checkpoint
@@ -346,6 +359,7 @@ class Trainer:
             from ds_adaptiveload.model.compile import compile_stats
 
             rec["block_graphs"] = compile_stats()["block_graphs"]
+            self.save_compile_cache(rec["block_graphs"])
         if entry:
             rec["skipped"] = entry
         self.log.write(rec)
