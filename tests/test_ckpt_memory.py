@@ -126,6 +126,7 @@ def test_selective_checkpoint_keeps_attention_before_opening_blocks():
         assert k_full == 0 or k == L
         # fits: the full-policy peak with L - k open blocks plus the kept blocks' attention bytes
         peak = predicted_peak_bytes(tokens, 1, mem, L, k) + tokens * kept * mem["attention_bytes_per_token"]
+        assert predicted_peak_bytes(tokens, 1, mem, L, k, k_full) == pytest.approx(peak)  # the pair's own form
         assert peak <= mem["capacity_bytes"] or k_full == L, (tokens, k, k_full)
         # and is the most it can keep: one block fewer recomputed whole would not fit
         if 0 < k_full < L:

@@ -90,16 +90,21 @@ def selective_checkpoint(tokens: int, samples: int, profile_memory: dict, num_la
     return num_layers - open_, 0
 
 
-def predicted_peak_bytes(tokens: int, samples: int, profile_memory: dict, num_layers: int, k: int) -> float:
-    """peak(k) of the module docstring (needs fixed_bytes, bytes_per_token; block_bytes_per_token 0 if absent)."""
-    if not 0 <= k <= num_layers:
-        raise UserError(f"predicted_peak_bytes: k must be in 0..{num_layers}, got {k!r}")
+def predicted_peak_bytes(tokens: int, samples: int, profile_memory: dict, num_layers: int, k: int,
+                         k_full: int = None) -> float:
+    """peak(k) of the module docstring (needs fixed_bytes, bytes_per_token; block_bytes_per_token 0 if absent).
+    k_full (the "attention" policy, selective_checkpoint's pair): of the k checkpointed blocks all but the first
+    k_full keep their attention outputs, memory.attention_bytes_per_token more per token each; None: k."""
+    k_full = k if k_full is None else k_full
+    if not 0 <= k_full <= k <= num_layers:
+        raise UserError(f"predicted_peak_bytes: need 0 <= k_full <= k <= {num_layers}, got k={k!r}, k_full={k_full!r}")
     per_token = _number(profile_memory, "bytes_per_token")
     if per_token is None:
         raise UserError("predicted_peak_bytes: the profile has no memory.bytes_per_token")
     block = _number(profile_memory, "block_bytes_per_token", 0.0)
+    attn = _number(profile_memory, "attention_bytes_per_token", 0.0)
     return (_number(profile_memory, "fixed_bytes", 0.0) + _number(profile_memory, "bytes_per_sample", 0.0) * samples
-            + tokens * (per_token + (num_layers - k) * block))
+            + tokens * (per_token + (num_layers - k) * block + (k - k_full) * attn))
 
 
 def recompute_factor(k: int, num_layers: int, recompute_frac: float = 0.0) -> float:

@@ -16,6 +16,9 @@ from ds_adaptiveload.train.setup import prepare_data, read_config, read_step, st
 
 
 class Trainer:
+    _saved_graphs = 0  # block graphs in the last --compile-cache write
+    _pred_peak_gib = 0.0  # the memory model's largest micro-batch peak in the current step
+
     def __init__(self, args):
         import functools
 
@@ -73,7 +76,6 @@ class Trainer:
             compile_blocks(model, backend=getattr(args, "compile_backend", "inductor"))  # regional (model/compile.py)
             if getattr(args, "compile_cache", None) and load_compile_cache(args.compile_cache) and self.rank == 0:
                 print(f"[train_wan] compile cache loaded from {args.compile_cache}", flush=True)
-        self._saved_graphs = 0
         self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
         self.lr_scale = self.install_lr_scaling()
         self.divisor = sp.grad_divisor(self.engine, self.dims)  # what DeepSpeed divides summed gradients by
@@ -214,11 +216,25 @@ class Trainer:
         if not self.zero3:
             k = self.blocks_to_checkpoint(batch["index"])
             self.engine.module.checkpoint_blocks, self.engine.module.checkpoint_full_blocks = k
+            self.note_predicted_peak(batch["index"], *k)
             return
         if self.plan_step is not self._k_step:
             self._k_step = self.plan_step
             self._k = max(self.blocks_to_checkpoint(mb)[0] for mbs in self.plan_step.all_micro_batches for mb in mbs)
         self.engine.module.checkpoint_blocks = self._k  # (ZeRO-3 runs the "full" policy only: setup.py)
+        self.note_predicted_peak(batch["index"], self._k, self._k)
+
+    def note_predicted_peak(self, indices, k: int, k_full: int) -> None:
+        """The memory model's peak for this micro-batch at its (k, k_full), kept as the step's largest
+        (pred_mem_gib in the step log, beside the measured mem_peak_gib); nothing if the profile cannot say."""
+        from ds_adaptiveload.schedule.memory import predicted_peak_bytes
+
+        mem = self.profile.memory
+        if mem.get("bytes_per_token") is None:
+            return
+        tokens = sum(-(-S // self.dims.sp) for S in self.sample_tokens({"index": indices}))
+        peak = predicted_peak_bytes(tokens, len(indices), mem, self.model_cfg.num_layers, k, k_full) / 2**30
+        self._pred_peak_gib = max(self._pred_peak_gib, peak)
 
     def blocks_to_checkpoint(self, indices) -> tuple:
         """(k, k_full) of a micro-batch (its sample indices) on this rank's tokens: schedule/memory's
@@ -355,6 +371,8 @@ class Trainer:
         m["pred_wall_ms"] = ps.pred_wall_ms
         m["pred_idle_fraction"] = metrics.idle_fraction(ps.pred_ms, ps.pred_wall_ms)
         rec = {**base, "lr": lr, **m, "rank_loss": run.counters["loss_sum"] / max(run.counters["samples"], 1)}
+        if self._pred_peak_gib:  # --checkpoint-blocks auto: the memory model's peak for the step
+            rec["pred_mem_gib"], self._pred_peak_gib = self._pred_peak_gib, 0.0
         if getattr(self.args, "compile_blocks", False):  # graphs so far: a step that compiled shows a rise
             from ds_adaptiveload.model.compile import compile_stats
 
