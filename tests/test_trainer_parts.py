@@ -64,3 +64,19 @@ def test_report_prints_one_line_and_returns_the_code(capsys):
     assert capsys.readouterr().err.startswith("error: step 4: stopped by SIGTERM")
     with pytest.raises(KeyError):  # a bug keeps its traceback
         failures.report(KeyError("x"))
+
+
+def test_compile_cache_argument_is_checked_before_training(tmp_path):
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.errors import UserError
+    from ds_adaptiveload.train.setup import check_compile_cache
+
+    ok = str(tmp_path / "cache.bin")
+    check_compile_cache(SimpleNamespace(compile_cache=None, compile_blocks=False))
+    check_compile_cache(SimpleNamespace(compile_cache=ok, compile_blocks=True))
+    for path, blocks, msg in ((ok, False, "only used with --compile-blocks"), (str(tmp_path), True, "is a folder"),
+                              (str(tmp_path / "no" / "c.bin"), True, "does not exist or is not writable")):
+        with pytest.raises(UserError, match=msg) as err:
+            check_compile_cache(SimpleNamespace(compile_cache=path, compile_blocks=blocks))
+        assert path in str(err.value)

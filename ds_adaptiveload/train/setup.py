@@ -30,6 +30,7 @@ def read_config(args, world, rank):
         # selective checkpointing refuses (seen on CPU, 2026-12-01).
         raise UserError(f"{args.deepspeed_config}: --checkpoint-policy attention needs zero_optimization.stage 0-2 "
                         f"(ZeRO-3 gathers parameters inside the checkpointed block); use --checkpoint-policy full")
+    check_compile_cache(args)
     changed = config.ds_batch_keys(ds_cfg, dims.dp)
     model_cfg = WanConfig.from_yaml(args.model_config)
     profile = CostProfile.load(al.resolve_profile(args.deepspeed_config))
@@ -44,6 +45,21 @@ def read_config(args, world, rank):
               f"{ {k: v for k, (_, v) in changed.items()} } (config had { {k: o for k, (o, _) in changed.items()} })")
     return SimpleNamespace(ds_cfg=ds_cfg, al=al, dims=dims, G=ds_cfg["gradient_accumulation_steps"],
                            model_cfg=model_cfg, profile=profile, fault=fault)
+
+
+def check_compile_cache(args) -> None:
+    """--compile-cache FILE: only with --compile-blocks, not a folder, in a folder that exists and is writable
+    (rank 0 rewrites it during the run; failing there, mid-run, would stop one rank only)."""
+    path = getattr(args, "compile_cache", None)
+    if not path:
+        return
+    if not getattr(args, "compile_blocks", False):
+        raise UserError(f"--compile-cache {path}: only used with --compile-blocks")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UserError(f"--compile-cache {path}: is a folder; give a file name")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UserError(f"--compile-cache {path}: folder {folder} does not exist or is not writable")
 
 
 def write_synthetic(args, manifest, c, device, rank) -> None:

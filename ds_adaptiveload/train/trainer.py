@@ -141,7 +141,10 @@ class Trainer:
         if path and self.rank == 0 and graphs is not None and graphs > self._saved_graphs:
             from ds_adaptiveload.model.compile import save_compile_cache
 
-            save_compile_cache(path)
+            try:
+                save_compile_cache(path)
+            except OSError as err:  # an optimisation: a full disk must not stop rank 0 alone (the others would hang)
+                print(f"[train_wan] warning: --compile-cache {path} not written: {err}", file=sys.stderr, flush=True)
             self._saved_graphs = graphs
 
     def save(self, step: int) -> None:
