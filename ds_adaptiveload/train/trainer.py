@@ -142,7 +142,8 @@ class Trainer:
             from ds_adaptiveload.model.compile import save_compile_cache
 
             try:
-                save_compile_cache(path)
+                n = save_compile_cache(path)
+                print(f"[train_wan] compile cache: {graphs} block graphs, {n / 2**20:.1f} MiB in {path}", flush=True)
             except OSError as err:  # an optimisation: a full disk must not stop rank 0 alone (the others would hang)
                 print(f"[train_wan] warning: --compile-cache {path} not written: {err}", file=sys.stderr, flush=True)
             self._saved_graphs = graphs
