@@ -237,8 +237,9 @@ def test_trainer_trains_packed_micro_batches_with_compiled_blocks(tmp_path):
     out = tmp_path / "run"
     proc = rel.launch(out, None, cfg, "--no-final-save", "--max-steps", "4", "--compile-blocks", "--compile-backend",
                       "aot_eager", "--checkpoint-blocks", "auto", "--checkpoint-policy", "attention",
-                      port=free_port(), timeout=300)
+                      "--compile-cache", str(tmp_path / "cc.bin"), port=free_port(), timeout=300)
     rel.ok(proc)
+    assert "[train_wan] compile cache:" in proc.stdout  # rank 0 rewrote it after steps that compiled
     log = tt.steps(out, 0)
     assert len(log) == 4 and all(math.isfinite(r["loss"]) for r in log)
     graphs = [r["block_graphs"] for r in log]
