@@ -327,9 +327,9 @@ def e2e_summary(recs, warmup, peak_tflops):
     over the steps that compiled no new block graph (where the step log counts them: block_graphs)."""
     trained = [r for r in recs if "skipped" not in r]
     body = trained[warmup:] if len(trained) > warmup else []
-    keys = ("step", "samples", "tokens", "step_ms", "mfu", "mem_peak_gib", "pred_mem_gib", "block_graphs")
+    keys, optional = ("step", "samples", "tokens", "step_ms", "mfu", "mem_peak_gib"), ("pred_mem_gib", "block_graphs")
     out = {"steps": len(body), "steps_logged": len(recs), "skipped_steps": len(recs) - len(trained),
-           "per_step": [{k: r.get(k) for k in keys if k in r or k in keys[:6]} for r in recs]}
+           "per_step": [{**{k: r.get(k) for k in keys}, **{k: r[k] for k in optional if k in r}} for r in recs]}
     graphs = [r.get("block_graphs") for r in recs]
     warm = [r for i, r in enumerate(recs) if i and "skipped" not in r and graphs[i] is not None
             and graphs[i] == graphs[i - 1]]

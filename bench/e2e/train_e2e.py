@@ -433,6 +433,17 @@ def plan_variants(args, names, manifest, run_profile, lockstep):
     return plans, costs, same_plan, profile_paths
 
 
+def steps_per_run(args, plans, costs):
+    """(measured, kept, steps_of): --epoch runs each variant's whole epoch; else choose_steps picks one measured
+    count that fits the time budget, dropping variants that do not. steps_of adds the warm-up steps."""
+    if args.epoch:
+        kept = list(costs)
+        return "epoch", kept, {n: args.warmup + plans[n]["_epoch_steps"] for n in kept}
+    measured, kept = choose_steps(costs, args.time_budget, args.launch_overhead, args.warmup,
+                                  args.max_measured, args.min_measured)
+    return measured, kept, {n: args.warmup + measured for n in kept}
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.merge:
@@ -455,14 +466,7 @@ def main(argv=None):
         return 2
     lockstep = lockstep_of(args.ds_base)
     plans, costs, same_plan, profile_paths = plan_variants(args, names, manifest, run_profile, lockstep)
-    if args.epoch:
-        kept = list(costs)
-        steps_of = {n: args.warmup + plans[n]["_epoch_steps"] for n in kept}
-        measured = "epoch"
-    else:
-        measured, kept = choose_steps(costs, args.time_budget, args.launch_overhead, args.warmup,
-                                      args.max_measured, args.min_measured)
-        steps_of = {n: args.warmup + measured for n in kept}
+    measured, kept, steps_of = steps_per_run(args, plans, costs)
     dropped = [n for n in costs if n not in kept]
     print(f"[e2e] steps per run {steps_of} ({args.warmup} warm-up); variants {kept}"
           + (f"; dropped for time: {dropped}" if dropped else ""), flush=True)

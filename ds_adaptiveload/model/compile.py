@@ -98,9 +98,8 @@ def block_forward(dynamic: bool = True, fullgraph: bool = False, mode: Optional[
                              fullgraph=opts.fullgraph, backend=opts.backend, **_mode_and_options(opts))
 
     def forward(self, *args, **kwargs):
-        if not opts.dynamic:
-            return compiled(self, *args, **kwargs)
-        _mark(args)  # before dynamo sees the tensors: the first graph is already dynamic in S
+        if opts.dynamic:
+            _mark(args)  # before dynamo sees the tensors: the first graph is already dynamic in S
         return compiled(self, *args, **kwargs)
 
     return forward

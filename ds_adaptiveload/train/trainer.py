@@ -74,7 +74,7 @@ class Trainer:
             from ds_adaptiveload.model.compile import compile_blocks, load_compile_cache
 
             compile_blocks(model, backend=getattr(args, "compile_backend", "inductor"))  # regional (model/compile.py)
-            if getattr(args, "compile_cache", None) and load_compile_cache(args.compile_cache) and self.rank == 0:
+            if load_compile_cache(getattr(args, "compile_cache", None)) and self.rank == 0:
                 print(f"[train_wan] compile cache loaded from {args.compile_cache}", flush=True)
         self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
         self.lr_scale = self.install_lr_scaling()
@@ -236,8 +236,8 @@ class Trainer:
         mem = self.profile.memory
         if mem.get("bytes_per_token") is None:
             return
-        tokens = sum(-(-S // self.dims.sp) for S in self.sample_tokens({"index": indices}))
-        peak = predicted_peak_bytes(tokens, len(indices), mem, self.model_cfg.num_layers, k, k_full) / 2**30
+        peak = predicted_peak_bytes(self.rank_tokens(indices), len(indices), mem, self.model_cfg.num_layers, k,
+                                    k_full) / 2**30
         self._pred_peak_gib = max(self._pred_peak_gib, peak)
 
     def blocks_to_checkpoint(self, indices) -> tuple:
@@ -245,7 +245,7 @@ class Trainer:
         blocks_to_checkpoint (k_full = k) or, under --checkpoint-policy attention, selective_checkpoint."""
         from ds_adaptiveload.schedule.memory import blocks_to_checkpoint, selective_checkpoint
 
-        tokens = sum(-(-S // self.dims.sp) for S in self.sample_tokens({"index": indices}))
+        tokens = self.rank_tokens(indices)
         mem, L = self.profile.memory, self.model_cfg.num_layers
         if "capacity_bytes" not in mem and self.device.type == "cuda":  # the profile may leave it to the device
             import torch
@@ -255,6 +255,10 @@ class Trainer:
             return selective_checkpoint(tokens, len(indices), mem, L)
         k = blocks_to_checkpoint(tokens, len(indices), mem, L)
         return k, k
+
+    def rank_tokens(self, indices) -> int:
+        """Tokens of a micro-batch on this rank: ceil(S / sp) of each sample."""
+        return sum(-(-S // self.dims.sp) for S in self.sample_tokens({"index": indices}))
 
     def sample_tokens(self, batch: dict) -> list:
         """Tokens of each sample of a micro-batch (a packed one mixes shapes)."""
