@@ -46,12 +46,17 @@ E2E = {  # variant -> (MFU_CKPT, compiled blocks, train_wan flags, checkpoint po
 }
 # Levers through launch/train_wan.py's own flags (no bench/mfu_train.py), with the profile's memory section from
 # the probed fields: variant -> the planner's policy. "packed" folds small image micro-batches into fuller ones.
-TRAINER_FLAGS = ["--compile-blocks", "--checkpoint-blocks", "auto", "--checkpoint-policy", "attention"]
-TRAINER_E2E = {"train-compile-attn": "balanced", "train-compile-attn-packed": "packed"}
-E2E.update({name: (None, True, TRAINER_FLAGS, "attention") for name in TRAINER_E2E})
-# mode -> (compiled blocks, checkpoint policy): "-attn" keeps the attention outputs of checkpointed blocks
+TRAINER_FLAGS = ["--checkpoint-blocks", "auto", "--checkpoint-policy", "attention", "--compile-blocks"]
+# train-regions-*: --compile-blocks regions (the elementwise steps compiled one by one: the same few graphs for any
+# packed micro-batch), with the memory fields of mode regions-attn.
+TRAINER_E2E = {"train-compile-attn": "balanced", "train-compile-attn-packed": "packed",
+               "train-regions-attn": "balanced", "train-regions-attn-packed": "packed"}
+E2E.update({name: (None, "regions" if "regions" in name else True,
+                   [*TRAINER_FLAGS, "regions" if "regions" in name else "block"], "attention") for name in TRAINER_E2E})
+# mode -> (compiled: False, True (blocks whole) or "regions", checkpoint policy): "-attn" keeps the attention
+# outputs of checkpointed blocks
 MODES = {"eager": (False, "full"), "compile": (True, "full"), "eager-attn": (False, "attention"),
-         "compile-attn": (True, "attention")}
+         "compile-attn": (True, "attention"), "regions": ("regions", "full"), "regions-attn": ("regions", "attention")}
 
 
 def parse_args(argv=None):
@@ -62,8 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--model-config", default="configs/wan_1_3b.yaml")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     p.add_argument("--modes", default="eager,compile",
-                   help="eager, compile (blocks compiled, dynamic tokens), eager-attn, compile-attn (checkpointed "
-                        "blocks keep their attention outputs: WanModel checkpoint_policy 'attention')")
+                   help="eager, compile (blocks compiled whole, dynamic tokens), regions (their elementwise steps "
+                        "compiled one by one), eager-attn, compile-attn, regions-attn (checkpointed blocks keep their "
+                        "attention outputs: WanModel checkpoint_policy 'attention')")
     p.add_argument("--ckpt", default="all,k,none", help="all, k (schedule/memory.py), none: blocks checkpointed")
     p.add_argument("--reps", type=int, default=3, help="timed micro-batches per variant (after one warm-up)")
     p.add_argument("--safety", type=float, default=0.9, help="share of device memory k may plan for")
@@ -187,7 +193,8 @@ class Bench:
         """Warm-up then reps steps with k blocks checkpointed in `mode` (MODES); a row (status ok / oom)."""
         torch = self.torch
         compiled, policy = MODES[mode]
-        ln = os.environ["DS_ADAPTIVELOAD_LN_MODULATE"] = self.args.compile_ln if compiled else self.ln_eager
+        # blocks compiled whole trace the op's PyTorch path (--compile-ln); regions call the op eagerly
+        ln = os.environ["DS_ADAPTIVELOAD_LN_MODULATE"] = self.args.compile_ln if compiled is True else self.ln_eager
         self.levers.set(k, compiled, policy)
         row = {"k": k, "mode": mode, "policy": policy, "after_oom": self.after_oom, "ln_modulate": ln}
         try:
@@ -371,7 +378,7 @@ def e2e_variant(args, name, manifest, memory, deadline):
     from train_steps import launch
 
     ckpt, compiled, flags, policy = E2E[name]
-    mode = ("compile" if compiled else "eager") + ("-attn" if policy == "attention" else "")
+    mode = {True: "compile", "regions": "regions"}.get(compiled, "eager") + ("-attn" if policy == "attention" else "")
     run = os.path.join(args.work, f"run_{name}")
     os.makedirs(run, exist_ok=True)
     for f in os.listdir(run):  # a warm machine keeps /tmp: the step log appends otherwise
@@ -391,7 +398,7 @@ def e2e_variant(args, name, manifest, memory, deadline):
                    MFU_POLICY=policy)
         with open(env["MFU_MEMORY"], "w") as f:
             json.dump(memory.get(mode) or {}, f)
-    if compiled:
+    if compiled is True:
         env["DS_ADAPTIVELOAD_LN_MODULATE"] = args.compile_ln
     if name in TRAINER_E2E and args.compile_cache:
         flags = [*flags, "--compile-cache", os.path.abspath(args.compile_cache)]
@@ -417,6 +424,7 @@ def e2e_variant(args, name, manifest, memory, deadline):
 # profile), ~3 MB/token eager without (-> 92 kB per open block), compiled 480p 81f 85 GB (-> 56 kB).
 ESTIMATED_MEMORY = {"eager": {"fixed_bytes": 23e9, "bytes_per_token": 224e3, "block_bytes_per_token": 92e3},
                     "compile": {"fixed_bytes": 23e9, "bytes_per_token": 224e3, "block_bytes_per_token": 56e3}}
+ESTIMATED_MEMORY["regions"] = ESTIMATED_MEMORY["eager"]  # unmeasured: plan as eager (more checkpointing, safe)
 # "-attn": a checkpointed block also keeps its two attention outputs (2 x 3 KB per token at dim 1536, bf16)
 ESTIMATED_MEMORY.update({f"{m}-attn": {**v, "bytes_per_token": v["bytes_per_token"] + 30 * 6.2e3,
                                        "block_bytes_per_token": v["block_bytes_per_token"] - 6.2e3}
@@ -435,7 +443,7 @@ def e2e_memory(args, doc):
         measured = (src or {}).get(mode, {}).get("memory")
         out[mode] = {"capacity_bytes": None, "safety": args.safety, **(measured or ESTIMATED_MEMORY[mode])}
         doc.doc.setdefault("e2e_memory_source", {})[mode] = origin if measured else "estimated (ESTIMATED_MEMORY)"
-    for mode in ("eager", "compile"):  # the attention policy plans from the full policy's fields plus the
+    for mode in ("eager", "compile", "regions"):  # the attention policy plans from the full policy's fields plus the
         full, attn = out[mode], out[f"{mode}-attn"]  # bytes a block keeping its attention adds per token
         out[f"{mode}-attn"] = {**full, "attention_bytes_per_token": max(
             0.0, (attn["bytes_per_token"] - full["bytes_per_token"]) / bench_layers(args))}

@@ -50,7 +50,8 @@ class Levers:
         return len(self.blocks)
 
     def set(self, k: int, compiled: bool = False, policy: str = "full", k_full: int = 0) -> None:
-        """Checkpoint blocks 0..k-1 (k = num_layers: all, 0: none); compiled: the compiled forward; policy:
+        """Checkpoint blocks 0..k-1 (k = num_layers: all, 0: none); compiled: True the blocks compiled whole,
+        "regions" their elementwise steps (model/compile.py), False eager; policy:
         "full" recomputes checkpointed blocks whole, "attention" keeps their attention outputs except in the
         first k_full blocks (schedule/memory.selective_checkpoint)."""
         if not 0 <= k <= self.num_layers:
@@ -60,14 +61,29 @@ class Levers:
         k_full = k if policy == "full" else min(k_full, k)
         if self.state == (k, compiled, policy, k_full):
             return
-        if compiled and self._compiled is None:
-            from ds_adaptiveload.model.compile import block_forward
+        from ds_adaptiveload.model.compile import block_forward, region_fns
 
+        if compiled is True and self._compiled is None:
             self._compiled = block_forward(**self.compile_kw)
-        fn = self._compiled if compiled else WanBlock.forward
+        fn = self._compiled if compiled is True else WanBlock.forward
+        self._set_regions(region_fns(**self.compile_kw) if compiled == "regions" else None)
         for i, b in enumerate(self.blocks):
             b.forward = types.MethodType(_checkpointed(fn) if i < k_full else _selective(fn) if i < k else fn, b)
         self.state = (k, compiled, policy, k_full)
+
+
+    def _set_regions(self, fns):
+        """compiled "regions": the model's per-group steps and its blocks' norms compiled (model/compile.py's
+        compile_regions, switchable per call here); None: eager."""
+        from ds_adaptiveload.model.wan import LayerNorm, RMSNorm
+
+        self.model.set_block_fns(fns[0] if fns else None)
+        for m in self.model.blocks.modules():
+            if isinstance(m, (RMSNorm, LayerNorm)):
+                if fns:
+                    m.forward = types.MethodType(fns[1][type(m)], m)
+                else:
+                    m.__dict__.pop("forward", None)
 
 
 def micro_batch_tokens(x, patch_size) -> tuple:

@@ -50,9 +50,12 @@ def parse_args(argv=None):
                    help="what a checkpointed block recomputes: everything (full), or all but its attention kernels, "
                         "whose outputs it keeps (attention: less recompute, ~3 KB/token more per attention call; "
                         "ZeRO-0/1/2 only). With auto, memory.attention_bytes_per_token sizes it")
-    p.add_argument("--compile-blocks", action="store_true",
-                   help="regional torch.compile of each WanBlock, token count dynamic (model/compile.py; inductor's "
-                        "mix-order reduction off, pytorch/pytorch#193061); --compile compiles the engine")
+    p.add_argument("--compile-blocks", nargs="?", const="auto", default=None, choices=("auto", "block", "regions"),
+                   help="regional torch.compile, token counts dynamic (model/compile.py; inductor's mix-order reduction "
+                        "off, pytorch/pytorch#193061): 'block' compiles each WanBlock whole (a graph per number of "
+                        "shape groups), 'regions' its elementwise steps one by one (the same few graphs for any "
+                        "packed micro-batch); auto (the default value): regions for the packed policy, else block. "
+                        "--compile compiles the engine")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of --compile-blocks (aot_eager: traced, no code generation)")
     p.add_argument("--compile-cache", help="file of compiled artifacts: loaded at start if present, rewritten after "

@@ -134,16 +134,17 @@ def test_shapes_part_smoke_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(mfu, "PROBES", ((1, 1, 4, 4), (1, 2, 4, 4)))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     rc = mfu.main(["--parts", "shapes", "--model-config", "configs/wan_tiny.yaml", "--shapes", "img32,480p81",
-                   "--modes", "eager,compile", "--compile-backend", "aot_eager", "--reps", "2", "--out", str(tmp_path),
+                   "--modes", "eager,compile,regions-attn", "--compile-backend", "aot_eager", "--reps", "2", "--out", str(tmp_path),
                    "--work", str(tmp_path / "work")])
     assert rc == 0
     doc = json.loads(next(tmp_path.glob("mfu-*-h200.json")).read_text())
     rows = doc["rows"]
     assert {(r["shape"], r["mode"], r["k"]) for r in rows} == {(s, m, k) for s in ("img32", "480p81")
-                                                              for m in ("eager", "compile") for k in (2, 0)}
+                                                              for m in ("eager", "compile", "regions-attn")
+                                                              for k in (2, 0)}
     assert all(r["status"] == "ok" and r["ms"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     assert {p["shape"] for p in doc["per_shape"]} == {"img32", "480p81"}
-    assert set(doc["proposed_profile"]) == {"eager", "compile"}
+    assert set(doc["proposed_profile"]) == {"eager", "compile", "regions-attn"}
     assert doc["compile_stats"]["block_graphs"] >= 1 and doc["torch"] and "e2e" in doc
 
 

@@ -64,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="ckpt,plain", help="comma list: ckpt (checkpoint_blocks) and/or plain")
     p.add_argument("--reps", type=int, default=2, help="timed runs per case (median), after one warm-up")
     p.add_argument("--budget-s", type=float, default=240.0, help="cases not started after this many seconds are skipped")
+    p.add_argument("--compile", choices=("none", "regions"), default="none",
+                   help="regions: the blocks' elementwise steps compiled (model/compile.compile_regions) for every case, "
+                        "packed and separate alike; a case's warm-up run compiles what it needs")
     return p.parse_args(argv)
 
 
@@ -91,15 +94,20 @@ class Bench:
         torch.nn.init.normal_(self.model.head.head.weight, std=0.02)  # a zero head would not train the blocks
         for p in self.model.parameters():  # gradients held from the start: memory baselines include them
             p.grad = torch.zeros_like(p)
+        if args.compile == "regions":
+            from ds_adaptiveload.model.compile import compile_regions
+
+            compile_regions(self.model)
         op = op_status()
         self.capacity = torch.cuda.get_device_properties(0).total_memory if self.cuda else 0
         self.worst_bytes_per_token = 0.0
         stamp = datetime.datetime.now(datetime.timezone.utc)
         dev = torch.cuda.get_device_name() if self.cuda else platform.processor() or "cpu"
-        self.path = os.path.join(args.out, f"packed-model-{stamp:%Y-%m-%d-%H%M}-{dev.split()[-1].lower()}.json")
+        tag = "-regions" if args.compile == "regions" else ""
+        self.path = os.path.join(args.out, f"packed-model{tag}-{stamp:%Y-%m-%d-%H%M}-{dev.split()[-1].lower()}.json")
         self.res = {"date": f"{stamp:%Y-%m-%d %H:%M} UTC", "device": dev, "torch": torch.__version__,
                     "cuda": torch.version.cuda, "python": platform.python_version(),
-                    "ln_modulate": op,
+                    "ln_modulate": op, "compile": args.compile,
                     "model_config": args.model_config, "profile": args.profile, "dtype": "bf16",
                     "memory_model": {k: self.mem.get(k) for k in ("bytes_per_token", "bytes_per_sample")},
                     "setup_s": round(time.perf_counter() - self.t0, 1), "cases": []}

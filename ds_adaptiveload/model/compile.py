@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.model.wan import WanBlock
+from ds_adaptiveload.model.wan import BlockFns, LayerNorm, RMSNorm, WanBlock, WanModel, gated_add, rope_qk
 
 # WanBlock.forward(x, e0, context, lay): argument position -> dims to mark dynamic.
 # x [T, dim] packed token rows, e0 [n, 6, dim], context [n, text_len, dim]; the Layout's per-group RoPE
@@ -114,6 +114,8 @@ def compile_blocks(model: torch.nn.Module, dynamic: bool = True, fullgraph: bool
     blocks = [m for m in model.modules() if isinstance(m, WanBlock)]
     if not blocks:
         raise UserError("compile_blocks: model has no WanBlock")
+    if any("forward" in m.__dict__ for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm))):
+        raise UserError("compile_blocks: the blocks' regions are compiled (compile_regions); uncompile_blocks first")
     forward = block_forward(dynamic, fullgraph, mode, backend)
     for b in blocks:
         if "forward" not in b.__dict__:  # an instance attribute: this block is compiled already
@@ -122,10 +124,86 @@ def compile_blocks(model: torch.nn.Module, dynamic: bool = True, fullgraph: bool
 
 
 def uncompile_blocks(model: torch.nn.Module) -> None:
-    """Back to eager WanBlock.forward (compiled code stays cached for a later compile_blocks)."""
+    """Back to eager blocks, from compile_blocks or compile_regions (compiled code stays cached for later)."""
     for m in model.modules():
-        if isinstance(m, WanBlock):
+        if isinstance(m, (WanBlock, RMSNorm, LayerNorm)):
             m.__dict__.pop("forward", None)
+        if isinstance(m, WanModel):
+            m.set_block_fns(None)
+
+
+# -- regions: the block eager, its elementwise steps compiled one by one -----------------------------------------
+# compile_blocks' graphs depend on how many shape groups a micro-batch holds and which hold one sample: a packed
+# micro-batch of the video-heavy mix holds 8 to 19 groups, so nearly every packed micro-batch is a new graph (and
+# the 64th would run eagerly). compile_regions compiles what inductor fuses (the fp32 chains between GEMMs) as
+# separate graphs: per group RoPE of q and k and the gated residual add, over all tokens the RMSNorms and the
+# LayerNorm; the GEMMs, the loops over groups and attention run eagerly. The graphs then depend only on the
+# tensors' ranks and sizes of 1, whatever the composition (tests/test_compile_regions.py counts them).
+
+_REGIONS = {}
+
+
+def _region(fn, opts: CompileOptions):
+    """fn compiled on its own (fullgraph), every dim of its tensor arguments but the last marked dynamic before
+    the call: token, sample and head counts symbolic, channels static."""
+    compiled = torch.compile(fn, dynamic=None, fullgraph=True, backend=opts.backend, **_mode_and_options(opts))
+
+    def run(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                for d in range(a.ndim - 1):
+                    torch._dynamo.maybe_mark_dynamic(a, d)
+        return compiled(*args)
+
+    return run
+
+
+def region_fns(mode: Optional[str] = None, backend: str = "inductor") -> tuple:
+    """(BlockFns of compiled per-group steps, {norm class: compiled forward}), made once per (mode, backend)."""
+    key = (mode, backend)
+    if key not in _REGIONS:
+        opts = CompileOptions(mode=mode, backend=backend)
+        _REGIONS[key] = (BlockFns(rope_qk=_region(rope_qk, opts), gated_add=_region(gated_add, opts)),
+                         {RMSNorm: _region(RMSNorm.forward, opts), LayerNorm: _region(LayerNorm.forward, opts)})
+    return _REGIONS[key]
+
+
+def compile_regions(model: torch.nn.Module, mode: Optional[str] = None, backend: str = "inductor") -> int:
+    """Compile the elementwise steps of every WanBlock under `model` (a WanModel or an engine holding one) as
+    separate graphs, the blocks otherwise eager (module calls and their hooks unchanged, so ZeRO-3 without
+    leaf blocks works). Returns the number of blocks. Not together with compile_blocks."""
+    wans = [m for m in model.modules() if isinstance(m, WanModel)] if isinstance(model, torch.nn.Module) else []
+    if not wans:
+        raise UserError(f"compile_regions: expected a WanModel or a module holding one, got {type(model).__name__}")
+    if any("forward" in b.__dict__ for w in wans for b in w.blocks if isinstance(b, WanBlock)):
+        raise UserError("compile_regions: the blocks are compiled whole (compile_blocks); uncompile_blocks first")
+    if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    fns, norms = region_fns(mode, backend)
+    for w in wans:
+        w.set_block_fns(fns)
+        for m in w.blocks.modules():
+            if type(m) in norms and "forward" not in m.__dict__:
+                m.forward = types.MethodType(norms[type(m)], m)
+    return sum(len(w.blocks) for w in wans)
+
+
+COMPILE_KINDS = ("auto", "block", "regions")
+
+
+def compile_kind(kind, policy: str) -> str:
+    """--compile-blocks KIND -> block or regions: auto (or True) takes regions for the packed policy, whose
+    micro-batches vary in composition, and the whole block otherwise."""
+    if kind is True or kind == "auto":
+        return "regions" if policy == "packed" else "block"
+    if kind not in COMPILE_KINDS:
+        raise UserError(f"--compile-blocks {kind!r}: expected one of {', '.join(COMPILE_KINDS)}")
+    return kind
+
+
+def apply_compile(model: torch.nn.Module, kind: str, backend: str = "inductor") -> int:
+    """compile_blocks (kind block) or compile_regions (kind regions) on model."""
+    return (compile_regions if kind == "regions" else compile_blocks)(model, backend=backend)
 
 
 def load_compile_cache(path) -> bool:
@@ -164,14 +242,16 @@ def save_compile_cache(path) -> int:
 
 
 def compile_stats() -> dict:
-    """Graphs dynamo holds for WanBlock.forward (recompiles = graphs - 1), and process-wide dynamo counters:
+    """Graphs dynamo holds for the blocks: WanBlock.forward (compile_blocks) plus the regions' functions
+    (compile_regions); recompiles = graphs - 1. And process-wide dynamo counters:
     unique graphs and graph breaks (by reason)."""
     from torch._dynamo.utils import counters
 
+    codes = (WanBlock.forward, rope_qk, gated_add, RMSNorm.forward, LayerNorm.forward)
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        graphs = len(_debug_get_cache_entry_list(WanBlock.forward.__code__))
+        graphs = sum(len(_debug_get_cache_entry_list(f.__code__)) for f in codes)
     except (ImportError, AttributeError, TypeError):  # a private helper; absent in some versions
         graphs = None
     breaks = dict(counters["graph_break"])

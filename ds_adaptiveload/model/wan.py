@@ -98,6 +98,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).to(x.dtype)
 
 
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    """RoPE of one shape group's queries and keys [n_g, S_g, heads, head_dim]."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Residual add with a per-sample gate, in fp32, rounded to x's dtype (one group: [n_g, S_g, dim] rows,
+    gate [n_g, 1, dim])."""
+    return (x.float() + y.float() * gate).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class BlockFns:
+    """The per-group elementwise steps of a block, which run once per shape group: eager by default, compiled
+    one by one by model/compile.compile_regions (then the graphs do not depend on how many groups a
+    micro-batch holds)."""
+    rope_qk: Callable = rope_qk
+    gated_add: Callable = gated_add
+
+
 @dataclass(frozen=True)
 class Layout:
     """What the blocks need about one forward's samples: their packing, each group's RoPE table and
@@ -111,6 +131,8 @@ class Layout:
     sizes: tuple = None
     """Packing.size_tensors(): the group sizes as tensor shapes. The blocks read sizes only from these (and the
     RoPE tables), never from the packing's ints, so a compiled block is not specialised on them."""
+    fns: BlockFns = BlockFns()
+    """The per-group elementwise steps (WanModel.set_block_fns)."""
 
     def views(self, h):
         return self.packing.views(h, self.sizes)
@@ -145,7 +167,7 @@ class SelfAttention(nn.Module):
         """x [T, dim] -> [T, dim]: projections over all tokens, RoPE and the core per group."""
         heads = (self.num_heads, -1)
         q, k, v = (lay.views(t.unflatten(-1, heads)) for t in (self.norm_q(self.q(x)), self.norm_k(self.k(x)), self.v(x)))
-        out = [lay.attn_fn(apply_rope(qg, cos, sin), apply_rope(kg, cos, sin), vg, **kw)
+        out = [lay.attn_fn(*lay.fns.rope_qk(qg, kg, cos, sin), vg, **kw)
                for qg, kg, vg, (cos, sin), kw in zip(q, k, v, lay.rope, lay.attn_kwargs)]
         return self.o(merge(out).flatten(1))
 
@@ -182,11 +204,6 @@ def save_attention_context():
 CHECKPOINT_POLICIES = ("full", "attention")
 
 
-def _gated_add(x, y, gate):
-    """Residual add with a per-sample gate in fp32 (rounded to the activation dtype by the merge's copy)."""
-    return x.float() + y.float() * gate
-
-
 class WanBlock(nn.Module):
     def __init__(self, cfg: WanConfig):
         super().__init__()
@@ -215,10 +232,10 @@ class WanBlock(nn.Module):
         # x [T, dim]; e0 [n, 6, dim] fp32 time projection in packed order; modulation math stays fp32 as in Wan.
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float() + e0).chunk(6, dim=1)
         y = self.self_attn(lay.map(self._modulate, (x,), (scale1, shift1)), lay)
-        x = lay.map(_gated_add, (x, y), (gate1,), x.dtype)
+        x = lay.map(lay.fns.gated_add, (x, y), (gate1,))
         x = x + self.cross_attn(self.norm3(x), context, lay)
         y = self.ffn(lay.map(self._modulate, (x,), (scale2, shift2)))
-        return lay.map(_gated_add, (x, y), (gate2,), x.dtype)
+        return lay.map(lay.fns.gated_add, (x, y), (gate2,))
 
 
 class Head(nn.Module):
@@ -292,12 +309,17 @@ class WanModel(nn.Module):
         self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
         self.head = Head(cfg)
         self.set_attention(self_attn_fn)
+        self.set_block_fns(None)
         self.init_weights()
 
     def set_attention(self, fn: Optional[AttentionFn]) -> None:
         """Replace the self-attention core (None restores sdpa_attention). Kept out of the module tree,
         so a wrapper such as DeepSpeed's DistributedAttention adds no state-dict keys."""
         self.__dict__["_attn_fn"] = fn or sdpa_attention
+
+    def set_block_fns(self, fns: Optional[BlockFns]) -> None:
+        """The blocks' per-group elementwise steps (None: eager); kept out of the module tree like set_attention."""
+        self.__dict__["_block_fns"] = fns or BlockFns()
 
     @torch.no_grad()
     def init_weights(self):
@@ -447,7 +469,8 @@ class WanModel(nn.Module):
             rope.append(rope_tables(g.grid, self.cfg, start, g.local, xg.device))
             kwargs.append(kw)
         sizes = packing.size_tensors(flat.device)
-        return merge(parts).contiguous(), Layout(packing, tuple(rope), tuple(kwargs), self._attn_fn, sizes)
+        lay = Layout(packing, tuple(rope), tuple(kwargs), self._attn_fn, sizes, self._block_fns)
+        return merge(parts).contiguous(), lay
 
     def _unpatchify_groups(self, h: torch.Tensor, packing: Packing, shard: Optional[SeqShard]) -> list:
         """Head output rows [T, C] -> per group [n_g, out_dim, F, H, W]; under SP gathered from all ranks."""

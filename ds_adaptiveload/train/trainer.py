@@ -71,9 +71,12 @@ class Trainer:
                   f"{sum(p.ds_numel for p in model.parameters()):,} parameter elements on rank 0", flush=True)
         self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads)
         if getattr(args, "compile_blocks", False):
-            from ds_adaptiveload.model.compile import compile_blocks, load_compile_cache
+            from ds_adaptiveload.model.compile import apply_compile, compile_kind, load_compile_cache
 
-            compile_blocks(model, backend=getattr(args, "compile_backend", "inductor"))  # regional (model/compile.py)
+            self.compile_kind = compile_kind(args.compile_blocks, self.al.policy)  # block or regions
+            apply_compile(model, self.compile_kind, getattr(args, "compile_backend", "inductor"))
+            if self.rank == 0:
+                print(f"[train_wan] --compile-blocks: {self.compile_kind} (model/compile.py)", flush=True)
             if load_compile_cache(getattr(args, "compile_cache", None)) and self.rank == 0:
                 print(f"[train_wan] compile cache loaded from {args.compile_cache}", flush=True)
         self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
