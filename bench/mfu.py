@@ -50,7 +50,8 @@ TRAINER_FLAGS = ["--checkpoint-blocks", "auto", "--checkpoint-policy", "attentio
 # train-regions-*: --compile-blocks regions (the elementwise steps compiled one by one: the same few graphs for any
 # packed micro-batch), with the memory fields of mode regions-attn.
 TRAINER_E2E = {"train-compile-attn": "balanced", "train-compile-attn-packed": "packed",
-               "train-regions-attn": "balanced", "train-regions-attn-packed": "packed"}
+               "train-regions-attn": "balanced", "train-regions-attn-packed": "packed",
+               "train-regions-attn-equal": "equal-tokens"}
 E2E.update({name: (None, "regions" if "regions" in name else True,
                    [*TRAINER_FLAGS, "regions" if "regions" in name else "block"], "attention") for name in TRAINER_E2E})
 # mode -> (compiled: False, True (blocks whole) or "regions", checkpoint policy): "-attn" keeps the attention
@@ -82,6 +83,9 @@ def parse_args(argv=None):
                                            "loaded if present, saved as they grow; carry it to the next call)")
     p.add_argument("--e2e-num", type=int, default=48, help="video-heavy synthetic samples")
     p.add_argument("--e2e-steps", type=int, default=10)
+    p.add_argument("--e2e-epochs", type=int, default=0,
+                   help="train-* variants: train this many whole epochs of each variant's own plan instead of "
+                        "--e2e-steps, so that the variants train the same samples")
     p.add_argument("--e2e-warmup", type=int, default=3, help="steps left out of e2e_mfu (start-up, compiles)")
     p.add_argument("--memory-json", help="proposed profile fields from an earlier run (for e2e without shapes)")
     p.add_argument("--z3-config", default="configs/ds_zero3_bf16.json", help="z3 part: its ZeRO-3 JSON")
@@ -371,6 +375,16 @@ def write_trainer_profile(path, base_ds, memory):
     prof.to_yaml(path)
 
 
+def epoch_steps(profile_path, manifest, policy, grad_accum) -> int:
+    """Steps in epoch 0 of the plan the trainer makes for this variant on one GPU (lockstep, as under ZeRO-2)."""
+    from ds_adaptiveload.schedule.manifest import load_manifest
+    from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+    from ds_adaptiveload.schedule.profile import CostProfile
+
+    cfg = PlanConfig(policy=policy, grad_accum=grad_accum, lockstep=True)
+    return len(make_plan(load_manifest(manifest), CostProfile.load(profile_path), cfg).steps)
+
+
 def e2e_variant(args, name, manifest, memory, deadline):
     """One launch of bench/mfu_train.py (launch/train_wan.py with the variant's levers), or for TRAINER_E2E of
     launch/train_wan.py with TRAINER_FLAGS and a profile carrying the probed memory fields."""
@@ -405,13 +419,16 @@ def e2e_variant(args, name, manifest, memory, deadline):
     log = os.path.join(args.out, f"e2e_{name}_train.log")
     os.environ.update(env)
     try:
-        rc = launch(f"{run}/ds.json", manifest, args.e2e_steps, run, log, "--num_gpus 1", flags, args.model_config,
+        steps = args.e2e_steps
+        if name in TRAINER_E2E and args.e2e_epochs:
+            steps = args.e2e_epochs * epoch_steps(f"{run}/profile.yaml", manifest, TRAINER_E2E[name], grad_accum)
+        rc = launch(f"{run}/ds.json", manifest, steps, run, log, "--num_gpus 1", flags, args.model_config,
                     timeout=max(deadline - time.monotonic(), 10), script="bench/mfu_train.py" if ckpt else None)
     finally:
         for k in env:
             os.environ.pop(k, None)
     steps_path = f"{run}/steps.rank0.jsonl"
-    out = {"variant": name, "rc": rc, "env": env,
+    out = {"variant": name, "rc": rc, "env": env, "steps_asked": steps,
            **e2e_summary(read_steps(steps_path) if os.path.exists(steps_path) else [], args.e2e_warmup, args.peak_tflops)}
     if os.path.exists(env["MFU_STATS"]):
         with open(env["MFU_STATS"]) as f:

@@ -14,6 +14,7 @@ from ds_adaptiveload.model import WanConfig, WanModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "e2e"))
 import mfu  # noqa: E402
 from mfu_levers import Levers, choose_k, micro_batch_tokens  # noqa: E402
 
@@ -186,3 +187,57 @@ def test_trainer_profile_takes_the_probed_memory_fields(tmp_path):
     assert {k: prof.memory[k] for k in mem if k != "capacity_bytes"} == {k: v for k, v in mem.items()
                                                                         if k != "capacity_bytes"}
     assert prof.memory["capacity_bytes"] == base.memory["capacity_bytes"]  # None leaves the profile's
+
+
+def test_e2e_ds_json_asks_for_what_the_trainer_accepts(tmp_path):
+    """bench/e2e/train_e2e.write_ds_json with a profile: OOM steps skipped under ZeRO-3 only (the trainer refuses
+    on_oom skip at stage 0-2, which ended the H200's train-regions-attn-packed run before its first step)."""
+    from types import SimpleNamespace
+
+    from train_e2e import write_ds_json
+
+    from ds_adaptiveload.train.setup import read_config
+
+    prof = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml")
+    for base, want in (("ds_zero2_bf16.json", "error"), ("ds_zero3_bf16.json", "skip")):
+        path = str(tmp_path / base)
+        write_ds_json(path, os.path.join(ROOT, "configs", base), prof, "packed", grad_accum=4)
+        with open(path) as f:
+            assert json.load(f)["adaptive_load"]["on_oom"] == want
+        args = SimpleNamespace(deepspeed_config=path, model_config=os.path.join(ROOT, "configs", "wan_1_3b.yaml"),
+                               checkpoint_policy="attention" if want == "error" else "full", fault=None,
+                               checkpoint_blocks="auto", compile_blocks="regions", compile_cache=None)
+        read_config(args, 1, 0)  # no UserError
+
+
+def test_trainer_e2e_variants_launch_what_train_wan_accepts(tmp_path, monkeypatch):
+    """Each train-* e2e variant's DeepSpeed JSON and flags pass train_wan's parser and config checks (the check that
+    ended the H200 run above before its first step), and --e2e-epochs asks for whole epochs of each variant's plan."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import train_steps
+
+    from ds_adaptiveload.schedule.mixes import make_mix
+    from ds_adaptiveload.train.setup import read_config
+
+    spec = importlib.util.spec_from_file_location("train_wan", os.path.join(ROOT, "launch", "train_wan.py"))
+    train_wan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_wan)
+    calls = []
+    monkeypatch.setattr(train_steps, "launch", lambda ds, manifest, steps, run, log, la, flags, model_cfg, **kw:
+                        calls.append((ds, manifest, steps, flags)) or 0)
+    manifest = train_steps.write_data(str(tmp_path / "data"), make_mix("video-heavy", 6, seed=0), text_dim=8,
+                                      text_len=4)
+    args = mfu.parse_args(["--parts", "e2e", "--e2e-epochs", "2", "--out", str(tmp_path), "--work", str(tmp_path)])
+    memory = mfu.e2e_memory(args, SimpleNamespace(doc={}))
+    for name in mfu.TRAINER_E2E:
+        out = mfu.e2e_variant(args, name, manifest, memory, deadline=1e12)
+        assert out["rc"] == 0 and out["steps_asked"] == calls[-1][2] >= 2
+        ds, _, steps, flags = calls[-1]
+        a = train_wan.parse_args(["--deepspeed_config", ds, "--model-config", os.path.join(ROOT, args.model_config),
+                                  "--data", manifest, "--max-steps", str(steps), *flags])
+        assert a.compile_blocks == ("regions" if "regions" in name else "block")
+        read_config(a, 1, 0)  # no UserError
+        run = os.path.dirname(ds)
+        assert steps == 2 * mfu.epoch_steps(f"{run}/profile.yaml", manifest, mfu.TRAINER_E2E[name], 4)

@@ -246,9 +246,11 @@ def write_ds_json(path, base, profile_path=None, policy=None, sp=1, grad_accum=1
     ds = derive_ds_config(src, grad_accum=grad_accum, sp=sp, train_micro_batch_size_per_gpu=1, train_batch_size=None,
                           **top)
     if profile_path is not None:
-        # Its own section: an oversize sample or an OOM step is skipped and logged instead of ending the run.
+        # Its own section: an oversize sample or an OOM step is skipped and logged instead of ending the run (the
+        # trainer skips OOM steps under ZeRO-3 only: train/setup.py).
+        z3 = ds.get("zero_optimization", {}).get("stage", 0) == 3
         ds["adaptive_load"] = {"profile": os.path.abspath(profile_path), "policy": policy, "seed": seed,
-                               "on_oversize": "skip", "on_oom": "skip"}
+                               "on_oversize": "skip", "on_oom": "skip" if z3 else "error"}
     elif policy is not None:
         adaptive["policy"] = policy
     ds["adaptive_load"] = {**ds.get("adaptive_load", {}), **adaptive}
