@@ -37,6 +37,7 @@ GIB = 2**30
 SHAPES = {"img32": (32, 1, 60, 104), "480p81": (1, 21, 60, 104), "720p81": (1, 21, 90, 160)}
 E2E_RESERVE_S = 200  # of --time-budget kept for e2e when both parts run
 PROBES = ((1, 3, 60, 104), (1, 6, 60, 104))  # 4,680 and 9,360 tokens: the activation-bytes slope
+SAMPLE_PROBE = (6, 1, 60, 104)  # 6 images, 9,360 tokens: the per-sample bytes beside that line
 E2E = {  # variant -> (MFU_CKPT, compiled blocks, train_wan flags, checkpoint policy); baseline = today's command
     "baseline": (None, False, ["--checkpoint-blocks"], "full"),
     "auto": ("auto", False, [], "full"),
@@ -224,23 +225,30 @@ def tokens_of(shape, cfg):
 
 
 def memory_fields(bench, mode, profile_memory):
-    """Per-token bytes with all / no blocks checkpointed from the two B = 1 probes -> the memory dict
-    schedule/memory.py plans with (profile_memory's per-sample bytes kept)."""
+    """Per-token bytes with all / no blocks checkpointed from the two B = 1 probes, and per-sample bytes from
+    SAMPLE_PROBE against that line -> the memory dict schedule/memory.py plans with (profile_memory's
+    bytes_per_sample kept; the probes' own per-sample bytes with every block checkpointed are reported)."""
     L = bench.levers.num_layers
     probe = {}
     for k in (L, 0):
-        rows = [bench.measure(s, k, mode, 1) for s in PROBES]
+        rows = [bench.measure(s, k, mode, 1) for s in (*PROBES, SAMPLE_PROBE)]
         if any(r["status"] != "ok" for r in rows):
             return None, rows
-        s1, s2 = (tokens_of(s, bench.cfg) for s in PROBES)
-        p1, p2 = (r["peak_gib"] * GIB for r in rows)
-        probe[k] = ((p2 - p1) / (s2 - s1), p1 - (p2 - p1) / (s2 - s1) * s1)
-    (bpt_all, fixed), (bpt_none, _) = probe[L], probe[0]
+        (s1, s2, sm), (p1, p2, pm) = ([tokens_of(s, bench.cfg) for s in PROBES + (SAMPLE_PROBE,)],
+                                      [r["peak_gib"] * GIB for r in rows])
+        slope = (p2 - p1) / (s2 - s1)
+        fixed = p1 - slope * s1
+        n = SAMPLE_PROBE[0]
+        probe[k] = (slope, fixed, (pm - fixed - slope * sm * n) / (n - 1))  # per token, intercept, per sample
+    (bpt_all, fixed, ps_all), (bpt_none, _, ps_none) = probe[L], probe[0]
     mem = {"capacity_bytes": bench.capacity, "safety": bench.args.safety, "fixed_bytes": round(fixed),
            "bytes_per_token": round(bpt_all), "block_bytes_per_token": round(max(bpt_none - bpt_all, 0) / L),
+           "block_bytes_per_sample": round(max(ps_none - ps_all, 0) / L),
            "bytes_per_sample": profile_memory.get("bytes_per_sample", 0.0)}
     return mem, {"bytes_per_token_all": round(bpt_all), "bytes_per_token_none": round(bpt_none),
-                 "fixed_bytes": round(fixed), "probe_tokens": [tokens_of(s, bench.cfg) for s in PROBES]}
+                 "bytes_per_sample_all": round(ps_all), "bytes_per_sample_none": round(ps_none),
+                 "fixed_bytes": round(fixed), "probe_tokens": [tokens_of(s, bench.cfg) for s in PROBES],
+                 "sample_probe": list(SAMPLE_PROBE)}
 
 
 def run_mode(bench, doc, mode, shapes, ckpts, profile_memory, deadline):
@@ -255,7 +263,8 @@ def run_mode(bench, doc, mode, shapes, ckpts, profile_memory, deadline):
     doc.save()
     if mem is None:
         return proposed
-    proposed["memory"] = {k: mem[k] for k in ("block_bytes_per_token", "bytes_per_token", "fixed_bytes")}
+    proposed["memory"] = {k: mem[k] for k in ("block_bytes_per_token", "bytes_per_token", "fixed_bytes",
+                                              "block_bytes_per_sample")}
     for name in shapes:
         shape = SHAPES[name]
         B, S = shape[0], tokens_of(shape, bench.cfg)
@@ -370,7 +379,8 @@ def write_trainer_profile(path, base_ds, memory):
 
     src = read_json_object(os.path.join(ROOT, base_ds), "DeepSpeed config")["adaptive_load"]["profile"]
     prof = CostProfile.load(os.path.join(ROOT, src))
-    keys = ("fixed_bytes", "bytes_per_token", "block_bytes_per_token", "attention_bytes_per_token", "safety")
+    keys = ("fixed_bytes", "bytes_per_token", "block_bytes_per_token", "attention_bytes_per_token",
+            "block_bytes_per_sample", "safety")
     prof.memory.update({k: memory[k] for k in keys if memory.get(k) is not None})
     prof.to_yaml(path)
 

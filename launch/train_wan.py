@@ -54,7 +54,7 @@ def parse_args(argv=None):
                    help="regional torch.compile, token counts dynamic (model/compile.py; inductor's mix-order reduction "
                         "off, pytorch/pytorch#193061): 'block' compiles each WanBlock whole (a graph per number of "
                         "shape groups), 'regions' its elementwise steps one by one (the same few graphs for any "
-                        "packed micro-batch); auto (the default value): regions for the packed policy, else block. "
+                        "packed micro-batch, and faster on the H200); auto (the bare flag): regions. "
                         "--compile compiles the engine")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of --compile-blocks (aot_eager: traced, no code generation)")

@@ -135,3 +135,24 @@ def test_selective_checkpoint_keeps_attention_before_opening_blocks():
         seen.add((k == L, k_full > 0))
     assert seen >= {(True, True), (True, False), (False, False)}, seen
     assert selective_checkpoint(1_000_000, 1, mem, L) == (L, L)  # nothing fits: all whole, as before
+
+
+@pytest.mark.parametrize("tokens, samples", [(1560 * 32, 32), (1560 * 64, 64), (75600, 1), (200_000, 40)])
+def test_open_blocks_pay_their_per_sample_bytes(tokens, samples):
+    """memory.block_bytes_per_sample: what an open block adds per sample (the text context's keys and values). The
+    count k and the peak both take it; without the key the plans are as before."""
+    from ds_adaptiveload.schedule.memory import selective_checkpoint
+
+    mem = dict(MEM, block_bytes_per_sample=9e6)
+    k = blocks_to_checkpoint(tokens, samples, mem, L)
+    assert k == brute_force(tokens, samples, mem) >= blocks_to_checkpoint(tokens, samples, MEM, L)
+    assert predicted_peak_bytes(tokens, samples, mem, L, k) == pytest.approx(
+        predicted_peak_bytes(tokens, samples, MEM, L, k) + samples * (L - k) * 9e6)
+    attn = dict(mem, attention_bytes_per_token=5e3)
+    k, k_full = selective_checkpoint(tokens, samples, attn, L)
+    cap = MEM["capacity_bytes"] * MEM["safety"]
+    assert predicted_peak_bytes(tokens, samples, attn, L, k, k_full) <= cap or k_full == L
+    if 0 < k < L and k_full == 0:  # one more open block would not fit
+        assert predicted_peak_bytes(tokens, samples, attn, L, k - 1, 0) > cap
+    assert selective_checkpoint(tokens, samples, dict(attn, block_bytes_per_sample=0), L) == selective_checkpoint(
+        tokens, samples, dict(MEM, attention_bytes_per_token=5e3), L)

@@ -210,7 +210,7 @@ def test_inductor_packed_blocks_match_eager_on_gpu(monkeypatch):
 
 @pytest.mark.slow
 def test_trainer_trains_packed_micro_batches_with_compiled_blocks(tmp_path):
-    """launch/train_wan.py --compile-blocks (aot_eager; auto: regions for the packed policy) --checkpoint-blocks auto
+    """launch/train_wan.py --compile-blocks (aot_eager; auto: regions) --checkpoint-blocks auto
     --checkpoint-policy attention, policy packed, ZeRO-2, 2 ranks: finite losses, and each step logs the graphs so
     far, which stay few (a bound whatever the composition: tests/test_compile_regions.py)."""
     import json
@@ -239,7 +239,7 @@ def test_trainer_trains_packed_micro_batches_with_compiled_blocks(tmp_path):
                       "aot_eager", "--checkpoint-blocks", "auto", "--checkpoint-policy", "attention",
                       "--compile-cache", str(tmp_path / "cc.bin"), port=free_port(), timeout=300)
     rel.ok(proc)
-    assert "[train_wan] --compile-blocks: regions" in proc.stdout  # auto, for the packed policy
+    assert "[train_wan] --compile-blocks: regions" in proc.stdout  # what the bare flag means
     assert "[train_wan] compile cache:" in proc.stdout  # rank 0 rewrote it after steps that compiled
     log = tt.steps(out, 0)
     assert len(log) == 4 and all(math.isfinite(r["loss"]) for r in log)

@@ -85,11 +85,10 @@ def test_regions_and_blocks_exclude_each_other_and_uncompile_restores_eager():
 
 
 def test_compile_kind():
-    assert compile_kind("auto", "packed") == compile_kind(True, "packed") == "regions"
-    assert compile_kind("auto", "balanced") == "block"
-    assert compile_kind("block", "packed") == "block" and compile_kind("regions", "balanced") == "regions"
+    assert compile_kind("auto") == compile_kind(True) == compile_kind("regions") == "regions"
+    assert compile_kind("block") == "block"
     with pytest.raises(UserError, match="--compile-blocks 'whole'"):
-        compile_kind("whole", "packed")
+        compile_kind("whole")
 
 
 @pytest.mark.cuda

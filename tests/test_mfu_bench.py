@@ -133,6 +133,7 @@ def test_shapes_part_smoke_on_cpu(tmp_path, monkeypatch):
     memory fields are 0 and k = 0), with the shipped ZeRO-2 config: every row runs and the document is written."""
     monkeypatch.setattr(mfu, "SHAPES", {"img32": (2, 1, 4, 4), "480p81": (1, 3, 4, 6)})
     monkeypatch.setattr(mfu, "PROBES", ((1, 1, 4, 4), (1, 2, 4, 4)))
+    monkeypatch.setattr(mfu, "SAMPLE_PROBE", (2, 1, 4, 4))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     rc = mfu.main(["--parts", "shapes", "--model-config", "configs/wan_tiny.yaml", "--shapes", "img32,480p81",
                    "--modes", "eager,compile,regions-attn", "--compile-backend", "aot_eager", "--reps", "2", "--out", str(tmp_path),
@@ -241,3 +242,25 @@ def test_trainer_e2e_variants_launch_what_train_wan_accepts(tmp_path, monkeypatc
         read_config(a, 1, 0)  # no UserError
         run = os.path.dirname(ds)
         assert steps == 2 * mfu.epoch_steps(f"{run}/profile.yaml", manifest, mfu.TRAINER_E2E[name], 4)
+
+
+def test_memory_fields_recover_the_per_token_and_per_sample_terms():
+    """The probes of memory_fields against a device whose peak follows schedule/memory.py's model exactly: every
+    term comes back, block_bytes_per_sample included (what an open block holds per sample)."""
+    from types import SimpleNamespace
+
+    L, F, a, b, c, d = 30, 20e9, 180e3, 77e3, 30e6, 9e6
+    cfg = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_1_3b.yaml"))
+
+    def measure(shape, k, mode, reps):
+        n, t = shape[0], shape[0] * mfu.tokens_of(shape, cfg)
+        return {"status": "ok", "peak_gib": (F + t * (a + (L - k) * b) + n * (c + (L - k) * d)) / mfu.GIB}
+
+    bench = SimpleNamespace(levers=SimpleNamespace(num_layers=L), cfg=cfg, measure=measure, capacity=140e9,
+                            args=SimpleNamespace(safety=0.9))
+    mem, probe = mfu.memory_fields(bench, "regions", {"bytes_per_sample": 21e6})
+    assert mem["bytes_per_token"] == pytest.approx(a, rel=1e-6)
+    assert mem["block_bytes_per_token"] == pytest.approx(b, rel=1e-6)
+    assert mem["block_bytes_per_sample"] == pytest.approx(d, rel=1e-6)
+    assert mem["fixed_bytes"] == pytest.approx(F + c, rel=1e-6) and mem["bytes_per_sample"] == 21e6
+    assert probe["bytes_per_sample_all"] == pytest.approx(c, rel=1e-6)

@@ -5,10 +5,14 @@ Memory model of one micro-batch of `samples` samples holding `tokens` tokens in 
 L blocks checkpointed (the profile's memory section, as `calibrate` fits it with every block checkpointed):
 
     peak(k) = fixed_bytes + bytes_per_sample * samples + tokens * (bytes_per_token + (L - k) * block_bytes_per_token)
+              + samples * (L - k) * block_bytes_per_sample
 
 block_bytes_per_token is what one block left un-checkpointed adds per token (its saved activations, less
 the block input a checkpointed block keeps anyway); bench/mfu.py measures it as
-(bytes/token with no block checkpointed - with all) / L. A micro-batch fits when peak(k) <= capacity_bytes
+(bytes/token with no block checkpointed - with all) / L. block_bytes_per_sample (optional, 0 if absent) is what
+an open block adds per sample whatever its tokens: the cross-attention's keys and values of the text context.
+On the H200 a 32-image micro-batch with 24 open blocks peaked 6.4 GiB over the model without it (2026-12-01,
+fourth session); bench/mfu.py measures it from a probe of several samples. A micro-batch fits when peak(k) <= capacity_bytes
 * safety. Without block_bytes_per_token every block is checkpointed (the behaviour before this module).
 
 Time: a profile calibrated with every block checkpointed predicts t; with k of L checkpointed the recompute
@@ -60,11 +64,12 @@ def blocks_to_checkpoint(tokens: int, samples: int, profile_memory: dict, num_la
     per_token = _number(profile_memory, "bytes_per_token")
     if block is None or capacity is None or per_token is None:
         return num_layers
-    if tokens == 0 or block == 0:
+    per_block = block * tokens + _number(profile_memory, "block_bytes_per_sample", 0.0) * samples
+    if tokens == 0 or per_block == 0:
         return 0
     free = _free_bytes(tokens, samples, profile_memory)
     # Un-checkpointed blocks the free bytes hold; the rest must be checkpointed.
-    full = math.floor(free / (block * tokens)) if free > 0 else 0
+    full = math.floor(free / per_block) if free > 0 else 0
     return max(0, num_layers - min(full, num_layers))
 
 
@@ -86,7 +91,9 @@ def selective_checkpoint(tokens: int, samples: int, profile_memory: dict, num_la
     if kept < num_layers:
         return num_layers, num_layers - kept
     rest = free - num_layers * attn * tokens
-    open_ = num_layers if block <= attn else min(num_layers, math.floor(rest / ((block - attn) * tokens)))
+    # an open block adds its activations less the attention outputs a kept block holds already, and its per-sample bytes
+    per_block = (block - attn) * tokens + _number(profile_memory, "block_bytes_per_sample", 0.0) * samples
+    open_ = num_layers if per_block <= 0 else min(num_layers, math.floor(rest / per_block))
     return num_layers - open_, 0
 
 
@@ -103,8 +110,10 @@ def predicted_peak_bytes(tokens: int, samples: int, profile_memory: dict, num_la
         raise UserError("predicted_peak_bytes: the profile has no memory.bytes_per_token")
     block = _number(profile_memory, "block_bytes_per_token", 0.0)
     attn = _number(profile_memory, "attention_bytes_per_token", 0.0)
+    block_sample = _number(profile_memory, "block_bytes_per_sample", 0.0)
     return (_number(profile_memory, "fixed_bytes", 0.0) + _number(profile_memory, "bytes_per_sample", 0.0) * samples
-            + tokens * (per_token + (num_layers - k) * block + (k - k_full) * attn))
+            + tokens * (per_token + (num_layers - k) * block + (k - k_full) * attn)
+            + samples * (num_layers - k) * block_sample)
 
 
 def recompute_factor(k: int, num_layers: int, recompute_frac: float = 0.0) -> float:

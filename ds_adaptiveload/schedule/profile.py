@@ -29,7 +29,8 @@ _SCHEMA = {
     "geometry": {"vae_stride", "patch_size"},
     "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed", "floor", "floor_q", "recompute_frac"},
     "memory": {"budget_tokens", "sample_tokens", "fixed_bytes", "bytes_per_token", "bytes_per_sample",
-               "capacity_bytes", "safety", "block_bytes_per_token", "attention_bytes_per_token"},
+               "capacity_bytes", "safety", "block_bytes_per_token", "attention_bytes_per_token",
+               "block_bytes_per_sample"},
     "dual": {"p", "m_comp"},
     "meta": None,  # free-form provenance: model, device, versions, date, estimated
     "fit": None,   # free-form fit report written by `calibrate`
@@ -40,9 +41,10 @@ _SCHEMA = {
 KEYS = {"fixed_ms": "time_ms.fixed", "per_token_ms": "time_ms.per_token", "per_token_sq_ms": "time_ms.per_token_sq",
         "step_fixed_ms": "time_ms.step_fixed", "floor_ms": "time_ms.floor", "sample_tokens": "memory.sample_tokens"}
 # memory keys beyond the budget that the trainer and calibrate read as numbers.
-# block_bytes_per_token / attention_bytes_per_token: --checkpoint-blocks auto (schedule/memory.py).
+# block_bytes_per_token / attention_bytes_per_token / block_bytes_per_sample: --checkpoint-blocks auto
+# (schedule/memory.py).
 MEMORY_NUMBERS = ("fixed_bytes", "bytes_per_token", "bytes_per_sample", "capacity_bytes", "safety",
-                  "block_bytes_per_token", "attention_bytes_per_token")
+                  "block_bytes_per_token", "attention_bytes_per_token", "block_bytes_per_sample")
 
 
 def _is_number(v) -> bool:

@@ -73,7 +73,7 @@ class Trainer:
         if getattr(args, "compile_blocks", False):
             from ds_adaptiveload.model.compile import apply_compile, compile_kind, load_compile_cache
 
-            self.compile_kind = compile_kind(args.compile_blocks, self.al.policy)  # block or regions
+            self.compile_kind = compile_kind(args.compile_blocks)  # block or regions
             apply_compile(model, self.compile_kind, getattr(args, "compile_backend", "inductor"))
             if self.rank == 0:
                 print(f"[train_wan] --compile-blocks: {self.compile_kind} (model/compile.py)", flush=True)
