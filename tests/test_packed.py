@@ -181,8 +181,9 @@ def gloo_rank(rank, world, port):
     return tiny_cfg()
 
 
-def _packed_sp_worker(rank, world, port, result_path):
-    """One SP rank running the packed forward through train/sp.py: DeepSpeed's DistributedAttention per group."""
+def _packed_sp_worker(rank, world, port, result_path, regions=False):
+    """One SP rank running the packed forward through train/sp.py: DeepSpeed's DistributedAttention per group
+    (regions: the blocks' elementwise steps compiled, aot_eager, on this rank's padded token shards)."""
     import torch.distributed as dist
 
     from ds_adaptiveload.train import sp
@@ -190,6 +191,10 @@ def _packed_sp_worker(rank, world, port, result_path):
     cfg = gloo_rank(rank, world, port)
     m = perturbed_model(cfg)
     shard = sp.apply_ulysses(m, sp.init_sequence_parallel(sp.ParallelDims(world, world, rank)), cfg.num_heads)
+    if regions:
+        from ds_adaptiveload.model.compile import compile_regions
+
+        compile_regions(m, backend="aot_eager")
     xs, t, ctxs = packed_inputs(cfg, shapes=SP_SHAPES)
     ys = m(xs, t, ctxs, seq_shard=shard)
     loss_of(ys).backward()
@@ -201,14 +206,19 @@ def _packed_sp_worker(rank, world, port, result_path):
     dist.destroy_process_group()
 
 
+def _packed_sp_regions_worker(rank, world, port, result_path):
+    _packed_sp_worker(rank, world, port, result_path, regions=True)
+
+
 # Odd token counts (45, 3, 15) need per-group padding to a multiple of 2.
 SP_SHAPES = [(3, 6, 10), (1, 2, 6), (3, 6, 10), (3, 2, 10), (1, 2, 6)]
 
 
 @pytest.mark.slow
-def test_packed_sequence_parallel_matches_single_process(tmp_path):
+@pytest.mark.parametrize("worker", [_packed_sp_worker, _packed_sp_regions_worker], ids=["eager", "regions"])
+def test_packed_sequence_parallel_matches_single_process(tmp_path, worker):
     pytest.importorskip("deepspeed")
-    res = spawn(_packed_sp_worker, 2, tmp_path)
+    res = spawn(worker, 2, tmp_path)
 
     cfg = tiny_cfg()
     m = perturbed_model(cfg)

@@ -94,8 +94,9 @@ def test_checkpoint_count_is_the_steps_largest_under_zero3():
             assert got == want, (zero3, rank, got, want)
 
 
-def _two_rank_worker(rank, world, port, result_path):
-    """Both ranks run MICRO_BATCHES through one ZeRO-3 engine (lr 0) and keep the dp-averaged full gradients."""
+def _two_rank_worker(rank, world, port, result_path, regions=False):
+    """Both ranks run MICRO_BATCHES through one ZeRO-3 engine (lr 0) and keep the dp-averaged full gradients
+    (regions: with the blocks' elementwise steps compiled, aot_eager, around ZeRO-3's module hooks)."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -105,6 +106,10 @@ def _two_rank_worker(rank, world, port, result_path):
             "zero_optimization": {"stage": 3},
             "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=m, config=conf, model_parameters=m.parameters())
+    if regions:
+        from ds_adaptiveload.model.compile import compile_regions
+
+        compile_regions(engine, backend="aot_eager")
     grads = []
     for i, mb in enumerate(MICRO_BATCHES):
         xs, t, ctxs = packed_inputs(cfg, shapes=mb[rank], seed=10 * i + rank)
@@ -112,6 +117,10 @@ def _two_rank_worker(rank, world, port, result_path):
         engine.backward(loss_of(WanModel.split_flat(engine(xs, t, ctxs, flat=True), xs)))
         grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
         engine.step()
+    if regions:
+        from ds_adaptiveload.model.compile import compile_stats
+
+        assert compile_stats()["block_graphs"] > 0  # the regions ran compiled
     if rank == 0:
         torch.save(grads, result_path)
     torch.distributed.destroy_process_group()
@@ -120,6 +129,10 @@ def _two_rank_worker(rank, world, port, result_path):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _two_rank_regions_worker(rank, world, port, result_path):
+    _two_rank_worker(rank, world, port, result_path, regions=True)
 
 
 def _spawn(worker, port, tmp_path, timeout=240):
@@ -141,9 +154,10 @@ def _spawn(worker, port, tmp_path, timeout=240):
 
 
 @pytest.mark.slow
-def test_packed_zero3_two_ranks_match_one_process(tmp_path):
+@pytest.mark.parametrize("worker", [_two_rank_worker, _two_rank_regions_worker], ids=["eager", "regions"])
+def test_packed_zero3_two_ranks_match_one_process(tmp_path, worker):
     pytest.importorskip("deepspeed")
-    got = _spawn(_two_rank_worker, PORTS[0], tmp_path)
+    got = _spawn(worker, PORTS[0] if worker is _two_rank_worker else PORTS[2], tmp_path)
     cfg = tiny_cfg()
     m = perturbed_model(cfg)
     for i, mb in enumerate(MICRO_BATCHES):
