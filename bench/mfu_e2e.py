@@ -1,0 +1,202 @@
+"""bench/mfu.py's end-to-end part: launch/train_wan.py under the deepspeed launcher on the video-heavy synthetic mix,
+one launch per variant (E2E), and its summary: e2e_mfu = model FLOPs / (step wall x peak) over the steps after
+warm-up, data loading, optimizer and idle included, with each step's peak memory against the device's."""
+import json
+import os
+import statistics
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# mode -> (compiled: False, True (blocks whole) or "regions", checkpoint policy): "-attn" keeps the attention
+# outputs of checkpointed blocks
+MODES = {"eager": (False, "full"), "compile": (True, "full"), "eager-attn": (False, "attention"),
+         "compile-attn": (True, "attention"), "regions": ("regions", "full"), "regions-attn": ("regions", "attention")}
+
+
+def split(text, allowed):
+    items = [s for s in text.split(",") if s]
+    bad = [s for s in items if s not in allowed]
+    if bad:
+        raise SystemExit(f"error: unknown {bad}; choose from {', '.join(allowed)}")
+    return items
+
+
+E2E = {  # variant -> (MFU_CKPT, compiled blocks, train_wan flags, checkpoint policy); baseline = today's command
+    "baseline": (None, False, ["--checkpoint-blocks"], "full"),
+    "auto": ("auto", False, [], "full"),
+    "compile-all": ("all", True, [], "full"),
+    "compile-auto": ("auto", True, [], "full"),
+    "compile-auto-attn": ("auto", True, [], "attention"),
+}
+# Levers through launch/train_wan.py's own flags (no bench/mfu_train.py), with the profile's memory section from
+# the probed fields: variant -> the planner's policy. "packed" folds small image micro-batches into fuller ones.
+TRAINER_FLAGS = ["--checkpoint-blocks", "auto", "--checkpoint-policy", "attention", "--compile-blocks"]
+# train-regions-*: --compile-blocks regions (the elementwise steps compiled one by one: the same few graphs for any
+# packed micro-batch), with the memory fields of mode regions-attn.
+TRAINER_E2E = {"train-compile-attn": "balanced", "train-compile-attn-packed": "packed",
+               "train-regions-attn": "balanced", "train-regions-attn-packed": "packed",
+               "train-regions-attn-equal": "equal-tokens"}
+E2E.update({name: (None, "regions" if "regions" in name else True,
+                   [*TRAINER_FLAGS, "regions" if "regions" in name else "block"], "attention") for name in TRAINER_E2E})
+
+# -- the e2e part ---------------------------------------------------------------------------------------------------
+
+
+def e2e_summary(recs, warmup, peak_tflops):
+    """e2e_mfu = model FLOPs / (step wall x peak) summed over the trained steps after warm-up; warm_mfu the same
+    over the steps that compiled no new block graph (where the step log counts them: block_graphs)."""
+    trained = [r for r in recs if "skipped" not in r]
+    body = trained[warmup:] if len(trained) > warmup else []
+    keys, optional = ("step", "samples", "tokens", "step_ms", "mfu", "mem_peak_gib"), ("pred_mem_gib", "block_graphs")
+    out = {"steps": len(body), "steps_logged": len(recs), "skipped_steps": len(recs) - len(trained),
+           "per_step": [{**{k: r.get(k) for k in keys}, **{k: r[k] for k in optional if k in r}} for r in recs]}
+    graphs = [r.get("block_graphs") for r in recs]
+    warm = [r for i, r in enumerate(recs) if i and "skipped" not in r and graphs[i] is not None
+            and graphs[i] == graphs[i - 1]]
+    if warm:
+        out.update(warm_steps=len(warm), warm_mfu=_wall_weighted_mfu(warm))
+    if body:
+        wall = sum(r["step_ms"] for r in body)
+        out.update(e2e_mfu=_wall_weighted_mfu(body),
+                   step_ms_median=statistics.median(r["step_ms"] for r in body),
+                   tokens_per_s=sum(r["tokens"] for r in body) / (wall / 1e3),
+                   samples_per_s=sum(r["samples"] for r in body) / (wall / 1e3),
+                   mem_peak_gib_max=max(r.get("mem_peak_gib", 0) for r in body),
+                   mem_capacity_gib=body[-1].get("mem_capacity_gib"))
+    return out
+
+
+def _wall_weighted_mfu(recs):
+    """Model FLOPs over wall x peak for these steps together (not a mean of per-step MFUs)."""
+    return sum(r["mfu"] * r["step_ms"] for r in recs) / sum(r["step_ms"] for r in recs)
+
+
+def write_trainer_profile(path, base_ds, memory):
+    """The base DeepSpeed JSON's profile with its memory section's checkpoint fields (fixed, per-token,
+    per-block, attention bytes; safety) from `memory`, for --checkpoint-blocks auto in the trainer."""
+    from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.train.config import read_json_object
+
+    src = read_json_object(os.path.join(ROOT, base_ds), "DeepSpeed config")["adaptive_load"]["profile"]
+    prof = CostProfile.load(os.path.join(ROOT, src))
+    keys = ("fixed_bytes", "bytes_per_token", "block_bytes_per_token", "attention_bytes_per_token",
+            "block_bytes_per_sample", "safety")
+    prof.memory.update({k: memory[k] for k in keys if memory.get(k) is not None})
+    prof.to_yaml(path)
+
+
+def epoch_steps(profile_path, manifest, policy, grad_accum) -> int:
+    """Steps in epoch 0 of the plan the trainer makes for this variant on one GPU (lockstep, as under ZeRO-2)."""
+    from ds_adaptiveload.schedule.manifest import load_manifest
+    from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+    from ds_adaptiveload.schedule.profile import CostProfile
+
+    cfg = PlanConfig(policy=policy, grad_accum=grad_accum, lockstep=True)
+    return len(make_plan(load_manifest(manifest), CostProfile.load(profile_path), cfg).steps)
+
+
+def e2e_variant(args, name, manifest, memory, deadline):
+    """One launch of bench/mfu_train.py (launch/train_wan.py with the variant's levers), or for TRAINER_E2E of
+    launch/train_wan.py with TRAINER_FLAGS and a profile carrying the probed memory fields."""
+    from train_e2e import read_steps, write_ds_json
+    from train_steps import launch
+
+    ckpt, compiled, flags, policy = E2E[name]
+    mode = {True: "compile", "regions": "regions"}.get(compiled, "eager") + ("-attn" if policy == "attention" else "")
+    run = os.path.join(args.work, f"run_{name}")
+    os.makedirs(run, exist_ok=True)
+    for f in os.listdir(run):  # a warm machine keeps /tmp: the step log appends otherwise
+        if f.endswith((".jsonl", ".json")):
+            os.remove(os.path.join(run, f))
+    with open(os.path.join(ROOT, args.config)) as f:
+        grad_accum = json.load(f).get("gradient_accumulation_steps", 1)
+    if name in TRAINER_E2E:
+        write_trainer_profile(f"{run}/profile.yaml", args.config, memory[mode])
+        write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), f"{run}/profile.yaml", TRAINER_E2E[name],
+                      grad_accum=grad_accum)
+    else:
+        write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), grad_accum=grad_accum)
+    env = {"MFU_STATS": f"{run}/mfu_stats.json"}
+    if ckpt:
+        env.update(MFU_CKPT=ckpt, MFU_MEMORY=f"{run}/memory.json", MFU_COMPILE="1" if compiled else "0",
+                   MFU_POLICY=policy)
+        with open(env["MFU_MEMORY"], "w") as f:
+            json.dump(memory.get(mode) or {}, f)
+    if compiled is True:
+        env["DS_ADAPTIVELOAD_LN_MODULATE"] = args.compile_ln
+    if name in TRAINER_E2E and args.compile_cache:
+        flags = [*flags, "--compile-cache", os.path.abspath(args.compile_cache)]
+    log = os.path.join(args.out, f"e2e_{name}_train.log")
+    os.environ.update(env)
+    try:
+        steps = args.e2e_steps
+        if name in TRAINER_E2E and args.e2e_epochs:
+            steps = args.e2e_epochs * epoch_steps(f"{run}/profile.yaml", manifest, TRAINER_E2E[name], grad_accum)
+        rc = launch(f"{run}/ds.json", manifest, steps, run, log, "--num_gpus 1", flags, args.model_config,
+                    timeout=max(deadline - time.monotonic(), 10), script="bench/mfu_train.py" if ckpt else None)
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+    steps_path = f"{run}/steps.rank0.jsonl"
+    out = {"variant": name, "rc": rc, "env": env, "steps_asked": steps,
+           **e2e_summary(read_steps(steps_path) if os.path.exists(steps_path) else [], args.e2e_warmup, args.peak_tflops)}
+    if os.path.exists(env["MFU_STATS"]):
+        with open(env["MFU_STATS"]) as f:
+            out.update(json.load(f))
+    return out
+
+
+# Used only where neither this run nor --memory-json measured the fields: from the issue's H200 numbers, ZeRO-2
+# on one GPU holds ~23 GB of states (16 bytes/param), 224 kB/token with every block checkpointed (calibrated
+# profile), ~3 MB/token eager without (-> 92 kB per open block), compiled 480p 81f 85 GB (-> 56 kB).
+ESTIMATED_MEMORY = {"eager": {"fixed_bytes": 23e9, "bytes_per_token": 224e3, "block_bytes_per_token": 92e3},
+                    "compile": {"fixed_bytes": 23e9, "bytes_per_token": 224e3, "block_bytes_per_token": 56e3}}
+ESTIMATED_MEMORY["regions"] = ESTIMATED_MEMORY["eager"]  # unmeasured: plan as eager (more checkpointing, safe)
+# "-attn": a checkpointed block also keeps its two attention outputs (2 x 3 KB per token at dim 1536, bf16)
+ESTIMATED_MEMORY.update({f"{m}-attn": {**v, "bytes_per_token": v["bytes_per_token"] + 30 * 6.2e3,
+                                       "block_bytes_per_token": v["block_bytes_per_token"] - 6.2e3}
+                         for m, v in list(ESTIMATED_MEMORY.items())})
+
+
+def e2e_memory(args, doc):
+    """The memory dicts k is chosen with, per mode: this run's proposed fields, else --memory-json's, else the
+    estimate above (doc records which)."""
+    src, origin = doc.doc.get("proposed_profile"), "measured in this run"
+    if not src and args.memory_json:
+        with open(args.memory_json) as f:
+            src, origin = json.load(f).get("proposed_profile", {}), args.memory_json
+    out = {}
+    for mode in MODES:
+        measured = (src or {}).get(mode, {}).get("memory")
+        out[mode] = {"capacity_bytes": None, "safety": args.safety, **(measured or ESTIMATED_MEMORY[mode])}
+        doc.doc.setdefault("e2e_memory_source", {})[mode] = origin if measured else "estimated (ESTIMATED_MEMORY)"
+    for mode in ("eager", "compile", "regions"):  # the attention policy plans from the full policy's fields plus the
+        full, attn = out[mode], out[f"{mode}-attn"]  # bytes a block keeping its attention adds per token
+        out[f"{mode}-attn"] = {**full, "attention_bytes_per_token": max(
+            0.0, (attn["bytes_per_token"] - full["bytes_per_token"]) / bench_layers(args))}
+    return out
+
+
+def bench_layers(args):
+    from ds_adaptiveload.model import WanConfig
+
+    return WanConfig.from_yaml(os.path.join(ROOT, args.model_config)).num_layers
+
+
+def part_e2e(args, doc, deadline):
+    from ds_adaptiveload.schedule.mixes import make_mix
+    from train_steps import write_data
+
+    manifest = write_data(os.path.join(args.work, f"data_video-heavy_{args.e2e_num}"),
+                          make_mix("video-heavy", args.e2e_num, seed=0))
+    memory = e2e_memory(args, doc)
+    for name in split(args.e2e_variants, E2E):
+        if time.monotonic() > deadline - 60:
+            doc.doc["skipped"].append({"e2e": name, "why": "time budget"})
+            continue
+        doc.doc["e2e"].append(e2e_variant(args, name, manifest, memory, deadline))
+        ok = [e for e in doc.doc["e2e"] if e.get("e2e_mfu") is not None]
+        doc.doc["e2e_mfu"] = max((e["e2e_mfu"] for e in ok), default=None)
+        doc.doc["e2e_best"] = max(ok, key=lambda e: e["e2e_mfu"])["variant"] if ok else None
+        doc.save()
