@@ -1,0 +1,69 @@
+"""model/wan.py's GeluLinear (the FFN's GELU and second projection, recomputing the GELU in backward): the same
+values and gradients as nn.GELU then nn.Linear (gradcheck in float64, a whole model in fp32), and one [T, ffn_dim]
+tensor fewer saved for backward per open block."""
+import copy
+
+import torch
+from torch import nn
+
+from ds_adaptiveload.model.wan import GeluLinear, _GeluLinearFn
+from tests.test_compile_blocks import run_packed, tiny
+from tests.test_compile_regions import MORE
+
+
+def test_gelu_linear_gradcheck_in_float64():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(3, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(_GeluLinearFn.apply, (h, w, b))
+    assert torch.autograd.gradcheck(lambda h, w: _GeluLinearFn.apply(h, w, None), (h, w))
+
+
+def _plain_ffn(model):
+    """The same model with every FFN as nn.Linear, nn.GELU, nn.Linear (the weights shared by copy)."""
+    ref = copy.deepcopy(model)
+    for blk in ref.blocks:
+        fc2 = blk.ffn[2]
+        plain = nn.Linear(fc2.in_features, fc2.out_features)
+        plain.load_state_dict(fc2.state_dict())
+        blk.ffn[1], blk.ffn[2] = nn.GELU(approximate="tanh"), plain
+    return ref
+
+
+def test_model_with_gelu_linear_matches_plain_gelu_then_linear():
+    m = tiny()
+    assert all(isinstance(b.ffn[2], GeluLinear) for b in m.blocks)
+    ref = _plain_ffn(m)
+    for i, pack in enumerate(MORE):
+        y0, g0 = run_packed(ref, pack, i)
+        y1, g1 = run_packed(m, pack, i)
+        for a, b in zip(y1, y0):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=1e-5, msg=lambda msg, n=n: f"{n}: {msg}")
+
+
+def _saved_bytes(model, pack):
+    """Bytes the autograd graph of one forward saves for backward (every saved tensor, counted once by storage)."""
+    seen = {}
+
+    def pack_hook(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        ys = model(*pack)
+    del ys
+    return sum(seen.values())
+
+
+def test_an_open_block_saves_one_ffn_activation_less():
+    m = tiny()
+    ref = _plain_ffn(m)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(16, 1, 8, 8, generator=g) for _ in range(3)]
+    pack = (xs, torch.rand(3, generator=g) * 1000, [torch.randn(5, m.cfg.text_dim, generator=g) for _ in xs])
+    tokens = 3 * 16  # 3 samples of 1 x 4 x 4 patches
+    saved, saved_ref = _saved_bytes(m, pack), _saved_bytes(ref, pack)
+    assert saved_ref - saved == len(m.blocks) * tokens * m.cfg.ffn_dim * 4  # fp32: one [T, ffn_dim] per block
