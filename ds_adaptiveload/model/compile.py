@@ -1,6 +1,8 @@
-"""Regional torch.compile of the Wan DiT: each WanBlock's forward compiled, with the token, sample and group
-sizes dynamic, so inductor fuses the elementwise chain (fp32 RoPE, RMSNorm, gates, casts) between the
-matmuls while the embeddings, head and loop stay eager.
+"""Regional torch.compile of the Wan DiT, with the token, sample and group sizes dynamic, so inductor fuses the
+elementwise chains (fp32 RoPE, RMSNorm, gates, casts) between the matmuls while the embeddings, head and loop stay
+eager. Two granularities: compile_blocks compiles each WanBlock's forward whole; compile_regions (the default of
+--compile-blocks; section "regions" below) compiles only those chains, one graph each, so that the graphs do not
+depend on how many shape groups a packed micro-batch holds.
 
 One compiled function serves every block: WanBlock.forward is compiled once and bound to each block, and
 dynamo treats the parameters of inlined nn.Modules as graph inputs, so 30 blocks share one cache entry

@@ -77,6 +77,10 @@ class Trainer:
             apply_compile(model, self.compile_kind, getattr(args, "compile_backend", "inductor"))
             if self.rank == 0:
                 print(f"[train_wan] --compile-blocks: {self.compile_kind} (model/compile.py)", flush=True)
+                if self.compile_kind == "block" and self.al.policy == "packed":  # docs/model.md, compiled regions
+                    print("[train_wan] warning: --compile-blocks block compiles a graph per number of shape groups, "
+                          "and nearly every packed micro-batch is a new one; regions keep a few", file=sys.stderr,
+                          flush=True)
             if load_compile_cache(getattr(args, "compile_cache", None)) and self.rank == 0:
                 print(f"[train_wan] compile cache loaded from {args.compile_cache}", flush=True)
         self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
