@@ -22,6 +22,7 @@ from ds_adaptiveload.data.latents import LatentDataset, write_synthetic  # noqa:
 from ds_adaptiveload.schedule.geometry import Geometry  # noqa: E402
 from ds_adaptiveload.schedule.manifest import load_manifest  # noqa: E402
 from ds_adaptiveload.schedule.mixes import make_mix  # noqa: E402
+from ds_adaptiveload.train.engine import init_distributed  # noqa: E402
 
 MODEL = dict(num_attention_heads=2, attention_head_dim=32, ffn_dim=128, num_layers=2, text_dim=64, freq_dim=64)
 TEXT_LEN = 32
@@ -66,7 +67,7 @@ def main():
     p.add_argument("--dump-grads", help=argparse.SUPPRESS)  # tests: the last step's gradient
     args = p.parse_args()
 
-    deepspeed.init_distributed()
+    init_distributed()  # deepspeed.init_distributed; on a CPU it also unlinks DeepSpeed's shm buffer (train/engine.py)
     torch.set_num_threads(1)
     data_dir = os.path.join(args.output, "data")
     if dist.get_rank() == 0:

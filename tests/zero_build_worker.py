@@ -15,13 +15,13 @@ from ds_adaptiveload.train.build import build_model  # noqa: E402
 
 
 def main(out):
-    import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import z3_leaf_module
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    from ds_adaptiveload.train.engine import init_distributed
+
+    _, rank, world = init_distributed()  # gloo on the CPU, and DeepSpeed's shm buffer unlinked
     torch.set_num_threads(1)
     cfg = WanConfig.from_yaml("configs/wan_tiny.yaml")
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3}}
