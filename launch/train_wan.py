@@ -103,11 +103,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Under the test suite a rank now and then still aborts in interpreter teardown after main() returned
-    # ("terminate called without an active exception", as the diffusers example did, 2026-12-01). Everything is
-    # written by then (the step log flushes each line, checkpoints are saved) and failures.teardown() destroyed
-    # the process group, so leave without running C++ static destructors, with main()'s exit code.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())
