@@ -12,7 +12,7 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.compile import (compile_blocks, compile_kind, compile_regions, compile_stats,
                                            uncompile_blocks)
 from ds_adaptiveload.model.wan import BlockFns, LayerNorm, RMSNorm
-from tests.test_compile_blocks import PACKS, run_packed, tiny
+from tests.test_compile_blocks import PACKS, check_against_eager, run_packed, tiny
 
 # PACKS (2 and 3 groups, with and without groups of one sample), then packs of 1, 4 and 5 groups
 MORE = [[((1, 4, 6), 1)], [((1, 8, 8), 5)],
@@ -23,19 +23,6 @@ MORE = [[((1, 4, 6), 1)], [((1, 8, 8), 5)],
 # A bound whatever the composition: per-group steps (RoPE, gated add) specialise sizes of 1, storage offsets of 0 and
 # bases of one sample (about 5 graphs each), RMSNorm token rows, contexts and one-sample contexts, LayerNorm 1
 MAX_GRAPHS = 16
-
-
-def check_against_eager(eager, comp, packs, device="cpu", tol=1e-5):
-    graphs = []
-    for i, pack in enumerate(packs):
-        y0, g0 = run_packed(eager, pack, i, device)
-        y1, g1 = run_packed(comp, pack, i, device)
-        for a, b in zip(y1, y0):
-            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
-        for n in g0:
-            torch.testing.assert_close(g1[n], g0[n], atol=tol, rtol=10 * tol, msg=lambda m, n=n: f"{n}: {m}")
-        graphs.append(compile_stats()["block_graphs"])
-    return graphs
 
 
 @pytest.mark.parametrize("checkpoint_blocks,policy", [(False, "full"), (True, "full"), (True, "attention")])

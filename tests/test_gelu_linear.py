@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ds_adaptiveload.model.wan import GeluLinear, _GeluLinearFn
-from tests.test_compile_blocks import run_packed, tiny
+from tests.test_compile_blocks import check_against_eager, tiny
 from tests.test_compile_regions import MORE
 
 
@@ -35,13 +35,7 @@ def test_model_with_gelu_linear_matches_plain_gelu_then_linear():
     m = tiny()
     assert all(isinstance(b.ffn[2], GeluLinear) for b in m.blocks)
     ref = _plain_ffn(m)
-    for i, pack in enumerate(MORE):
-        y0, g0 = run_packed(ref, pack, i)
-        y1, g1 = run_packed(m, pack, i)
-        for a, b in zip(y1, y0):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-        for n in g0:
-            torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=1e-5, msg=lambda msg, n=n: f"{n}: {msg}")
+    check_against_eager(ref, m, MORE, tol=1e-6)
 
 
 def _saved_bytes(model, pack):
