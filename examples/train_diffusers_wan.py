@@ -23,6 +23,7 @@ from ds_adaptiveload.schedule.geometry import Geometry  # noqa: E402
 from ds_adaptiveload.schedule.manifest import load_manifest  # noqa: E402
 from ds_adaptiveload.schedule.mixes import make_mix  # noqa: E402
 from ds_adaptiveload.train.engine import init_distributed  # noqa: E402
+from ds_adaptiveload.train.failures import leave  # noqa: E402
 
 MODEL = dict(num_attention_heads=2, attention_head_dim=32, ffn_dim=128, num_layers=2, text_dim=64, freq_dim=64)
 TEXT_LEN = 32
@@ -106,11 +107,9 @@ def main():
     loader.close()
     dist.barrier()
     dist.destroy_process_group()
-    # Under the test suite one rank in a few still aborted in interpreter teardown after this point
-    # ("terminate called without an active exception", exit -6, 2026-12-01): all work is saved and the
-    # group is gone, so leave without running C++ static destructors.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    # All work is saved and the group is gone: leave without interpreter teardown, where one rank in a few still
+    # aborted under the test suite ("terminate called without an active exception", 2026-12-01).
+    leave(0)
 
 
 if __name__ == "__main__":

@@ -103,4 +103,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ds_adaptiveload.train.failures import leave
+
+    leave(main())  # atexit handlers run (bench/mfu_train.py's stats), interpreter teardown does not

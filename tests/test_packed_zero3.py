@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ds_adaptiveload.model import WanModel
+from ds_adaptiveload.train.failures import leave
 from tests.test_model import perturbed_model, rel_err, tiny_cfg
 from tests.test_packed import SHAPES, gloo_rank, loss_of, packed_inputs
 
@@ -126,9 +127,7 @@ def _two_rank_worker(rank, world, port, result_path, regions=False):
     torch.distributed.destroy_process_group()
     # Leave without interpreter teardown: one rank in a suite run aborted there ("terminate called without an
     # active exception", SIGABRT) after everything was saved, as the diffusers example did (2026-12-01).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)
 
 
 def _two_rank_regions_worker(rank, world, port, result_path):
