@@ -80,3 +80,29 @@ def test_compile_cache_argument_is_checked_before_training(tmp_path):
         with pytest.raises(UserError, match=msg) as err:
             check_compile_cache(SimpleNamespace(compile_cache=path, compile_blocks=blocks))
         assert path in str(err.value)
+
+
+def test_profile_warnings_name_a_zero_stage_or_sp_the_profile_was_not_calibrated_for():
+    """The shipped ZeRO-2 config plans with the ZeRO-3 calibrated profile: the trainer says so (its fixed bytes and
+    budget are ZeRO-3's); so it does for another sp, or another world size than the budget's shards were rescaled
+    to; a matching or unstated stage, sp and world say nothing."""
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.train.setup import profile_warnings
+
+    z3 = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml"))
+    zero2 = json.load(open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json")))
+    one, two, four = (SimpleNamespace(sp=1, world=w) for w in (1, 2, 4))
+    (w,) = profile_warnings(z3, zero2, one)
+    assert "calibrated under ZeRO-3, this run is ZeRO-2" in w
+    zero3 = {"zero_optimization": {"stage": 3}}
+    assert z3.meta["train_world_size"] == 2 and profile_warnings(z3, zero3, two) == []
+    (w,) = profile_warnings(z3, zero3, SimpleNamespace(sp=2, world=2))
+    assert "sp=1, this run has sp=2" in w
+    (w,) = profile_warnings(z3, zero3, one)  # the ZeRO-3 shards of 2 ranks, held by one
+    assert "budget is for 2 ranks, this run has 1" in w and "out of memory" in w
+    (w,) = profile_warnings(z3, zero3, four)
+    assert "memory left unused" in w
+    tiny = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml"))  # no meta.zero_stage
+    assert profile_warnings(tiny, zero2, one) == []

@@ -18,12 +18,7 @@ from torch import nn
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.config import WanConfig
 from ds_adaptiveload.model.wan import WanBlock, WanModel
-
-
-def zero_stage(ds_cfg: dict) -> int:
-    if not isinstance(ds_cfg, dict):
-        raise UserError(f"build_model: ds_cfg must be the DeepSpeed config dict, got {type(ds_cfg).__name__}")
-    return int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
+from ds_adaptiveload.train.config import zero_stage
 
 
 @contextlib.contextmanager

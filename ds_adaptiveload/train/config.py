@@ -160,6 +160,13 @@ def ds_batch_keys(ds: dict, dp_world: int) -> dict:
 MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
 
 
+def zero_stage(ds_cfg: dict) -> int:
+    """zero_optimization.stage of a DeepSpeed config dict (0 when absent): the one reader of it."""
+    if not isinstance(ds_cfg, dict):
+        raise UserError(f"build_model: ds_cfg must be the DeepSpeed config dict, got {type(ds_cfg).__name__}")
+    return int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
+
+
 def derive_ds_config(base, *, zero_stage=None, grad_accum=None, dp=None, sp=None, bf16=None, adaptive_load=None,
                      monitor_path=None, **top) -> dict:
     """A DeepSpeed JSON dict derived from `base` (a path or a dict; neither is modified): the one place

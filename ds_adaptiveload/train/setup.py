@@ -16,6 +16,7 @@ def read_config(args, world, rank):
     from ds_adaptiveload.model import WanConfig
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.train import config, faults, sp
+    from ds_adaptiveload.train.config import zero_stage
 
     ds_cfg, al = config.load_ds_config(args.deepspeed_config)
     dims = sp.ParallelDims(world=world, sp=ds_cfg.get("sequence_parallel_size", 1), rank=rank)
@@ -23,9 +24,10 @@ def read_config(args, world, rank):
         raise UserError(f"{args.deepspeed_config}: sequence_parallel_size {dims.sp} does not divide "
                         f"the world size {world}")
     # Skipping an update after backward relies on ZeRO-3 discarding a step whose gradient norm is NaN.
-    if al.on_oom == "skip" and ds_cfg.get("zero_optimization", {}).get("stage", 0) != 3:
+    stage = zero_stage(ds_cfg)
+    if al.on_oom == "skip" and stage != 3:
         raise UserError(f"{args.deepspeed_config}: adaptive_load.on_oom \"skip\" needs zero_optimization.stage 3")
-    if getattr(args, "checkpoint_policy", "full") == "attention" and ds_cfg.get("zero_optimization", {}).get("stage", 0) == 3:
+    if getattr(args, "checkpoint_policy", "full") == "attention" and stage == 3:
         # ZeRO-3's parameter hooks inside a block run other ops in the recompute than in the forward, which
         # selective checkpointing refuses (seen on CPU, 2026-12-01).
         raise UserError(f"{args.deepspeed_config}: --checkpoint-policy attention needs zero_optimization.stage 0-2 "
@@ -35,16 +37,41 @@ def read_config(args, world, rank):
     model_cfg = WanConfig.from_yaml(args.model_config)
     profile = CostProfile.load(al.resolve_profile(args.deepspeed_config))
     fault = faults.Faults(args.fault, rank)
-    if rank == 0 and profile.meta.get("sp", dims.sp) != dims.sp:
-        # A profile's per-GPU terms depend on the SP degree (attention k x per GPU token, the all-to-all).
-        print(f"[train_wan] warning: the profile was calibrated for sp={profile.meta['sp']}, this run has "
-              f"sp={dims.sp}: predictions and balance will be off (measured: -33% on the 1.3B model); "
-              f"calibrate with this config or derive one (bench/plan/sp_profile_check.py)", file=sys.stderr)
+    for warning in profile_warnings(profile, ds_cfg, dims) if rank == 0 else ():
+        print(f"[train_wan] warning: {warning}", file=sys.stderr)
     if rank == 0 and changed:
         print(f"[train_wan] batch keys set to count micro-batches (docs/training.md): "
               f"{ {k: v for k, (_, v) in changed.items()} } (config had { {k: o for k, (o, _) in changed.items()} })")
     return SimpleNamespace(ds_cfg=ds_cfg, al=al, dims=dims, G=ds_cfg["gradient_accumulation_steps"],
                            model_cfg=model_cfg, profile=profile, fault=fault)
+
+
+def profile_warnings(profile, ds_cfg: dict, dims) -> list:
+    """Where the profile was calibrated for another run than this one (its meta): what that puts off."""
+    from ds_adaptiveload.train.config import zero_stage
+
+    out, meta = [], profile.meta
+    if meta.get("sp", dims.sp) != dims.sp:
+        # A profile's per-GPU terms depend on the SP degree (attention k x per GPU token, the all-to-all).
+        out.append(f"the profile was calibrated for sp={meta['sp']}, this run has sp={dims.sp}: predictions and "
+                   f"balance will be off (measured: -33% on the 1.3B model); calibrate with this config or derive "
+                   f"one (bench/plan/sp_profile_check.py)")
+    stage = zero_stage(ds_cfg)
+    if "zero_stage" in meta and meta["zero_stage"] != stage:
+        # ZeRO-3 shards the weights over the ranks, ZeRO-2 keeps a bf16 copy on each, so memory.fixed_bytes and the
+        # budget differ: the shipped 1.3B profile's fixed_bytes (ZeRO-3, 2 ranks) is 11.7 GB; ZeRO-2 on one H200 holds
+        # 23.6 GB.
+        out.append(f"the profile was calibrated under ZeRO-{meta['zero_stage']}, this run is ZeRO-{stage}: its memory "
+                   f"budget and fixed bytes do not hold here (out of memory, or memory left unused); calibrate with "
+                   f"this config (docs/calibration.md)")
+    elif stage and meta.get("train_world_size", dims.world) != dims.world:
+        # The shards in memory.fixed_bytes are 1/train_world_size of the sharded state: fewer ranks hold more of it.
+        more = meta["train_world_size"] > dims.world
+        out.append(f"the profile's memory budget is for {meta['train_world_size']} ranks, this run has {dims.world}: "
+                   f"each rank holds {'more' if more else 'less'} of the ZeRO-{stage} state than it planned for "
+                   f"({'out of memory' if more else 'memory left unused'}); calibrate with --train-world-size "
+                   f"{dims.world} (docs/calibration.md)")
+    return out
 
 
 def check_compile_cache(args) -> None:
@@ -84,6 +111,7 @@ def prepare_data(args, manifest, c, world, rank):
     from ds_adaptiveload.schedule.planner import PlanConfig
     from ds_adaptiveload.schedule.sampler import AdaptiveSampler
     from ds_adaptiveload.train import checkpoint
+    from ds_adaptiveload.train.config import zero_stage
 
     al, geometry = c.al, c.profile.geometry
     samples = load_manifest(manifest, geometry)
@@ -100,7 +128,7 @@ def prepare_data(args, manifest, c, world, rank):
         if not samples:
             raise UserError(f"{manifest}: every sample is bad")
     # ZeRO-2/3 synchronise ranks at every micro-batch (reduce-scatter / all-gather): plan rounds, not totals.
-    lockstep = c.ds_cfg.get("zero_optimization", {}).get("stage", 0) >= 2
+    lockstep = zero_stage(c.ds_cfg) >= 2
     plan_cfg = PlanConfig(policy=al.policy, world_size=world, sp=c.dims.sp, grad_accum=c.G, seed=al.seed,
                           on_oversize=al.on_oversize, window=al.window, fill=al.fill, lockstep=lockstep)
     sampler = AdaptiveSampler(samples, c.profile, plan_cfg, c.dims.dp_rank)
