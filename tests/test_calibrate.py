@@ -566,7 +566,7 @@ def test_calibration_stages_with_a_fake_engine(tmp_path, monkeypatch):
     cli.add_arguments(ap)
     args = ap.parse_args(["--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", "sp2.json",
                           "--out", str(tmp_path / "p.yaml"), "--json", str(tmp_path / "p.json"),
-                          "--packs", "0"])  # the packed stage: tests/test_calibrate_packed.py
+                          "--packs", "0", "--no-open-blocks"])  # tests/test_calibrate_packed.py, _blocks.py
     cfg = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_1_3b.yaml"))
     ds = {"sequence_parallel_size": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     prof = measure.measure_profile(cfg, ds, args, cal.GRID_SHAPES, cal.HELDOUT_SHAPES)
@@ -697,3 +697,41 @@ def test_sp_terms_convert_one_gpu_terms_to_per_gpu_tokens():
     assert pt2 == pytest.approx(2e-6) and a2a == pytest.approx(4 * 1536 * 2 * 30 * 3 * 0.5 / 200e6)
     assert pt == pytest.approx(0.01 + a2a)
     assert cal.sp_terms(0.01, 1e-6, cfg, 4, link_gbs=200.0)[2] == pytest.approx(a2a * 1.5)  # (k-1)/k: 3/4 vs 1/2
+
+
+def fake_calibration(tmp_path, monkeypatch, ds, *flags, step_fn=None):
+    """measure.measure_profile of the 1.3B config on CPU, the engine faked at calibrate.engine (one rank, a 140 GiB
+    device, step_fn or FakeStepFn for StepFn), --packs 0 and `flags`."""
+    import argparse
+    import types
+
+    import torch
+
+    from ds_adaptiveload.calibrate import cli, engine, measure
+    from ds_adaptiveload.model import WanConfig
+
+    monkeypatch.setattr(engine, "init_engine", lambda cfg, ds, args: (
+        None, types.SimpleNamespace(world=1, sp=1, rank=0), None, torch.device("cpu"), torch.bfloat16))
+    monkeypatch.setattr(engine, "StepFn", step_fn or FakeStepFn)
+    monkeypatch.setattr(engine, "capacity", lambda device: 140 * 2**30)
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    args = ap.parse_args(["--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", "ds.json", "--out",
+                          str(tmp_path / "p.yaml"), "--packs", "0", *flags])
+    cfg = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_1_3b.yaml"))
+    return measure.measure_profile(cfg, ds, args, cal.GRID_SHAPES, cal.HELDOUT_SHAPES)
+
+
+@pytest.mark.parametrize("stage,sharded", [(2, 14), (3, 16)])
+def test_fixed_bytes_rescale_only_what_the_zero_stage_shards(tmp_path, monkeypatch, stage, sharded):
+    """A one-GPU calibration for a 4-GPU run: ZeRO-3 shards all 16 bytes per parameter, ZeRO-2 the 14 of grads and
+    optimizer (its bf16 weights stay whole on every rank), so ZeRO-2's training fixed bytes come out 2 bytes per
+    parameter x 3/4 above ZeRO-3's from the same measurement."""
+    from ds_adaptiveload.model import WanConfig
+
+    prof = fake_calibration(tmp_path, monkeypatch, {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}},
+                            "--no-open-blocks", "--train-world-size", "4")
+    note = prof.fit["memory"]
+    assert note["zero_bytes_per_param"] == sharded == cal.ZERO_SHARDED_BYTES[stage]
+    params = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_1_3b.yaml")).num_params()
+    assert prof.memory["fixed_bytes"] == pytest.approx(note["fixed_bytes_measured"] - sharded * params * 3 / 4, abs=2)

@@ -191,7 +191,8 @@ def fake_calibration(tmp_path, monkeypatch, quadratic, *flags, sp=1):
     ap = argparse.ArgumentParser()
     cli.add_arguments(ap)
     args = ap.parse_args(["--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", "ds.json",
-                          "--out", str(tmp_path / "p.yaml"), "--json", str(tmp_path / "p.json"), *flags])
+                          "--out", str(tmp_path / "p.yaml"), "--json", str(tmp_path / "p.json"),
+                          "--no-open-blocks", *flags])  # the open-block stage: tests/test_calibrate_blocks.py
     cfg = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_1_3b.yaml"))
     ds = {"sequence_parallel_size": sp, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     return measure.measure_profile(cfg, ds, args, cal.GRID_SHAPES, cal.HELDOUT_SHAPES)

@@ -96,6 +96,11 @@ STAGES = {
                        "{out}/h200-wan1.3b-calibrated.yaml", "--json", "{out}/calibrate.json", "--time-budget",
                        "{inner}", "--train-world-size", "2")], 330, "calibrate on GPU 0",
                    {**GPU0, "MASTER_PORT": "29631"}, op=True, margin=90),
+    "calib_z2": Stage([py(*CAL, "--deepspeed_config", "configs/ds_zero2_bf16.json", "--out",
+                          "{out}/h200-wan1.3b-zero2-calibrated.yaml", "--json", "{out}/calibrate-zero2.json",
+                          "--time-budget", "{inner}", "--train-world-size", "1")], 330,
+                      "calibrate configs/ds_zero2_bf16.json on GPU 0 for one-GPU runs (open-block fields included)",
+                      {**GPU0, "MASTER_PORT": "29633"}, op=True, margin=90),
     # --no_local_rank: the launcher would put --local_rank=N before the subcommand, which the CLI rejects.
     "calib_sp2": Stage([["{py}", "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29632",
                          "--no_local_rank", "--module", *CAL[1:], "--deepspeed_config", "configs/ds_zero3_bf16_sp2.json",

@@ -31,8 +31,9 @@ engine (DeepSpeed glue: engine, micro-step, OOM recovery). All but measure and e
 so they are tested on synthetic timings (tests/test_calibrate.py, tests/test_calibrate_packed.py). The names below are re-exported for tests and bench scripts.
 """
 from ds_adaptiveload.calibrate.estimate import estimate_profile, sp_profile, sp_terms
-from ds_adaptiveload.calibrate.fit import (TIME_FLOOR_Q, ZERO_BYTES_PER_PARAM, budget_tokens, fit_memory, fit_time,
-                                           nnls, predict_ms, predict_peak, rel_err, sample_tokens, train_fixed_bytes)
+from ds_adaptiveload.calibrate.fit import (TIME_FLOOR_Q, ZERO_BYTES_PER_PARAM, ZERO_SHARDED_BYTES, budget_tokens,
+                                           fit_memory, fit_time, nnls, predict_ms, predict_peak, rel_err, sample_tokens,
+                                           train_fixed_bytes)
 from ds_adaptiveload.calibrate.grid import (BATCHES, GRID_SHAPES, HELDOUT_SHAPES, Point, grid_points, measure_point,
                                             time_schedule)
 from ds_adaptiveload.calibrate.packs import (PACKS, Pack, build_packs, measure_packs, pack_rows, packed_summary,
@@ -42,7 +43,8 @@ from ds_adaptiveload.calibrate.report import err_summary, report
 from ds_adaptiveload.calibrate.result import build_profile
 
 __all__ = ["BATCHES", "GRID_SHAPES", "HELDOUT_SHAPES", "PACKS", "Pack", "Point", "TIME_FLOOR_Q",
-           "ZERO_BYTES_PER_PARAM", "budget_after_oom", "budget_probes", "budget_tokens", "build_packs",
+           "ZERO_BYTES_PER_PARAM", "ZERO_SHARDED_BYTES",
+           "budget_after_oom", "budget_probes", "budget_tokens", "build_packs",
            "build_profile", "err_summary", "estimate_profile", "fit_memory", "fit_time", "grid_points",
            "measure_packs", "measure_point", "nnls", "pack_rows", "packed_summary", "predict_ms", "predict_peak",
            "probe_point", "rel_err", "report", "sample_tokens", "sp_profile", "sp_terms", "time_schedule",

@@ -36,6 +36,10 @@ def add_arguments(p):
     p.add_argument("--probe-budget", action=argparse.BooleanOptionalAction, default=True,
                    help="after the fit, run one micro-batch at the extrapolated budget when time allows (an OOM "
                         "there lowers the budget)")
+    p.add_argument("--open-blocks", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the fit, run a clip and a multi-sample point again with no block checkpointed (and a "
+                        "clip keeping attention outputs, not under ZeRO-3): the memory.block_* fields and "
+                        "time_ms.recompute_frac that --checkpoint-blocks auto plans with (calibrate/blocks.py)")
     p.add_argument("--packs", type=int, default=PACKS,
                    help=f"held-out packed micro-batches of mixed shapes measured after the fit to validate the "
                         f"planner's packed costing (default {PACKS}; 0 skips them and their time reserve)")

@@ -108,6 +108,14 @@ class StepFn:
             self.reserved = int(v[3]) if self.reserved is not None else None
         return ms
 
+    def set_checkpointing(self, blocks, policy="full"):
+        """The model's per-block checkpointing for the next steps (calibrate/blocks.py's open-block runs): the first
+        `blocks` blocks checkpointed (True: every block), recomputed whole (full) or keeping their attention outputs
+        (attention), as the trainer sets them per micro-batch under --checkpoint-blocks auto."""
+        m = self.engine.module
+        m.checkpoint_blocks, m.checkpoint_policy = blocks, policy
+        m.checkpoint_full_blocks = 0
+
     def _inputs(self, p):
         """Random latents and text contexts of p's shape: [B, C, ...] tensors for a grid Point, lists of
         [C, F_i, H_i, W_i] latents and [L, text_dim] contexts for a packed micro-batch (calibrate.packs.Pack,

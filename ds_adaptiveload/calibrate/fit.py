@@ -8,6 +8,10 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.profile import smooth_max
 
 ZERO_BYTES_PER_PARAM = 16   # ZeRO-3, bf16 + Adam: bf16 param + fp32 master + Adam m, v (+ grad) per shard
+# Bytes per parameter a rank holds as its 1/world share, by ZeRO stage (bf16 weights 2, bf16 grads 2, fp32 master and
+# Adam's m, v 12; the ZeRO paper's accounting): stage 1 shards the optimizer's 12, 2 also the grads, 3 also the weights.
+# The rest is replicated on every rank and does not change with the world size.
+ZERO_SHARDED_BYTES = {0: 0, 1: 12, 2: 14, 3: ZERO_BYTES_PER_PARAM}
 
 # A time this much above the floor is on the line (the floor's own jitter stays below it).
 TIME_FLOOR_MARGIN = 1.1
@@ -196,8 +200,8 @@ def sample_tokens(mem):
 
 
 def train_fixed_bytes(fixed_bytes, params, measured_world, train_world, bytes_per_param=ZERO_BYTES_PER_PARAM):
-    """The memory intercept holds the ZeRO-3 shards at the measuring run's world size: rescale them to the
-    training run's."""
+    """The memory intercept holds the ZeRO shards at the measuring run's world size: rescale them to the training
+    run's. bytes_per_param: what is sharded (ZERO_SHARDED_BYTES of the stage; ZeRO-3's 16 by default)."""
     return max(fixed_bytes - bytes_per_param * params / measured_world + bytes_per_param * params / train_world, 0.0)
 
 

@@ -8,10 +8,11 @@ import time
 from dataclasses import asdict, replace
 
 from ds_adaptiveload.calibrate import engine as eng
+from ds_adaptiveload.calibrate.blocks import OPEN_RESERVE_FRAC, OPEN_RESERVE_S, choose_points, derive, open_point
 from ds_adaptiveload.calibrate.estimate import sp_terms
-from ds_adaptiveload.calibrate.fit import (ZERO_BYTES_PER_PARAM, budget_tokens, fit_memory, fit_time,
-                                           train_fixed_bytes)
-from ds_adaptiveload.calibrate.grid import grid_points, parse_batches, time_schedule
+from ds_adaptiveload.calibrate.fit import (ZERO_BYTES_PER_PARAM, ZERO_SHARDED_BYTES, budget_tokens, fit_memory,
+                                           fit_time, train_fixed_bytes)
+from ds_adaptiveload.calibrate.grid import grid_points, measure_point, parse_batches, time_schedule
 from ds_adaptiveload.calibrate.packs import (PACK_GRID_FRAC, PACK_HEADROOM, PACK_RESERVE_FRAC, PACK_RESERVE_S,
                                              build_packs, measure_packs, pack_rows, pack_seconds, packed_summary)
 from ds_adaptiveload.calibrate.probe import (PROBE_ANCHOR_S, PROBE_RESERVE_S, PROBE_RETRY_S, budget_after_oom,
@@ -19,6 +20,7 @@ from ds_adaptiveload.calibrate.probe import (PROBE_ANCHOR_S, PROBE_RESERVE_S, PR
 from ds_adaptiveload.calibrate.report import err_summary, print_packs, print_report, report
 from ds_adaptiveload.calibrate.result import build_profile, run_meta
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.train.config import zero_stage
 from ds_adaptiveload.schedule.geometry import Geometry
 from ds_adaptiveload.schedule.packed import pack_cost
 
@@ -64,6 +66,7 @@ class Calibration:
         # Seconds kept at the end for the packed validation (packs.PACK_RESERVE_S; none with --packs 0).
         self.pack_reserve = min(PACK_RESERVE_S, PACK_RESERVE_FRAC * self.deadline) if args.packs else 0.0
         self.packs = []
+        self.blocks = None  # measure_open_blocks' fields for the profile
 
     def run(self):
         """Grid, fits, budget probes, packed validation: the profile on rank 0 (printed, --json written), None
@@ -72,6 +75,7 @@ class Calibration:
         budget = self.fit_grid()
         if self.mem and self.capacity and self.args.probe_budget:
             budget = self.probe_budget(budget)
+        self.blocks = self.measure_open_blocks()
         rows, prof = self.profile(budget)
         prof.fit["packed"] = self.validate_packs(prof)  # every rank: the packs' steps are collective
         prof.fit["elapsed_s"] = round(time.monotonic() - self.t_start, 1)
@@ -99,6 +103,8 @@ class Calibration:
         # on H200s): the grid leaves it that much time, or the probe would never run within the default budget.
         reserve = (min(PROBE_RESERVE_S + PROBE_ANCHOR_S + (0 if multi else PROBE_RETRY_S), 0.25 * self.deadline)
                    if args.probe_budget and self.capacity else 0.0)
+        if args.open_blocks and args.checkpoint_blocks and self.capacity:  # and for the open-block runs
+            reserve += min(OPEN_RESERVE_S, OPEN_RESERVE_FRAC * self.deadline)
         time_schedule(self.points, self.step_fn, None, clock=self.clock, oom_types=self.oom_types,
                       repeats=args.repeats, on_point=on_point, deadline=self.deadline - reserve - self.pack_reserve,
                       mem_limit=self.capacity * args.safety if multi and self.capacity else None)
@@ -135,14 +141,15 @@ class Calibration:
 
     def memory_budget(self):
         """The training run's budget from the memory fit of the points as they stand (the probes' peaks join
-        it), the fixed bytes rescaled to its ZeRO-3 shards."""
+        it), the fixed bytes rescaled to its ZeRO shards (ZERO_SHARDED_BYTES of the config's stage)."""
         self.mem = mem = fit_memory(self.points)
-        fixed_bytes = train_fixed_bytes(mem[0], self.cfg.num_params(), self.dims.world, self.train_world)
+        sharded = ZERO_SHARDED_BYTES.get(zero_stage(self.ds), ZERO_BYTES_PER_PARAM)
+        fixed_bytes = train_fixed_bytes(mem[0], self.cfg.num_params(), self.dims.world, self.train_world, sharded)
         self.mem_doc = (fixed_bytes, mem[1], mem[3])
         self.mem_note = {"fixed_bytes_measured": int(mem[0]), "floor_bytes_measured": int(mem[2]),
                          "model": "peak = max(floor, fixed + bytes_per_token * tokens + bytes_per_sample * B)",
                          "measured_world_size": self.dims.world,
-                         "train_world_size": self.train_world, "zero_bytes_per_param": ZERO_BYTES_PER_PARAM,
+                         "train_world_size": self.train_world, "zero_bytes_per_param": sharded,
                          "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")}
         return budget_tokens(self.capacity, self.args.safety, fixed_bytes, mem[1], self.oom_tokens)
 
@@ -172,6 +179,29 @@ class Calibration:
         if ran:  # no larger than what a probe ran: the rest of the budget would be extrapolated
             budget = min(budget, self.budget_below(ran[-1], safety=1.0))
         return budget
+
+    def measure_open_blocks(self):
+        """blocks.py: fitted points again with every block open, and the largest clip with the attention policy
+        where the trainer allows it (not ZeRO-3), within the time budget; blocks.derive's fields, or None."""
+        args, L = self.args, self.cfg.num_layers
+        if not (args.open_blocks and args.checkpoint_blocks and self.mem and self.capacity):
+            return None
+        chosen = choose_points(self.points, self.mem, self.capacity * args.safety)
+        runs = [(c, open_point(c), 0, "full") for c in chosen]
+        if chosen and zero_stage(self.ds) != 3:
+            runs.append((chosen[0], open_point(chosen[0], "attention"), L, "attention"))
+        for c, o, blocks, policy in runs:
+            seconds = (1 + args.repeats) * (c.median_ms + statistics.median(c.step_ms)) / 1000
+            if self.clock() + 1.2 * seconds > self.deadline - self.pack_reserve:
+                o.status, o.note = "skipped", f"time budget (needs ~{seconds:.0f} s)"
+                continue
+            self.step_fn.set_checkpointing(blocks, policy)
+            try:
+                measure_point(o, self.step_fn, self.clock, self.oom_types, args.repeats, big_s=5.0)  # as the grid
+            finally:
+                self.step_fn.set_checkpointing(args.checkpoint_blocks)
+        attention = [(c, o) for c, o, _, policy in runs if policy == "attention"]
+        return derive([(c, o) for c, o, _, policy in runs if policy == "full"], L, attention[0] if attention else None)
 
     def _before_probe(self, probe):
         """Several ranks: an OOM in the probe stops the run (StepFn), so the profile is written first."""
@@ -219,7 +249,7 @@ class Calibration:
         prof = build_profile(self.geometry, (fixed, per_token, per_token_sq, floor), self.step_fixed, self.mem_doc,
                              self.capacity, args.safety, budget, self.meta, fit,
                              dual_range=(min(self.sizes), max(self.sizes)), dual_sizes=self.sizes,
-                             pin_dual=args.pin_dual)
+                             pin_dual=args.pin_dual, blocks=self.blocks)
         return rows, prof
 
     def validate_packs(self, prof):

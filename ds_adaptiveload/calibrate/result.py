@@ -10,14 +10,16 @@ from ds_adaptiveload.calibrate.fit import TIME_FLOOR_Q
 from ds_adaptiveload.calibrate.report import dual_report
 from ds_adaptiveload.schedule.geometry import Geometry
 from ds_adaptiveload.schedule.profile import CostProfile, derive_dual
+from ds_adaptiveload.train.config import zero_stage
 
 
 def build_profile(geometry, coef, step_fixed, mem, capacity, safety, budget, meta, fit, dual_range=None,
-                  dual_sizes=None, pin_dual=False) -> CostProfile:
+                  dual_sizes=None, pin_dual=False, blocks=None) -> CostProfile:
     """The profile of fitted terms: coef = (fixed, per_token, per_token_sq[, floor]) in ms, mem = (fixed_bytes,
     bytes_per_token[, bytes_per_sample]) of the training run or None, budget in tokens, meta and fit as
     written. With dual_range (s_lo, s_hi) the dual fitted there is reported under fit.dual (its error at
-    dual_sizes), and written into `dual:` with pin_dual."""
+    dual_sizes), and written into `dual:` with pin_dual. blocks: calibrate/blocks.derive's open-block fields
+    (memory and time_ms.recompute_frac), their runs reported under fit.open_blocks."""
     floor = _r(coef[3]) if len(coef) > 3 and coef[3] else 0.0
     memory = {"budget_tokens": int(budget), "safety": safety}  # the memory section, in the order written
     if mem:
@@ -26,11 +28,15 @@ def build_profile(geometry, coef, step_fixed, mem, capacity, safety, budget, met
             memory.update(bytes_per_sample=_r(mem[2]), sample_tokens=_r(mem[2] / mem[1]))
     if capacity:
         memory["capacity_bytes"] = int(capacity)
+    if blocks:
+        memory.update(blocks["memory"])
+        fit = {**fit, "open_blocks": blocks["points"]}
     prof = CostProfile(fixed_ms=_r(coef[0]), per_token_ms=_r(coef[1]), per_token_sq_ms=_r(coef[2]),
                        step_fixed_ms=_r(step_fixed), floor_ms=floor, floor_q=TIME_FLOOR_Q if floor else math.inf,
                        budget_tokens=int(budget), sample_tokens=memory.get("sample_tokens", 0.0),
                        geometry=Geometry(tuple(geometry.vae_stride), tuple(geometry.patch_size)),
-                       memory=memory, meta=meta, header=header(meta))
+                       memory=memory, meta=meta, header=header(meta),
+                       recompute_frac=(blocks or {}).get("time_ms", {}).get("recompute_frac", 0.0))
     if dual_range:
         # The paper's B * s^p <= M_comp over the calibrated range (profile.derive_dual's convention). Pinned
         # in `dual:` only on request: without it the planner derives it for each dataset's own range.
@@ -73,7 +79,7 @@ def run_meta(cfg, ds, args, sp, world):
         except md.PackageNotFoundError:
             return None
 
-    zero = ds.get("zero_optimization", {}).get("stage", 0)
+    zero = zero_stage(ds)  # meta.zero_stage: what the trainer compares its run's stage with (train/setup.py)
     dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
     return {"model_config": args.model_config, "model": {"dim": cfg.dim, "ffn_dim": cfg.ffn_dim,
             "num_heads": cfg.num_heads, "num_layers": cfg.num_layers, "params": cfg.num_params()},

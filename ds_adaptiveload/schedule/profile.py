@@ -92,6 +92,9 @@ class CostProfile:
     header: str = ""
     """The comment block at the top of the YAML (without the '# '): how the profile was made. Read by
     load, written by to_yaml."""
+    recompute_frac: float = 0.0
+    """time_ms.recompute_frac: the share of a fully checkpointed micro-batch's fwd+bwd that recompute takes
+    (schedule/memory.recompute_factor; calibrate measures it, 0: not known)."""
 
     def __post_init__(self):
         # Messages name the YAML keys (KEYS), the names a user edits.
@@ -105,6 +108,8 @@ class CostProfile:
             raise UserError(f"profile: time_ms.floor_q must be a number >= 1, got {self.floor_q!r}")
         if self.per_token_ms == 0 and self.per_token_sq_ms == 0:
             raise UserError("profile: time_ms.per_token and time_ms.per_token_sq cannot both be 0")
+        if not (_is_number(self.recompute_frac) and 0 <= self.recompute_frac < 1):
+            raise UserError(f"profile: time_ms.recompute_frac must be a number in [0, 1), got {self.recompute_frac!r}")
         if type(self.budget_tokens) is not int or self.budget_tokens < 1:  # bool is an int: refused
             raise UserError(f"profile: memory.budget_tokens must be a positive integer, "
                             f"got {self.budget_tokens!r}")
@@ -196,7 +201,8 @@ class CostProfile:
                    floor_q=t.get("floor_q", math.inf), budget_tokens=mem["budget_tokens"],
                    sample_tokens=mem.get("sample_tokens", 0.0),
                    dual_p=dual.get("p"), dual_m_comp=dual.get("m_comp"), geometry=geometry,
-                   memory=dict(mem), meta=dict(doc.get("meta") or {}), fit=dict(doc.get("fit") or {}))
+                   memory=dict(mem), meta=dict(doc.get("meta") or {}), fit=dict(doc.get("fit") or {}),
+                   recompute_frac=t.get("recompute_frac", 0.0))
 
     def to_dict(self) -> dict:
         doc = {
@@ -204,7 +210,8 @@ class CostProfile:
             "time_ms": {"fixed": self.fixed_ms, "per_token": self.per_token_ms,
                         "per_token_sq": self.per_token_sq_ms, "step_fixed": self.step_fixed_ms,
                         **({"floor": self.floor_ms} if self.floor_ms else {}),
-                        **({"floor_q": self.floor_q} if math.isfinite(self.floor_q) else {})},
+                        **({"floor_q": self.floor_q} if math.isfinite(self.floor_q) else {}),
+                        **({"recompute_frac": self.recompute_frac} if self.recompute_frac else {})},
             "memory": {**self.memory, "budget_tokens": self.budget_tokens},
         }
         if self.sample_tokens or "sample_tokens" in self.memory:  # in memory's place when it has one
