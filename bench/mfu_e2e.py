@@ -48,7 +48,8 @@ def e2e_summary(recs, warmup, peak_tflops):
     over the steps that compiled no new block graph (where the step log counts them: block_graphs)."""
     trained = [r for r in recs if "skipped" not in r]
     body = trained[warmup:] if len(trained) > warmup else []
-    keys, optional = ("step", "samples", "tokens", "step_ms", "mfu", "mem_peak_gib"), ("pred_mem_gib", "block_graphs")
+    keys = ("step", "samples", "tokens", "step_ms", "mfu", "mem_peak_gib")
+    optional = ("pred_mem_gib", "block_graphs", "ckpt_k")
     out = {"steps": len(body), "steps_logged": len(recs), "skipped_steps": len(recs) - len(trained),
            "per_step": [{**{k: r.get(k) for k in keys}, **{k: r[k] for k in optional if k in r}} for r in recs]}
     graphs = [r.get("block_graphs") for r in recs]
@@ -129,6 +130,8 @@ def e2e_variant(args, name, manifest, memory, deadline):
         flags = [*flags, "--compile-cache", os.path.abspath(args.compile_cache)]
     log = os.path.join(args.out, f"e2e_{name}_train.log")
     os.environ.update(env)
+    gpu_csv = os.path.join(args.out, f"e2e_{name}_gpu.csv")
+    monitor = gpu_monitor(gpu_csv)
     try:
         steps = args.e2e_steps
         if name in TRAINER_E2E and args.e2e_epochs:
@@ -138,12 +141,69 @@ def e2e_variant(args, name, manifest, memory, deadline):
     finally:
         for k in env:
             os.environ.pop(k, None)
+        if monitor is not None:
+            monitor.terminate()
     steps_path = f"{run}/steps.rank0.jsonl"
+    recs = read_steps(steps_path) if os.path.exists(steps_path) else []
     out = {"variant": name, "rc": rc, "env": env, "steps_asked": steps,
-           **e2e_summary(read_steps(steps_path) if os.path.exists(steps_path) else [], args.e2e_warmup, args.peak_tflops)}
+           **e2e_summary(recs, args.e2e_warmup, args.peak_tflops),
+           "gpu_per_step": gpu_per_step(gpu_csv, recs)}
     if os.path.exists(env["MFU_STATS"]):
         with open(env["MFU_STATS"]) as f:
             out.update(json.load(f))
+    return out
+
+
+GPU_FIELDS = "timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu,memory.used"
+# gpu_per_step's columns of gpu_monitor's CSV; the throttle reasons, where the driver has them, come last
+SM_COL, POWER_COL = (GPU_FIELDS.split(",").index(f) for f in ("clocks.sm", "power.draw"))
+REASONS_COL = len(GPU_FIELDS.split(","))
+
+
+def gpu_monitor(path):
+    """nvidia-smi sampling the GPU's clocks, temperature and power every 2 s into `path` (CSV) while a variant
+    trains, so a change in step time can be told apart from a throttled GPU; None without nvidia-smi."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    for fields in (GPU_FIELDS + ",clocks_event_reasons.active", GPU_FIELDS):  # older drivers lack the reasons
+        proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv", "-lms", "2000", "-f", path],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
+        if proc.poll() is None:
+            return proc
+    return None
+
+
+def gpu_per_step(csv_path, recs) -> list:
+    """Per step record with an end_time: mean SM clock (MHz) and power (W) of the nvidia-smi samples inside the step
+    ([end_time - step_ms, end_time]) and whether any sample reported a power cap (throttle bit 0x4); [] without.
+    nvidia-smi's timestamps are the machine's local time, read as UTC (the GPU machine's zone)."""
+    import csv
+    import datetime
+
+    if not os.path.exists(csv_path):
+        return []
+    samples = []
+    with open(csv_path) as f:
+        for row in csv.reader(f, skipinitialspace=True):
+            try:
+                t = datetime.datetime.strptime(row[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=datetime.timezone.utc)
+                samples.append((t.timestamp(), float(row[SM_COL].split()[0]), float(row[POWER_COL].split()[0]),
+                                int(row[REASONS_COL], 16) if len(row) > REASONS_COL else 0))
+            except (ValueError, IndexError):  # the header, a unit-less "[N/A]"
+                continue
+    out = []
+    for r in recs:
+        if "end_time" not in r:
+            continue
+        inside = [x for x in samples if r["end_time"] - r["step_ms"] / 1e3 <= x[0] <= r["end_time"]]
+        if inside:
+            out.append({"step": r["step"], "sm_mhz": round(statistics.mean(x[1] for x in inside)),
+                        "power_w": round(statistics.mean(x[2] for x in inside), 1),
+                        "power_capped": any(x[3] & 0x4 for x in inside), "samples": len(inside)})
     return out
 
 
@@ -173,6 +233,11 @@ def e2e_memory(args, doc):
         doc.doc.setdefault("e2e_memory_source", {})[mode] = origin if measured else "estimated (ESTIMATED_MEMORY)"
     for mode in ("eager", "compile", "regions"):  # the attention policy plans from the full policy's fields plus the
         full, attn = out[mode], out[f"{mode}-attn"]  # bytes a block keeping its attention adds per token
+        if doc.doc["e2e_memory_source"][mode] != doc.doc["e2e_memory_source"][f"{mode}-attn"]:
+            # one measured, the other estimated: the -attn plan would mix the two (the fifth session's call 2 planned
+            # k with the eager estimate of block bytes for this reason); measure both modes (--modes X,X-attn)
+            doc.doc.setdefault("warnings", []).append(f"e2e memory: {mode} and {mode}-attn from different sources")
+            print(f"[mfu] warning: {doc.doc['warnings'][-1]}", flush=True)
         out[f"{mode}-attn"] = {**full, "attention_bytes_per_token": max(
             0.0, (attn["bytes_per_token"] - full["bytes_per_token"]) / bench_layers(args))}
     return out

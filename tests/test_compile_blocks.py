@@ -7,6 +7,7 @@ AOTAutograd without inductor's C++ code generation, which takes minutes per grap
 inductor itself runs on the GPU in bench/mfu.py."""
 import copy
 import os
+import time
 
 import pytest
 import torch
@@ -260,6 +261,12 @@ def test_trainer_trains_packed_micro_batches_with_compiled_blocks(tmp_path):
     assert graphs == sorted(graphs) and 1 <= graphs[-1] <= 16, graphs  # test_compile_regions.MAX_GRAPHS
     # the memory model's peak for each step's largest micro-batch (bytes_per_token 1 above: tokens + open blocks)
     assert all(0 < r["pred_mem_gib"] * 2**30 <= 1500 for r in log), [r.get("pred_mem_gib") for r in log]
+    # [k, k_full] per micro-batch: some blocks open, some not, and k_full never above k
+    ks = [kk for r in log for kk in r["ckpt_k"]]
+    assert all(len(r["ckpt_k"]) == len(r["ids"]) for r in log), [r["ckpt_k"] for r in log]
+    assert all(0 <= kf <= k <= 2 for k, kf in ks) and any(k < 2 for k, _ in ks) and any(k > 0 for k, _ in ks), ks
+    ends = [r["end_time"] for r in log]  # unix time at each step's end, for joining outside logs
+    assert ends == sorted(ends) and abs(ends[-1] - time.time()) < 600, ends
 
 
 _CACHE_RUN = """

@@ -244,6 +244,28 @@ def test_trainer_e2e_variants_launch_what_train_wan_accepts(tmp_path, monkeypatc
         assert steps == 2 * mfu.epoch_steps(f"{run}/profile.yaml", manifest, mfu.TRAINER_E2E[name], 4)
 
 
+def test_e2e_memory_warns_when_a_mode_and_its_attn_mode_come_from_different_sources(tmp_path):
+    """A --memory-json that measured regions-attn but not regions: the -attn plan takes regions' (estimated) base, so
+    the doc and stdout say so (the fifth session's call 2 planned k with the eager estimate this way)."""
+    from types import SimpleNamespace
+
+    def fields(per_token, per_block):
+        return {"memory": {"fixed_bytes": 2.3e10, "bytes_per_token": per_token, "block_bytes_per_token": per_block,
+                           "block_bytes_per_sample": 4e6}}
+
+    attn_only = {"proposed_profile": {"regions-attn": fields(3.3e5, 5.1e4)}}
+    both = {"proposed_profile": {"regions-attn": fields(3.3e5, 5.1e4), "regions": fields(1.8e5, 5.6e4)}}
+    for doc_json, warned in ((attn_only, True), (both, False)):
+        (tmp_path / "m.json").write_text(json.dumps(doc_json))
+        args = mfu.parse_args(["--parts", "e2e", "--memory-json", str(tmp_path / "m.json"), "--out", str(tmp_path)])
+        doc = SimpleNamespace(doc={})
+        memory = mfu.e2e_memory(args, doc)
+        assert any("regions and regions-attn" in w for w in doc.doc.get("warnings", [])) == warned
+        if not warned:  # the -attn plan: regions' base plus what keeping the attention adds per block
+            assert memory["regions-attn"]["block_bytes_per_token"] == 5.6e4
+            assert memory["regions-attn"]["attention_bytes_per_token"] == pytest.approx((3.3e5 - 1.8e5) / 30)
+
+
 def test_memory_fields_recover_the_per_token_and_per_sample_terms():
     """The probes of memory_fields against a device whose peak follows schedule/memory.py's model exactly: every
     term comes back, block_bytes_per_sample included (what an open block holds per sample)."""
@@ -264,3 +286,29 @@ def test_memory_fields_recover_the_per_token_and_per_sample_terms():
     assert mem["block_bytes_per_sample"] == pytest.approx(d, rel=1e-6)
     assert mem["fixed_bytes"] == pytest.approx(F + c, rel=1e-6) and mem["bytes_per_sample"] == 21e6
     assert probe["bytes_per_sample_all"] == pytest.approx(c, rel=1e-6)
+
+
+def test_gpu_per_step_joins_nvidia_smi_samples_with_the_step_log(tmp_path):
+    """bench/mfu_e2e.gpu_per_step: the samples inside each step's [end_time - step_ms, end_time] (nvidia-smi's CSV as
+    the fifth session's H200 run wrote it), their mean SM clock and power, and the power-cap throttle bit."""
+    import datetime
+
+    csv = tmp_path / "gpu.csv"
+    rows = ["timestamp, clocks.current.sm [MHz], clocks.current.memory [MHz], temperature.gpu, power.draw [W], "
+            "utilization.gpu [%], memory.used [MiB], clocks_event_reasons.active"]
+    t0 = datetime.datetime(2026, 12, 1, 22, 4, 0, tzinfo=datetime.timezone.utc)
+    for i, (mhz, watts, reason) in enumerate([(1965, 620.0, 0), (1965, 624.0, 4), (1650, 690.0, 4), (1700, 692.0, 4)]):
+        t = t0 + datetime.timedelta(seconds=2 * i)
+        rows.append(f"{t.strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]}, {mhz} MHz, 3201 MHz, 58, {watts:.2f} W, 100 %, "
+                    f"132839 MiB, 0x{reason:016x}")
+    csv.write_text("\n".join(rows) + "\n")
+    start = t0.timestamp()
+    recs = [{"step": 1, "step_ms": 2500.0, "end_time": start + 2.5},
+            {"step": 2, "step_ms": 3000.0, "end_time": start + 6.1},
+            {"step": 3, "step_ms": 1000.0}]  # no end_time (an older log): left out
+    import mfu_e2e
+
+    got = mfu_e2e.gpu_per_step(str(csv), recs)
+    assert got == [{"step": 1, "sm_mhz": 1965, "power_w": 622.0, "power_capped": True, "samples": 2},
+                   {"step": 2, "sm_mhz": 1675, "power_w": 691.0, "power_capped": True, "samples": 2}]
+    assert mfu_e2e.gpu_per_step(str(tmp_path / "missing.csv"), recs) == []

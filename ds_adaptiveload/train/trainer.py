@@ -18,6 +18,7 @@ from ds_adaptiveload.train.setup import prepare_data, read_config, read_step, st
 class Trainer:
     _saved_graphs = 0  # block graphs in the last --compile-cache write
     _pred_peak_gib = 0.0  # the memory model's largest micro-batch peak in the current step
+    _step_ks = ()  # [k, k_full] of the current step's micro-batches so far (--checkpoint-blocks auto)
 
     def __init__(self, args):
         import functools
@@ -240,6 +241,7 @@ class Trainer:
         (pred_mem_gib in the step log, beside the measured mem_peak_gib); nothing if the profile cannot say."""
         from ds_adaptiveload.schedule.memory import predicted_peak_bytes
 
+        self._step_ks = [*self._step_ks, [k, k_full]]  # ckpt_k in the step log: what each micro-batch recomputed
         mem = self.profile.memory
         if mem.get("bytes_per_token") is None:
             return
@@ -385,9 +387,12 @@ class Trainer:
         m["pred_ms"] = list(ps.pred_ms)
         m["pred_wall_ms"] = ps.pred_wall_ms
         m["pred_idle_fraction"] = metrics.idle_fraction(ps.pred_ms, ps.pred_wall_ms)
-        rec = {**base, "lr": lr, **m, "rank_loss": run.counters["loss_sum"] / max(run.counters["samples"], 1)}
+        rec = {**base, "lr": lr, **m, "rank_loss": run.counters["loss_sum"] / max(run.counters["samples"], 1),
+               "end_time": round(time.time(), 3)}  # unix time: joins the step with outside logs (nvidia-smi)
         if self._pred_peak_gib:  # --checkpoint-blocks auto: the memory model's peak for the step
             rec["pred_mem_gib"], self._pred_peak_gib = self._pred_peak_gib, 0.0
+        if self._step_ks:  # [k, k_full] per micro-batch (k_full: blocks of those k recomputed whole)
+            rec["ckpt_k"], self._step_ks = self._step_ks, ()
         if getattr(self.args, "compile_blocks", False):  # graphs so far: a step that compiled shows a rise
             from ds_adaptiveload.model.compile import compile_stats
 
