@@ -61,29 +61,15 @@ class Levers:
         k_full = k if policy == "full" else min(k_full, k)
         if self.state == (k, compiled, policy, k_full):
             return
-        from ds_adaptiveload.model.compile import block_forward, region_fns
+        from ds_adaptiveload.model.compile import bind_regions, block_forward, region_fns
 
         if compiled is True and self._compiled is None:
             self._compiled = block_forward(**self.compile_kw)
         fn = self._compiled if compiled is True else WanBlock.forward
-        self._set_regions(region_fns(**self.compile_kw) if compiled == "regions" else None)
+        bind_regions(self.model, region_fns(**self.compile_kw) if compiled == "regions" else None)  # None: eager
         for i, b in enumerate(self.blocks):
             b.forward = types.MethodType(_checkpointed(fn) if i < k_full else _selective(fn) if i < k else fn, b)
         self.state = (k, compiled, policy, k_full)
-
-
-    def _set_regions(self, fns):
-        """compiled "regions": the model's per-group steps and its blocks' norms compiled (model/compile.py's
-        compile_regions, switchable per call here); None: eager."""
-        from ds_adaptiveload.model.wan import LayerNorm, RMSNorm
-
-        self.model.set_block_fns(fns[0] if fns else None)
-        for m in self.model.blocks.modules():
-            if isinstance(m, (RMSNorm, LayerNorm)):
-                if fns:
-                    m.forward = types.MethodType(fns[1][type(m)], m)
-                else:
-                    m.__dict__.pop("forward", None)
 
 
 def micro_batch_tokens(x, patch_size) -> tuple:

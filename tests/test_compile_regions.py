@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.model.compile import (compile_blocks, compile_kind, compile_regions, compile_stats,
-                                           uncompile_blocks)
+from ds_adaptiveload.model.compile import (bind_regions, compile_blocks, compile_kind, compile_regions, compile_stats,
+                                           region_fns, uncompile_blocks)
 from ds_adaptiveload.model.wan import BlockFns, LayerNorm, RMSNorm
 from tests.test_compile_blocks import PACKS, check_against_eager, run_packed, tiny
 
@@ -63,6 +63,10 @@ def test_regions_and_blocks_exclude_each_other_and_uncompile_restores_eager():
     with pytest.raises(UserError, match="compile_regions"):
         compile_blocks(m, backend="aot_eager")
     uncompile_blocks(m)
+    assert all("forward" not in x.__dict__ for x in norms) and m._block_fns == BlockFns()
+    bind_regions(m, region_fns(backend="aot_eager"))  # what bench/mfu_levers.py switches per call
+    assert all("forward" in x.__dict__ for x in norms) and m._block_fns == region_fns(backend="aot_eager")[0]
+    bind_regions(m, None)
     assert all("forward" not in x.__dict__ for x in norms) and m._block_fns == BlockFns()
     compile_blocks(m, backend="aot_eager")
     with pytest.raises(UserError, match="compile_blocks"):

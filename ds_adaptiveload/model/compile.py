@@ -181,13 +181,22 @@ def compile_regions(model: torch.nn.Module, mode: Optional[str] = None, backend:
         raise UserError("compile_regions: the blocks are compiled whole (compile_blocks); uncompile_blocks first")
     if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
         torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
-    fns, norms = region_fns(mode, backend)
+    regions = region_fns(mode, backend)
     for w in wans:
-        w.set_block_fns(fns)
-        for m in w.blocks.modules():
-            if type(m) in norms and "forward" not in m.__dict__:
-                m.forward = types.MethodType(norms[type(m)], m)
+        bind_regions(w, regions)
     return sum(len(w.blocks) for w in wans)
+
+
+def bind_regions(wan: WanModel, regions: Optional[tuple]) -> None:
+    """Give one WanModel's blocks region_fns()'s compiled steps and norm forwards, or (None) take them back
+    (eager again; bench/mfu_levers.py switches per call). The blocks' own forwards are left alone."""
+    wan.set_block_fns(regions[0] if regions else None)
+    for m in wan.blocks.modules():
+        if type(m) in (RMSNorm, LayerNorm):
+            if regions:
+                m.forward = types.MethodType(regions[1][type(m)], m)
+            else:
+                m.__dict__.pop("forward", None)
 
 
 COMPILE_KINDS = ("auto", "block", "regions")
