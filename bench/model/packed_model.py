@@ -52,7 +52,7 @@ else:
                  False: [(3, 1, 480, 832), (3, 1, 832, 480), (2, 1, 512, 512), (2, 1, 640, 640), (1, 1, 544, 960)]}
     SWEEP = {True: [8, 32, 64, 128], False: [1, 4, 8, 12]}
     IMAGE = (1, 480, 832)
-HEAVY_TOKENS = 100_000  # cases above this many tokens are timed once (after the warm-up), others --reps times
+HEAVY_TOKENS = 100_000  # cases above this many tokens are timed --heavy-reps times (after the warm-up), others --reps
 
 
 def parse_args(argv=None):
@@ -63,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="folder for the JSON")
     p.add_argument("--modes", default="ckpt,plain", help="comma list: ckpt (checkpoint_blocks) and/or plain")
     p.add_argument("--reps", type=int, default=2, help="timed runs per case (median), after one warm-up")
+    p.add_argument("--heavy-reps", type=int, default=1,
+                   help=f"timed runs of cases over {HEAVY_TOKENS:,} tokens (one packed mixed run is ~17 s on an H200; "
+                        "2 or 3 tell a 1-2%% difference from run-to-run noise)")
     p.add_argument("--budget-s", type=float, default=240.0, help="cases not started after this many seconds are skipped")
     p.add_argument("--compile", choices=("none", "regions"), default="none",
                    help="regions: the blocks' elementwise steps compiled (model/compile.compile_regions) for every case, "
@@ -131,7 +134,7 @@ class Bench:
         """Warm-up, then timed runs of fn (loss + backward): ms, peak memory above `base` (weights and grads,
         allocated before the case's inputs, which count as in calibration) and, for a single micro-batch, the
         memory model's prediction for it."""
-        reps = 1 if tokens > HEAVY_TOKENS else self.args.reps
+        reps = self.args.heavy_reps if tokens > HEAVY_TOKENS else self.args.reps
         fn()
         self.sync()
         self.model.zero_grad(set_to_none=False)
