@@ -77,24 +77,29 @@ def write_trainer_profile(path, base_ds, memory):
     """The base DeepSpeed JSON's profile with its memory section's checkpoint fields (fixed, per-token,
     per-block, attention bytes; safety) from `memory`, for --checkpoint-blocks auto in the trainer."""
     from ds_adaptiveload.schedule.profile import CostProfile
-    from ds_adaptiveload.train.config import read_json_object
+    from ds_adaptiveload.train.config import read_json_object, zero_stage
 
     src = read_json_object(os.path.join(ROOT, base_ds), "DeepSpeed config")["adaptive_load"]["profile"]
     prof = CostProfile.load(os.path.join(ROOT, src))
     keys = ("fixed_bytes", "bytes_per_token", "block_bytes_per_token", "attention_bytes_per_token",
             "block_bytes_per_sample", "safety")
     prof.memory.update({k: memory[k] for k in keys if memory.get(k) is not None})
+    if memory.get("fixed_bytes") is not None:  # measured here, on one GPU under base_ds's stage: nothing to move
+        stage = zero_stage(read_json_object(os.path.join(ROOT, base_ds), "DeepSpeed config"))
+        prof.meta = {**prof.meta, "zero_stage": stage, "train_world_size": 1}  # (schedule/zero.for_run)
     prof.to_yaml(path)
 
 
-def epoch_steps(profile_path, manifest, policy, grad_accum) -> int:
-    """Steps in epoch 0 of the plan the trainer makes for this variant on one GPU (lockstep, as under ZeRO-2)."""
+def epoch_steps(profile_path, manifest, policy, grad_accum, stage=2) -> int:
+    """Steps in epoch 0 of the plan the trainer makes for this variant on one GPU under ZeRO `stage` (lockstep, as
+    under ZeRO-2; the profile's memory moved to that run, as the trainer moves it)."""
     from ds_adaptiveload.schedule.manifest import load_manifest
     from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
     from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.schedule.zero import for_run
 
     cfg = PlanConfig(policy=policy, grad_accum=grad_accum, lockstep=True)
-    return len(make_plan(load_manifest(manifest), CostProfile.load(profile_path), cfg).steps)
+    return len(make_plan(load_manifest(manifest), for_run(CostProfile.load(profile_path), stage, 1)[0], cfg).steps)
 
 
 def e2e_variant(args, name, manifest, memory, deadline):
@@ -102,6 +107,8 @@ def e2e_variant(args, name, manifest, memory, deadline):
     launch/train_wan.py with TRAINER_FLAGS and a profile carrying the probed memory fields."""
     from train_e2e import read_steps, write_ds_json
     from train_steps import launch
+
+    from ds_adaptiveload.train.config import zero_stage
 
     ckpt, compiled, flags, policy = E2E[name]
     mode = {True: "compile", "regions": "regions"}.get(compiled, "eager") + ("-attn" if policy == "attention" else "")
@@ -135,7 +142,10 @@ def e2e_variant(args, name, manifest, memory, deadline):
     try:
         steps = args.e2e_steps
         if name in TRAINER_E2E and args.e2e_epochs:
-            steps = args.e2e_epochs * epoch_steps(f"{run}/profile.yaml", manifest, TRAINER_E2E[name], grad_accum)
+            with open(f"{run}/ds.json") as f:
+                stage = zero_stage(json.load(f))
+            steps = args.e2e_epochs * epoch_steps(f"{run}/profile.yaml", manifest, TRAINER_E2E[name], grad_accum,
+                                                  stage)
         rc = launch(f"{run}/ds.json", manifest, steps, run, log, "--num_gpus 1", flags, args.model_config,
                     timeout=max(deadline - time.monotonic(), 10), script="bench/mfu_train.py" if ckpt else None)
     finally:

@@ -14,6 +14,7 @@ is wrapped to scale with the step's sample count (lr_scaling.BatchSizeLR).
             engine.backward(mb.loss(per_sample, t))
             engine.step()
 """
+import sys
 from dataclasses import dataclass, field
 
 from ds_adaptiveload.errors import UserError
@@ -173,6 +174,7 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.schedule.sampler import AdaptiveSampler
     from ds_adaptiveload.train import config as train_config, lr_scaling, sp
+    from ds_adaptiveload.train.setup import profile_for_run
 
     ds, source = _engine_config(engine, config)
     al = train_config.adaptive_load_section(ds, source or "DeepSpeed config")
@@ -188,6 +190,10 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
     if not isinstance(profile, CostProfile):
         profile = CostProfile.load(profile)
     dims = _parallel_dims(engine, ds)
+    # the profile's memory moved to this run's ZeRO stage and world size (schedule/zero.py)
+    profile, lines = profile_for_run(profile, engine.zero_optimization_stage(), dims)
+    for line in lines if dims.rank == 0 else ():
+        print(f"[ds_adaptiveload] {line}", file=sys.stderr)
     G = engine.gradient_accumulation_steps()
     # ZeRO-2/3 synchronise ranks at every micro-batch: plan rounds, not totals (as train_wan).
     plan_cfg = PlanConfig(policy=al.policy, world_size=dims.world, sp=dims.sp, grad_accum=G, seed=al.seed,

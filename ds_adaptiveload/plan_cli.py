@@ -27,6 +27,9 @@ def add_arguments(p):
     p.add_argument("--lockstep", action="store_true",
                    help="ranks synchronise at every micro-batch (ZeRO-2/3; the trainer sets this from the "
                         "DeepSpeed config): plan and predict per micro-batch round")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="the run's ZeRO stage (default: the profile's meta.zero_stage): the profile's memory budget is "
+                        "moved to this stage and --world-size, as the trainer does (schedule/zero.py)")
     p.add_argument("--dump", help="write one JSON line per micro-batch: step, rank, micro, ids")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON summary line")
 
@@ -54,6 +57,7 @@ def run(args):
     extra = {k: v for k, v in (("window", args.window), ("fill", args.fill)) if v is not None}
     cfg = PlanConfig(policy=args.policy, world_size=args.world_size, sp=args.sp, grad_accum=args.grad_accum,
                      seed=args.seed, on_oversize=args.on_oversize, lockstep=args.lockstep, **extra)
+    profile = run_profile(profile, args.zero_stage, args.world_size, args.profile)  # after cfg checked --world-size
     t0 = time.perf_counter()
     plan = make_plan(samples, profile, cfg, epoch=args.epoch)
     elapsed = time.perf_counter() - t0
@@ -69,6 +73,23 @@ def run(args):
     else:
         print_table(summary)
     return 0
+
+
+def run_profile(profile, stage, world, source):
+    """The profile as a run of `world` ranks under ZeRO `stage` (None: the profile's own) plans with it: its memory
+    moved there (schedule/zero.for_run), what moved said on stderr."""
+    from ds_adaptiveload.schedule.zero import calibrated_for, for_run
+
+    known = calibrated_for(profile)
+    if known is None:
+        if stage is not None:
+            print(f"{source}: no meta.zero_stage, meta.train_world_size, meta.model.params or memory bytes to move "
+                  f"the budget with: --zero-stage {stage} leaves it as written", file=sys.stderr)
+        return profile
+    profile, notes = for_run(profile, known[1] if stage is None else stage, world, source)
+    for line in notes:
+        print(line, file=sys.stderr)
+    return profile
 
 
 def check_dump_path(path):

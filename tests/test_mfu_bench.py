@@ -188,6 +188,10 @@ def test_trainer_profile_takes_the_probed_memory_fields(tmp_path):
     assert {k: prof.memory[k] for k in mem if k != "capacity_bytes"} == {k: v for k, v in mem.items()
                                                                         if k != "capacity_bytes"}
     assert prof.memory["capacity_bytes"] == base.memory["capacity_bytes"]  # None leaves the profile's
+    # the fixed bytes were measured on one GPU under the config's ZeRO-2: the trainer must not move them again
+    from ds_adaptiveload.schedule.zero import for_run
+
+    assert (prof.meta["zero_stage"], prof.meta["train_world_size"]) == (2, 1) and for_run(prof, 2, 1) == (prof, [])
 
 
 def test_e2e_ds_json_asks_for_what_the_trainer_accepts(tmp_path):

@@ -82,27 +82,26 @@ def test_compile_cache_argument_is_checked_before_training(tmp_path):
         assert path in str(err.value)
 
 
-def test_profile_warnings_name_a_zero_stage_or_sp_the_profile_was_not_calibrated_for():
-    """The shipped ZeRO-2 config plans with the ZeRO-3 calibrated profile: the trainer says so (its fixed bytes and
-    budget are ZeRO-3's); so it does for another sp, or another world size than the budget's shards were rescaled
-    to; a matching or unstated stage, sp and world say nothing."""
+def test_profile_for_run_moves_memory_to_the_run_and_warns_on_sp_or_stage():
+    """The shipped ZeRO-2 config plans with the ZeRO-3 2-rank calibrated profile: on one rank its memory is moved to
+    ZeRO-2 there (a smaller budget) and rank 0 is told, with a warning that the time terms are ZeRO-3's; another sp
+    is warned of; a matching run, or a profile that cannot say what it was calibrated for, is left alone."""
     from types import SimpleNamespace
 
     from ds_adaptiveload.schedule.profile import CostProfile
-    from ds_adaptiveload.train.setup import profile_warnings
+    from ds_adaptiveload.train.config import zero_stage
+    from ds_adaptiveload.train.setup import profile_for_run
 
-    z3 = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml"))
-    zero2 = json.load(open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json")))
-    one, two, four = (SimpleNamespace(sp=1, world=w) for w in (1, 2, 4))
-    (w,) = profile_warnings(z3, zero2, one)
-    assert "calibrated under ZeRO-3, this run is ZeRO-2" in w
-    zero3 = {"zero_optimization": {"stage": 3}}
-    assert z3.meta["train_world_size"] == 2 and profile_warnings(z3, zero3, two) == []
-    (w,) = profile_warnings(z3, zero3, SimpleNamespace(sp=2, world=2))
-    assert "sp=1, this run has sp=2" in w
-    (w,) = profile_warnings(z3, zero3, one)  # the ZeRO-3 shards of 2 ranks, held by one
-    assert "budget is for 2 ranks, this run has 1" in w and "out of memory" in w
-    (w,) = profile_warnings(z3, zero3, four)
-    assert "memory left unused" in w
+    path = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml")
+    z3 = CostProfile.load(path)
+    zero2 = zero_stage(json.load(open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json"))))
+    one, two = (SimpleNamespace(sp=1, world=w) for w in (1, 2))
+    moved, (note, warn) = profile_for_run(z3, zero2, one, path)
+    assert zero2 == 2 and moved.budget_tokens < z3.budget_tokens and moved.meta["zero_stage"] == 2
+    assert note.startswith(path) and "ZeRO-3 on 2 rank(s) to this run's ZeRO-2 on 1" in note
+    assert "time terms were measured under ZeRO-3" in warn
+    assert profile_for_run(z3, 3, two) == (z3, [])
+    same, (w,) = profile_for_run(z3, 3, SimpleNamespace(sp=2, world=2))
+    assert same is z3 and "calibrated for sp=1, this run has sp=2" in w
     tiny = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml"))  # no meta.zero_stage
-    assert profile_warnings(tiny, zero2, one) == []
+    assert profile_for_run(tiny, 2, one) == (tiny, [])

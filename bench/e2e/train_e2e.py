@@ -172,10 +172,17 @@ def reduce_run(rank_logs, warmup, dp_size):
 # Planning the benchmark: steps per run from the time budget
 
 
+def stage_of(ds_json) -> int:
+    """The DeepSpeed config's ZeRO stage, read as the trainer reads it."""
+    from ds_adaptiveload.train.config import zero_stage
+
+    with open(ds_json) as f:
+        return zero_stage(json.load(f))
+
+
 def lockstep_of(ds_json):
     """What the trainer derives from the DeepSpeed config: ZeRO-2/3 synchronise at every micro-batch."""
-    with open(ds_json) as f:
-        return json.load(f).get("zero_optimization", {}).get("stage", 0) >= 2
+    return stage_of(ds_json) >= 2
 
 
 def plan_step_s(manifest, profile, policy, sp, world, grad_accum, lockstep, seed=0):
@@ -414,13 +421,16 @@ def plan_variants(args, names, manifest, run_profile, lockstep):
     """Each variant's epoch plan and step-time model: (plans, costs, same_plan, profile_paths). A variant whose
     plan equals an earlier one's with the same kernel and SP is not run again (same_plan names the twin)."""
     from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.schedule.zero import for_run
 
     plans, costs, same_plan, profile_paths = {}, {}, {}, {}
     for n in names:
         policy, fused, sp = VARIANTS[n]
         profile_paths[n] = profile_for(sp, run_profile, args.model_config)
-        per_step, plans[n], steps_key = plan_step_s(manifest, CostProfile.load(profile_paths[n]), policy, sp,
-                                                    args.num_gpus, args.grad_accum, lockstep)
+        # the profile as the trainer plans with it: its memory moved to this run's ZeRO stage and GPUs
+        prof = for_run(CostProfile.load(profile_paths[n]), stage_of(args.ds_base), args.num_gpus)[0]
+        per_step, plans[n], steps_key = plan_step_s(manifest, prof, policy, sp, args.num_gpus, args.grad_accum,
+                                                    lockstep)
         # dual equals equal-tokens when the compute cap never binds harder than memory (profile.derive_dual:
         # the longest sample fills M_mem): the same micro-batches, so running it again measures nothing new.
         twin = next((m for m in costs if VARIANTS[m][1:] == (fused, sp) and plans[m]["_key"] == steps_key), None)

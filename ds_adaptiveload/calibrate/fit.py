@@ -6,12 +6,10 @@ import statistics
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.profile import smooth_max
+from ds_adaptiveload.schedule.zero import STATE_BYTES_PER_PARAM, ZERO_SHARDED_BYTES  # noqa: F401 (re-exported)
 
-ZERO_BYTES_PER_PARAM = 16   # ZeRO-3, bf16 + Adam: bf16 param + fp32 master + Adam m, v (+ grad) per shard
-# Bytes per parameter a rank holds as its 1/world share, by ZeRO stage (bf16 weights 2, bf16 grads 2, fp32 master and
-# Adam's m, v 12; the ZeRO paper's accounting): stage 1 shards the optimizer's 12, 2 also the grads, 3 also the weights.
-# The rest is replicated on every rank and does not change with the world size.
-ZERO_SHARDED_BYTES = {0: 0, 1: 12, 2: 14, 3: ZERO_BYTES_PER_PARAM}
+# ZeRO-3, bf16 + Adam: bf16 param + fp32 master + Adam m, v (+ grad) per shard; what each stage shards: schedule/zero.py
+ZERO_BYTES_PER_PARAM = STATE_BYTES_PER_PARAM
 
 # A time this much above the floor is on the line (the floor's own jitter stays below it).
 TIME_FLOOR_MARGIN = 1.1

@@ -38,21 +38,24 @@ def run(args) -> int:
     from ds_adaptiveload.schedule.geometry import per_gpu_tokens
     from ds_adaptiveload.schedule.manifest import load_manifest
     from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+    from ds_adaptiveload.plan_cli import run_profile
     from ds_adaptiveload.schedule.profile import CostProfile
 
-    profile = CostProfile.load(args.profile)
-    samples = load_manifest(args.manifest, profile.geometry)
+    base = CostProfile.load(args.profile)
+    samples = load_manifest(args.manifest, base.geometry)
     sp, n = args.sp, args.world_size
     cfg = dict(sp=sp, grad_accum=args.grad_accum, seed=args.seed, on_oversize="skip")
     PlanConfig(world_size=n, **cfg)  # validates --world-size/--sp/--grad-accum with the planner's messages
+    profile = run_profile(base, None, n, args.profile)  # this run's budget (schedule/zero.py)
     os.makedirs(args.out, exist_ok=True)
 
     tokens = [profile.geometry.tokens(s.frames, s.height, s.width) for s in samples]
     plans = {}  # (world_size, policy) -> Plan
     for w in sorted(set(WORLD_SIZES) | {n}):
         if w % sp == 0:
-            for policy in POLICIES:
-                plans[w, policy] = make_plan(samples, profile, PlanConfig(policy=policy, world_size=w, **cfg))
+            prof_w = profile if w == n else profile_at(base, w)
+            for policy in POLICIES if prof_w else ():
+                plans[w, policy] = make_plan(samples, prof_w, PlanConfig(policy=policy, world_size=w, **cfg))
 
     figs = dict(hist="tokens_hist.png", load="load_per_rank.png", idle="idle_fraction.png")
     plot_token_hist(os.path.join(args.out, figs["hist"]), samples, tokens, profile.budget_tokens * sp)
@@ -143,7 +146,9 @@ def render_markdown(args, profile, samples, tokens, shapes, plans, figs) -> str:
         "Idle fraction: 1 - sum over steps of the mean rank time / sum over steps of the slowest rank time "
         "(Plan.summary). mix_tv: mean total-variation distance between a step's mix of short, mid and long "
         "samples and the epoch's (0 = every step looks like the data). Wall: sum of the slowest rank "
-        "per step. An epoch of only a few steps is dominated by its last, partly filled step.", "",
+        "per step. An epoch of only a few steps is dominated by its last, partly filled step. Each world size "
+        "plans with the profile's memory budget moved to it (schedule/zero.py: more ranks hold less of the ZeRO "
+        "state).", "",
         "| world size | policy | steps | idle fraction | predicted wall (s) | vs equal-tokens | mix_tv | skipped |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -160,6 +165,20 @@ def render_markdown(args, profile, samples, tokens, shapes, plans, figs) -> str:
         out.append(f"\nNot planned (not divisible by sp={sp}): world size {', '.join(map(str, skipped_ws))}.")
     out += ["", f"![idle fraction by policy and world size]({figs['idle']})", ""]
     return "\n".join(out)
+
+
+def profile_at(profile, world):
+    """The profile's memory at `world` ranks under its own ZeRO stage (schedule/zero.for_run), or None where the ZeRO
+    state leaves no memory for tokens there (that world size is left out of the idle plot)."""
+    from ds_adaptiveload.schedule.zero import calibrated_for, for_run
+
+    known = calibrated_for(profile)
+    if known is None:
+        return profile
+    try:
+        return for_run(profile, known[1], world)[0]
+    except UserError:
+        return None
 
 
 def plot_token_hist(path, samples, tokens, max_tokens):

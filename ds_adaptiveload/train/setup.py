@@ -35,10 +35,11 @@ def read_config(args, world, rank):
     check_compile_cache(args)
     changed = config.ds_batch_keys(ds_cfg, dims.dp)
     model_cfg = WanConfig.from_yaml(args.model_config)
-    profile = CostProfile.load(al.resolve_profile(args.deepspeed_config))
+    path = al.resolve_profile(args.deepspeed_config)
+    profile, lines = profile_for_run(CostProfile.load(path), stage, dims, path)  # every rank: the same plan
     fault = faults.Faults(args.fault, rank)
-    for warning in profile_warnings(profile, ds_cfg, dims) if rank == 0 else ():
-        print(f"[train_wan] warning: {warning}", file=sys.stderr)
+    for line in lines if rank == 0 else ():
+        print(f"[train_wan] {line}", file=sys.stderr)
     if rank == 0 and changed:
         print(f"[train_wan] batch keys set to count micro-batches (docs/training.md): "
               f"{ {k: v for k, (_, v) in changed.items()} } (config had { {k: o for k, (o, _) in changed.items()} })")
@@ -46,32 +47,20 @@ def read_config(args, world, rank):
                            model_cfg=model_cfg, profile=profile, fault=fault)
 
 
-def profile_warnings(profile, ds_cfg: dict, dims) -> list:
-    """Where the profile was calibrated for another run than this one (its meta): what that puts off."""
-    from ds_adaptiveload.train.config import zero_stage
+def profile_for_run(profile, stage: int, dims, source: str = "profile"):
+    """(profile, lines): the profile with its memory moved to this run's ZeRO `stage` and world size where it was
+    calibrated for another (schedule/zero.for_run: what it moved, and what that leaves out), and a warning where it
+    was calibrated for another Ulysses degree, which no accounting fixes."""
+    from ds_adaptiveload.schedule.zero import for_run
 
-    out, meta = [], profile.meta
-    if meta.get("sp", dims.sp) != dims.sp:
+    profile, lines = for_run(profile, stage, dims.world, source)
+    sp = profile.meta.get("sp", dims.sp)
+    if sp != dims.sp:
         # A profile's per-GPU terms depend on the SP degree (attention k x per GPU token, the all-to-all).
-        out.append(f"the profile was calibrated for sp={meta['sp']}, this run has sp={dims.sp}: predictions and "
-                   f"balance will be off (measured: -33% on the 1.3B model); calibrate with this config or derive "
-                   f"one (bench/plan/sp_profile_check.py)")
-    stage = zero_stage(ds_cfg)
-    if "zero_stage" in meta and meta["zero_stage"] != stage:
-        # ZeRO-3 shards the weights over the ranks, ZeRO-2 keeps a bf16 copy on each, so memory.fixed_bytes and the
-        # budget differ: the shipped 1.3B profile's fixed_bytes (ZeRO-3, 2 ranks) is 11.7 GB; ZeRO-2 on one H200 holds
-        # 23.6 GB.
-        out.append(f"the profile was calibrated under ZeRO-{meta['zero_stage']}, this run is ZeRO-{stage}: its memory "
-                   f"budget and fixed bytes do not hold here (out of memory, or memory left unused); calibrate with "
-                   f"this config (docs/calibration.md)")
-    elif stage and meta.get("train_world_size", dims.world) != dims.world:
-        # The shards in memory.fixed_bytes are 1/train_world_size of the sharded state: fewer ranks hold more of it.
-        more = meta["train_world_size"] > dims.world
-        out.append(f"the profile's memory budget is for {meta['train_world_size']} ranks, this run has {dims.world}: "
-                   f"each rank holds {'more' if more else 'less'} of the ZeRO-{stage} state than it planned for "
-                   f"({'out of memory' if more else 'memory left unused'}); calibrate with --train-world-size "
-                   f"{dims.world} (docs/calibration.md)")
-    return out
+        lines.append(f"warning: the profile was calibrated for sp={sp}, this run has sp={dims.sp}: predictions and "
+                     f"balance will be off (measured: -33% on the 1.3B model); calibrate with this config or derive "
+                     f"one (bench/plan/sp_profile_check.py)")
+    return profile, lines
 
 
 def check_compile_cache(args) -> None:
