@@ -27,6 +27,13 @@ def add_arguments(p):
     p.add_argument("--lockstep", action="store_true",
                    help="ranks synchronise at every micro-batch (ZeRO-2/3; the trainer sets this from the "
                         "DeepSpeed config): plan and predict per micro-batch round")
+    p.add_argument("--checkpoint", default="all", choices=["all", "auto", "auto-step"],
+                   help="what the trainer checkpoints: all (the profile's times) | auto (train_wan --checkpoint-blocks "
+                        "auto: micro-batches skip the recompute of the blocks their memory leaves open) | auto-step "
+                        "(the same under ZeRO-3: the step's largest count everywhere); needs the profile's "
+                        "time_ms.recompute_frac and memory.block_bytes_per_token")
+    p.add_argument("--checkpoint-policy", default="full", choices=["full", "attention"],
+                   help="with --checkpoint auto: train_wan's --checkpoint-policy")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="the run's ZeRO stage (default: the profile's meta.zero_stage): the profile's memory budget is "
                         "moved to this stage and --world-size, as the trainer does (schedule/zero.py)")
@@ -47,6 +54,7 @@ def load_samples(args, geometry):
 
 
 def run(args):
+    from ds_adaptiveload.schedule.memory import RecomputeCost
     from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
     from ds_adaptiveload.schedule.profile import CostProfile
 
@@ -56,8 +64,12 @@ def run(args):
     samples = load_samples(args, profile.geometry)
     extra = {k: v for k, v in (("window", args.window), ("fill", args.fill)) if v is not None}
     cfg = PlanConfig(policy=args.policy, world_size=args.world_size, sp=args.sp, grad_accum=args.grad_accum,
-                     seed=args.seed, on_oversize=args.on_oversize, lockstep=args.lockstep, **extra)
+                     seed=args.seed, on_oversize=args.on_oversize, lockstep=args.lockstep,
+                     checkpoint=args.checkpoint, checkpoint_policy=args.checkpoint_policy, **extra)
     profile = run_profile(profile, args.zero_stage, args.world_size, args.profile)  # after cfg checked --world-size
+    if args.checkpoint != "all" and RecomputeCost.of(profile, args.checkpoint_policy) is None:
+        print(f"{args.profile}: no time_ms.recompute_frac, memory.block_bytes_per_token, capacity_bytes or "
+              f"meta.model.num_layers: --checkpoint {args.checkpoint} costs every block checkpointed", file=sys.stderr)
     t0 = time.perf_counter()
     plan = make_plan(samples, profile, cfg, epoch=args.epoch)
     elapsed = time.perf_counter() - t0

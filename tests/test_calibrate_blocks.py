@@ -1,6 +1,7 @@
 """calibrate/blocks.py and Calibration.measure_open_blocks: the open-block fields (memory.block_bytes_per_token,
-block_bytes_per_sample, attention_bytes_per_token, time_ms.recompute_frac) recovered from synthetic peaks and
-times, the points chosen so that an open run fits, and the stage in a calibration with a faked engine."""
+block_bytes_per_sample, attention_bytes_per_token, time_ms.recompute_frac and attention_recompute_frac) recovered
+from synthetic peaks and times, the points chosen so that an open run fits, and the stage in a calibration with a
+faked engine."""
 import os
 
 import pytest
@@ -13,8 +14,8 @@ from tests.test_calibrate import FakeStepFn, fake_calibration
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L = 30
 # The synthetic device: per open block 56.5 KB per token and 4.5 MB per sample, 5 KB per token for a block keeping its
-# attention outputs, and an open micro-batch 24% faster (no recompute).
-OPEN_PER_TOKEN, OPEN_PER_SAMPLE, ATTN_PER_TOKEN, RECOMPUTE = 56_500, 4.5e6, 5_000, 0.24
+# attention outputs, an open micro-batch 24% faster (no recompute), and 7% faster with every block keeping attention.
+OPEN_PER_TOKEN, OPEN_PER_SAMPLE, ATTN_PER_TOKEN, RECOMPUTE, ATTN_RECOMPUTE = 56_500, 4.5e6, 5_000, 0.24, 0.07
 
 
 class OpenFakeStepFn(FakeStepFn):
@@ -31,10 +32,9 @@ class OpenFakeStepFn(FakeStepFn):
         ms, step_ms, peak = super().__call__(p)
         self.calls.append((p.role, self.blocks, self.policy))
         ckpt = L if self.blocks is True else self.blocks
-        if self.policy == "attention":
-            peak += ckpt * ATTN_PER_TOKEN * p.tokens
-        peak += (L - ckpt) * (OPEN_PER_TOKEN * p.tokens + OPEN_PER_SAMPLE * p.B)
-        return ms * (1 - RECOMPUTE * (L - ckpt) / L), step_ms, int(peak)
+        kept = ckpt if self.policy == "attention" else 0
+        peak += kept * ATTN_PER_TOKEN * p.tokens + (L - ckpt) * (OPEN_PER_TOKEN * p.tokens + OPEN_PER_SAMPLE * p.B)
+        return ms * (1 - RECOMPUTE * (L - ckpt) / L - ATTN_RECOMPUTE * kept / L), step_ms, int(peak)
 
 
 def point(B, s, peak, ms=1000.0):
@@ -57,6 +57,9 @@ def test_derive_recovers_the_per_token_per_sample_and_attention_terms():
     assert mem["block_bytes_per_sample"] == pytest.approx(OPEN_PER_SAMPLE, rel=1e-6)
     assert mem["attention_bytes_per_token"] == pytest.approx(ATTN_PER_TOKEN, rel=1e-6)
     assert out["time_ms"]["recompute_frac"] == pytest.approx(0.24)  # from the clip, the pair with the most tokens
+    assert out["time_ms"]["attention_recompute_frac"] == pytest.approx(0.1)  # 900 ms against 1000 checkpointed
+    attn.ms = [500.0]  # noise saving more than all the recompute: capped at recompute_frac
+    assert blocks.derive([(clip, opened[0])], L, (clip, attn))["time_ms"]["attention_recompute_frac"] == 0.24
     assert [r["role"] for r in out["points"]] == ["open", "open", "attention"]
 
 
@@ -100,6 +103,7 @@ def test_calibration_writes_the_open_block_fields(tmp_path, monkeypatch):
     assert prof.memory["block_bytes_per_sample"] == pytest.approx(OPEN_PER_SAMPLE, rel=1e-3)
     assert prof.memory["attention_bytes_per_token"] == pytest.approx(ATTN_PER_TOKEN, rel=1e-3)
     assert prof.recompute_frac == pytest.approx(RECOMPUTE, abs=0.01)
+    assert prof.attention_recompute_frac == pytest.approx(ATTN_RECOMPUTE, abs=0.01)
     assert [r["status"] for r in prof.fit["open_blocks"]] == ["ok", "ok", "ok"]
     assert {c for c in fn.calls if c[0] == "open"} == {("open", 0, "full")}
     assert {c for c in fn.calls if c[0] == "attention"} == {("attention", L, "attention")}
@@ -107,6 +111,7 @@ def test_calibration_writes_the_open_block_fields(tmp_path, monkeypatch):
     prof.to_yaml(str(tmp_path / "p.yaml"))  # what `calibrate` writes (cli.run)
     back = CostProfile.load(str(tmp_path / "p.yaml"))
     assert back.recompute_frac == prof.recompute_frac and back.memory["block_bytes_per_token"] > 0
+    assert back.attention_recompute_frac == prof.attention_recompute_frac > 0
 
 
 def test_zero3_skips_the_attention_run_and_no_open_blocks_skips_all(tmp_path, monkeypatch):
@@ -114,6 +119,7 @@ def test_zero3_skips_the_attention_run_and_no_open_blocks_skips_all(tmp_path, mo
     prof, fn = calibration(tmp_path, monkeypatch, z3)
     assert [r["role"] for r in prof.fit["open_blocks"]] == ["open", "open"]
     assert "attention_bytes_per_token" not in prof.memory and prof.memory["block_bytes_per_token"] > 0
+    assert prof.attention_recompute_frac == 0.0
     prof, fn = calibration(tmp_path, monkeypatch, z3, "--no-open-blocks")
     assert "open_blocks" not in prof.fit and "block_bytes_per_token" not in prof.memory
     assert prof.recompute_frac == 0.0 and not any(c[0] == "open" for c in fn.calls)
@@ -139,7 +145,8 @@ def timed(self, p):  # the real step runs; its time is synthetic too (2 cores un
     _, step_ms, peak_bytes = step(self, p)
     m = self.engine.module
     ckpt = len(m.blocks) if m.checkpoint_blocks is True else m.checkpoint_blocks
-    return 0.1 * p.B * p.s * (1 + 0.3 * ckpt / len(m.blocks)), step_ms, peak_bytes
+    keep = ckpt if m.checkpoint_policy == "attention" else 0
+    return 0.1 * p.B * p.s * (1 + 0.3 * ckpt / len(m.blocks)) * (1 - 0.1 * keep / len(m.blocks)), step_ms, peak_bytes
 engine.StepFn.__call__ = timed
 sys.exit(main(["calibrate", "--model-config", "configs/wan_tiny.yaml", "--deepspeed_config", {ds!r},
                "--out", {out!r}, "--shapes", "1x64x64,5x64x64,9x64x64,17x64x96", "--heldout", "",
@@ -152,7 +159,7 @@ def test_open_block_runs_on_a_real_zero2_engine(tmp_path):
     """The open and attention-policy runs through the real StepFn and a DeepSpeed ZeRO-2 engine (tiny model, one
     gloo process): set_checkpointing switches what the model recomputes, and the fields come out of the (synthetic,
     checkpointing-driven) peaks: 300 bytes per token and 5,000 per sample per open block, 20 per attention block,
-    and times (0.3 x the open time more with every block checkpointed)."""
+    and times (0.3 x the open time more with every block checkpointed, 10% less with every block keeping attention)."""
     import json
     import subprocess
     import sys
@@ -174,3 +181,4 @@ def test_open_block_runs_on_a_real_zero2_engine(tmp_path):
     assert prof.memory["block_bytes_per_sample"] == pytest.approx(5000, rel=1e-3)
     assert prof.memory["attention_bytes_per_token"] == pytest.approx(20, rel=1e-3)
     assert prof.recompute_frac == pytest.approx(1 - 1 / 1.3, abs=1e-3)  # the synthetic time: 0.3 more per block
+    assert prof.attention_recompute_frac == pytest.approx(0.1, abs=1e-3)  # and 10% less keeping every attention

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.schedule.memory import (blocks_to_checkpoint, checkpoint_plan, predicted_peak_bytes,
-                                             recompute_factor)
+from ds_adaptiveload.schedule.memory import (RecomputeCost, blocks_to_checkpoint, predicted_peak_bytes,
+                                             recompute_factor, selective_checkpoint)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
@@ -30,7 +30,7 @@ def test_without_block_bytes_every_block_is_checkpointed():
     mem = {k: v for k, v in MEM.items() if k != "block_bytes_per_token"}
     assert blocks_to_checkpoint(1560, 1, mem, L) == L
     assert blocks_to_checkpoint(1560, 1, {"budget_tokens": 75600}, L) == L  # a profile with a token budget only
-    assert checkpoint_plan(1560, 1, mem, L, recompute_frac=0.25) == (L, 1.0)
+    assert RecomputeCost(mem, L, 0.25).factor(1560, 1) == 1.0  # every block checkpointed: the calibrated time
 
 
 @pytest.mark.parametrize("tokens, samples", [(1560, 1), (1560 * 32, 32), (32760, 1), (75600, 1), (200_000, 4),
@@ -66,8 +66,18 @@ def test_recompute_factor():
     assert recompute_factor(0, L, 0.25) == pytest.approx(0.75)
     assert recompute_factor(15, L, 0.25) == pytest.approx(0.875)
     assert recompute_factor(0, L) == 1.0 and recompute_factor(0, L, None) == 1.0
-    k, f = checkpoint_plan(75600, 1, MEM, L, 0.3)
-    assert f == pytest.approx(1 - 0.3 * (1 - k / L))
+    # the attention policy: of k = 30 checkpointed blocks, 20 keep their attention outputs
+    assert recompute_factor(L, L, 0.25, 10, 0.06) == pytest.approx(1 - 0.06 * 20 / L)
+    assert recompute_factor(20, L, 0.25, 5, 0.06) == pytest.approx(1 - 0.25 * 10 / L - 0.06 * 15 / L)
+    cost = RecomputeCost(MEM, L, 0.3)
+    k, _ = cost.ks(75600, 1)
+    assert 0 < k < L and cost.factor(75600, 1) == pytest.approx(1 - 0.3 * (1 - k / L))
+    assert cost.factor(1560, 1) == pytest.approx(0.7)  # an image fits with every block open
+    attn = RecomputeCost(dict(MEM, attention_bytes_per_token=5e3), L, 0.3, 0.08, policy="attention")
+    k, k_full = selective_checkpoint(300_000, 1, attn.memory, L)
+    assert attn.ks(300_000, 1) == (k, k_full)
+    assert attn.factor(300_000, 1) == pytest.approx(recompute_factor(k, L, 0.3, k_full, 0.08))
+    assert attn.factor(0, 0, ks=(L, 0)) == pytest.approx(1 - 0.08)  # every block keeping its attention
 
 
 @pytest.mark.parametrize("call, word", [
@@ -79,6 +89,9 @@ def test_recompute_factor():
     (lambda: blocks_to_checkpoint(10, 1, dict(MEM, safety=1.5), L), "safety"),
     (lambda: recompute_factor(0, L, 1.0), "recompute_frac"),
     (lambda: recompute_factor(31, L, 0.1), "k"),
+    (lambda: recompute_factor(10, L, 0.1, 11), "k_full"),
+    (lambda: recompute_factor(10, L, 0.1, 5, -0.1), "attention_recompute_frac"),
+    (lambda: RecomputeCost(MEM, L, 0.2, policy="some"), "policy"),
     (lambda: predicted_peak_bytes(10, 1, {"fixed_bytes": 1}, L, 0), "bytes_per_token"),
 ])
 def test_bad_input_names_the_argument(call, word):

@@ -105,3 +105,41 @@ def test_profile_for_run_moves_memory_to_the_run_and_warns_on_sp_or_stage():
     assert same is z3 and "calibrated for sp=1, this run has sp=2" in w
     tiny = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml"))  # no meta.zero_stage
     assert profile_for_run(tiny, 2, one) == (tiny, [])
+
+
+@pytest.mark.parametrize("stage,mode", [(2, "auto"), (3, "auto-step")])
+def test_prepare_data_plans_the_recompute_of_checkpoint_blocks_auto(tmp_path, stage, mode):
+    """--checkpoint-blocks auto with a profile that has the open-block and recompute fields: the sampler's plan costs
+    the recompute (auto; auto-step under ZeRO-3) and the checkpoint layout records it; without the flag neither."""
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.data import latents
+    from ds_adaptiveload.model import WanConfig
+    from ds_adaptiveload.schedule.mixes import make_mix
+    from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.train.setup import prepare_data, read_config
+
+    tiny = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml"))
+    tiny.memory.update(capacity_bytes=4e6, safety=0.9, fixed_bytes=1e6, bytes_per_token=1e4, block_bytes_per_token=1e3)
+    tiny.recompute_frac, tiny.meta = 0.25, {"model": {"num_layers": 2}}
+    tiny.to_yaml(str(tmp_path / "p.yaml"))
+    ds = json.load(open(TINY_JSON))
+    ds["adaptive_load"]["profile"] = str(tmp_path / "p.yaml")
+    ds["zero_optimization"] = {"stage": stage}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    model = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_tiny.yaml"))
+    manifest = latents.write_synthetic(str(tmp_path / "d"), make_mix("tiny", 16, 0), text_dim=model.text_dim,
+                                       max_text_len=model.text_len, dtype="fp32")
+    for blocks, want in (("auto", mode), (True, "all")):
+        args = SimpleNamespace(deepspeed_config=str(tmp_path / "ds.json"), model_config="configs/wan_tiny.yaml",
+                               fault=None, checkpoint_blocks=blocks, checkpoint_policy="full", compile_blocks=False,
+                               compile_cache=None, resume=None)
+        c = read_config(args, 1, 0)
+        d = prepare_data(args, manifest, c, 1, 0)
+        assert d.sampler.cfg.checkpoint == want
+        auto = blocks == "auto"
+        assert d.layout.get("checkpoint") == ({"checkpoint": mode, "checkpoint_policy": "full"} if auto else None)
+        pred = d.sampler.plan.pred_ms  # the plan the sampler deals from
+        if auto:
+            costed = pred
+    assert sum(map(sum, costed)) < sum(map(sum, pred))  # some micro-batches open blocks: less recompute predicted

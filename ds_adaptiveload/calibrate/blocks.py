@@ -50,7 +50,8 @@ def derive(pairs, num_layers, attention=None) -> dict:
     """The profile fields from (checkpointed point, the same point open) pairs and, optionally, (checkpointed,
     attention-policy) for one point. Per open block: (open peak - checkpointed peak) / L = per_token * tokens
     + per_sample * B, solved non-negatively (fit.nnls; one pair: per_sample 0). recompute_frac = 1 - open ms /
-    checkpointed ms of the pair with the most tokens. Returns {"memory": {...}, "time_ms": {...}, "points": [...]}."""
+    checkpointed ms of the pair with the most tokens; attention_recompute_frac = 1 - attention-policy ms /
+    checkpointed ms (at most recompute_frac). Returns {"memory": {...}, "time_ms": {...}, "points": [...]}."""
     from ds_adaptiveload.calibrate.fit import nnls
 
     L = num_layers
@@ -71,6 +72,11 @@ def derive(pairs, num_layers, attention=None) -> dict:
         out["points"].append(_row(c, a))
         if a.status == "ok" and a.peak_bytes and c.peak_bytes:
             out["memory"]["attention_bytes_per_token"] = round(max(0.0, a.peak_bytes - c.peak_bytes) / (L * c.tokens))
+        if a.status == "ok" and c.median_ms and a.median_ms:
+            # every block kept its attention: what that saved is attention's share of the recompute (at most all of it)
+            saved = max(0.0, 1.0 - a.median_ms / c.median_ms)
+            saved = min(saved, out["time_ms"].get("recompute_frac", saved))
+            out["time_ms"]["attention_recompute_frac"] = round(saved, 4)
     return out
 
 

@@ -36,7 +36,8 @@ def build_profile(geometry, coef, step_fixed, mem, capacity, safety, budget, met
                        budget_tokens=int(budget), sample_tokens=memory.get("sample_tokens", 0.0),
                        geometry=Geometry(tuple(geometry.vae_stride), tuple(geometry.patch_size)),
                        memory=memory, meta=meta, header=header(meta),
-                       recompute_frac=(blocks or {}).get("time_ms", {}).get("recompute_frac", 0.0))
+                       **{k: v for k, v in (blocks or {}).get("time_ms", {}).items()
+                          if k in ("recompute_frac", "attention_recompute_frac")})
     if dual_range:
         # The paper's B * s^p <= M_comp over the calibrated range (profile.derive_dual's convention). Pinned
         # in `dual:` only on request: without it the planner derives it for each dataset's own range.

@@ -17,7 +17,10 @@ fourth session); bench/mfu.py measures it from a probe of several samples. A mic
 
 Time: a profile calibrated with every block checkpointed predicts t; with k of L checkpointed the recompute
 of L - k blocks is gone:  t(k) = t * (1 - recompute_frac * (1 - k / L)),  recompute_frac (time_ms section)
-being the share of fwd+bwd that is recompute when all L are checkpointed (0 or absent: no change).
+being the share of fwd+bwd that is recompute when all L are checkpointed (0 or absent: no change). Under the
+attention policy the k - k_full checkpointed blocks that keep their attention outputs also skip attention's
+recompute: - attention_recompute_frac * (k - k_full) / L more. `calibrate` measures both (calibrate/blocks.py);
+RecomputeCost is what the planner costs micro-batches with under --checkpoint-blocks auto.
 """
 import math
 
@@ -116,21 +119,66 @@ def predicted_peak_bytes(tokens: int, samples: int, profile_memory: dict, num_la
             + samples * (num_layers - k) * block_sample)
 
 
-def recompute_factor(k: int, num_layers: int, recompute_frac: float = 0.0) -> float:
-    """t(k) / t(all checkpointed) = 1 - recompute_frac * (1 - k / L)."""
+def recompute_factor(k: int, num_layers: int, recompute_frac: float = 0.0, k_full: int = None,
+                     attention_frac: float = 0.0) -> float:
+    """t(k) / t(all checkpointed) = 1 - recompute_frac * (L - k) / L - attention_frac * (k - k_full) / L: the
+    open blocks skip their recompute, and under the attention policy the k - k_full blocks that keep their
+    attention outputs skip attention's share of it (attention_frac, time_ms.attention_recompute_frac)."""
     if not isinstance(num_layers, int) or num_layers < 1:
         raise UserError(f"recompute_factor: num_layers must be a positive int, got {num_layers!r}")
-    if not 0 <= k <= num_layers:
-        raise UserError(f"recompute_factor: k must be in 0..{num_layers}, got {k!r}")
-    if recompute_frac is None:
-        return 1.0
-    if isinstance(recompute_frac, bool) or not isinstance(recompute_frac, (int, float)) or not 0 <= recompute_frac < 1:
-        raise UserError(f"profile: time_ms.recompute_frac must be in [0, 1), got {recompute_frac!r}")
-    return 1.0 - recompute_frac * (1.0 - k / num_layers)
+    k_full = k if k_full is None else k_full
+    if not 0 <= k_full <= k <= num_layers:
+        raise UserError(f"recompute_factor: need 0 <= k_full <= k <= {num_layers}, got k={k!r}, k_full={k_full!r}")
+    out = 1.0
+    for name, frac, blocks in (("recompute_frac", recompute_frac, num_layers - k),
+                               ("attention_recompute_frac", attention_frac, k - k_full)):
+        if frac is None:
+            continue
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
+            raise UserError(f"profile: time_ms.{name} must be in [0, 1), got {frac!r}")
+        out -= frac * blocks / num_layers
+    return out
 
 
-def checkpoint_plan(tokens: int, samples: int, profile_memory: dict, num_layers: int,
-                    recompute_frac: float = 0.0) -> tuple:
-    """(k, time factor) for one micro-batch: blocks_to_checkpoint and the recompute_factor it implies."""
-    k = blocks_to_checkpoint(tokens, samples, profile_memory, num_layers)
-    return k, recompute_factor(k, num_layers, recompute_frac)
+class RecomputeCost:
+    """The planner's side of --checkpoint-blocks auto: the time factor of a micro-batch of `tokens` (per GPU) and
+    `samples`, at the k (and k_full, attention policy) the trainer will choose for it from the same memory model.
+    RecomputeCost.of(profile, policy) is None when the profile cannot say (no recompute_frac, no
+    block_bytes_per_token or capacity_bytes, or no meta.model.num_layers): its times are then taken as they are."""
+
+    def __init__(self, memory: dict, num_layers: int, recompute_frac: float, attention_frac: float = 0.0,
+                 policy: str = "full"):
+        if policy not in ("full", "attention"):
+            raise UserError(f"checkpoint policy must be full or attention, got {policy!r}")
+        self.memory, self.L, self.policy = memory, num_layers, policy
+        self.recompute_frac, self.attention_frac = recompute_frac, attention_frac
+        recompute_factor(num_layers, num_layers, recompute_frac, 0, attention_frac)  # validates both fractions
+        self._cache = {}
+
+    @classmethod
+    def of(cls, profile, policy: str = "full"):
+        mem, model = profile.memory, profile.meta.get("model")
+        L = model.get("num_layers") if isinstance(model, dict) else None
+        if (not profile.recompute_frac or not isinstance(L, int) or isinstance(L, bool) or L < 1
+                or any(mem.get(key) is None for key in ("block_bytes_per_token", "capacity_bytes", "bytes_per_token"))):
+            return None
+        return cls(mem, L, profile.recompute_frac, profile.attention_recompute_frac, policy)
+
+    def ks(self, tokens: int, samples: int) -> tuple:
+        """(k, k_full) as the trainer sets them (blocks_to_checkpoint, or selective_checkpoint for attention)."""
+        key = ("ks", tokens, samples)
+        if key not in self._cache:
+            if self.policy == "attention":
+                self._cache[key] = selective_checkpoint(tokens, samples, self.memory, self.L)
+            else:
+                k = blocks_to_checkpoint(tokens, samples, self.memory, self.L)
+                self._cache[key] = k, k
+        return self._cache[key]
+
+    def factor(self, tokens: int, samples: int, ks: tuple = None) -> float:
+        """recompute_factor at ks (default: this micro-batch's own)."""
+        key = ("factor", tokens, samples) if ks is None else ("at", *ks)
+        if key not in self._cache:
+            k, k_full = self.ks(tokens, samples) if ks is None else ks
+            self._cache[key] = recompute_factor(k, self.L, self.recompute_frac, k_full, self.attention_frac)
+        return self._cache[key]

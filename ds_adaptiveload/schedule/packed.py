@@ -51,7 +51,7 @@ class PackedCtx(_Ctx):
         p = self.dual[0] if self.dual else 1.0
         self.comp = array("d", (g ** p for g in self.gpu)) if self.dual else None
 
-    def mb_ms(self, mb):
+    def base_ms(self, mb):
         return self.profile.packed_ms(map(self.gpu.__getitem__, mb))
 
 

@@ -31,11 +31,13 @@ from dataclasses import dataclass, field
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.geometry import per_gpu_tokens
+from ds_adaptiveload.schedule.memory import RecomputeCost
 
 # Same-shape run length (in micro-batches) of the stratified stream; measured best of 1/2/4/8 on the
 # video-heavy mix at 8-1024 ranks (docs/scheduler.md).
 RUN_SLOTS = 1
 POLICIES = ("balanced", "dual", "equal-tokens", "packed")
+CHECKPOINT_MODES = ("all", "auto", "auto-step")
 # Step-composition classes for mix_tv, by full-sequence tokens: images and short clips, mid clips, long.
 CLASS_BOUNDS = (4096, 20000)
 
@@ -64,6 +66,13 @@ class PlanConfig:
     """Ranks wait for each other at every micro-batch, not only at the optimizer step: true under ZeRO-3
     (parameter all-gathers in every forward and backward) and ZeRO-2 (gradient reduce-scatter in every
     backward). A step then costs the sum over its G micro-batch rounds of the slowest rank's micro-batch."""
+    checkpoint: str = "all"
+    """What the trainer checkpoints: all (every block, as calibrate measures: costs as the profile says) | auto
+    (--checkpoint-blocks auto: each micro-batch only the blocks its memory needs, so it skips the rest's
+    recompute) | auto-step (the same with the step's largest count on every micro-batch, as under ZeRO-3).
+    auto costs micro-batches with schedule/memory.RecomputeCost, when the profile can say (else as all)."""
+    checkpoint_policy: str = "full"
+    """full | attention (--checkpoint-policy): with auto, what a checkpointed block keeps (RecomputeCost)."""
 
     def __post_init__(self):
         def positive(name):
@@ -84,6 +93,10 @@ class PlanConfig:
             raise UserError(f"lockstep must be true or false, got {self.lockstep!r}")
         if self.fill is not None and not 0.1 <= self.fill <= 1.0:
             raise UserError(f"fill must be in [0.1, 1], got {self.fill!r}")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise UserError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}")
+        if self.checkpoint_policy not in ("full", "attention"):
+            raise UserError(f"checkpoint-policy must be full or attention, got {self.checkpoint_policy!r}")
 
     @property
     def dp_size(self) -> int:
@@ -192,8 +205,9 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
     else:
         steps = _balanced_mixed(keep, ctx, rng)
     pad = _finish_tail(steps, ctx, keep)
-    pred = [[ctx.rank_ms(mbs) for mbs in step] for step in steps]
-    return Plan(steps, pred, pad, skipped, full, cfg, epoch, dual, [ctx.step_ms(step) for step in steps])
+    ks = [ctx.step_ks(step) for step in steps]
+    pred = [[ctx.rank_ms(mbs, k) for mbs in step] for step, k in zip(steps, ks)]
+    return Plan(steps, pred, pad, skipped, full, cfg, epoch, dual, [ctx.step_ms(st, k) for st, k in zip(steps, ks)])
 
 
 @dataclass
@@ -212,18 +226,38 @@ class _Ctx:
             if key not in by_shape:
                 by_shape[key] = self.profile.sample_ms(g)
         self.cost = [by_shape[key] for key in self.shape]
+        # --checkpoint-blocks auto: the recompute a micro-batch's open blocks skip (None: every block's, as profiled)
+        self.recompute = (None if self.cfg.checkpoint == "all"
+                          else RecomputeCost.of(self.profile, self.cfg.checkpoint_policy))
 
-    def mb_ms(self, mb):
+    def base_ms(self, mb):
+        """The profile's time for micro-batch mb with every block checkpointed."""
         return self.profile.micro_ms(len(mb), self.gpu[mb[0]])
 
-    def rank_ms(self, mbs):
-        return self.profile.step_fixed_ms + sum(self.mb_ms(mb) for mb in mbs)
+    def mb_ms(self, mb, ks=None):
+        """Predicted ms of micro-batch mb: base_ms less the recompute its checkpointing skips (at ks: (k, k_full)
+        set for the whole step, or its own)."""
+        t = self.base_ms(mb)
+        if self.recompute is None:
+            return t
+        return t * self.recompute.factor(sum(map(self.gpu.__getitem__, mb)), len(mb), ks)
 
-    def step_ms(self, step):
-        """Predicted wall time of a step (every rank holds the same number of micro-batches)."""
+    def step_ks(self, step):
+        """auto-step: the (k, k) every micro-batch of the step runs with, its largest over all ranks; else None."""
+        if self.recompute is None or self.cfg.checkpoint != "auto-step":
+            return None
+        k = max(self.recompute.ks(sum(map(self.gpu.__getitem__, mb)), len(mb))[0] for mbs in step for mb in mbs)
+        return k, k
+
+    def rank_ms(self, mbs, ks=None):
+        return self.profile.step_fixed_ms + sum(self.mb_ms(mb, ks) for mb in mbs)
+
+    def step_ms(self, step, ks=None):
+        """Predicted wall time of a step (every rank holds the same number of micro-batches); ks: step_ks(step)."""
+        ks = self.step_ks(step) if ks is None else ks
         if not self.cfg.lockstep:
-            return max(self.rank_ms(mbs) for mbs in step)
-        return self.profile.step_fixed_ms + sum(max(self.mb_ms(mbs[k]) for mbs in step)
+            return max(self.rank_ms(mbs, ks) for mbs in step)
+        return self.profile.step_fixed_ms + sum(max(self.mb_ms(mbs[k], ks) for mbs in step)
                                                 for k in range(len(step[0])))
 
 

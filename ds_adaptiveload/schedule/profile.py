@@ -27,7 +27,8 @@ from ds_adaptiveload.schedule.geometry import Geometry
 # Allowed keys per section; anything else is a typo we refuse rather than ignore.
 _SCHEMA = {
     "geometry": {"vae_stride", "patch_size"},
-    "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed", "floor", "floor_q", "recompute_frac"},
+    "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed", "floor", "floor_q", "recompute_frac",
+                "attention_recompute_frac"},
     "memory": {"budget_tokens", "sample_tokens", "fixed_bytes", "bytes_per_token", "bytes_per_sample",
                "capacity_bytes", "safety", "block_bytes_per_token", "attention_bytes_per_token",
                "block_bytes_per_sample"},
@@ -95,6 +96,9 @@ class CostProfile:
     recompute_frac: float = 0.0
     """time_ms.recompute_frac: the share of a fully checkpointed micro-batch's fwd+bwd that recompute takes
     (schedule/memory.recompute_factor; calibrate measures it, 0: not known)."""
+    attention_recompute_frac: float = 0.0
+    """time_ms.attention_recompute_frac: the share of it that recomputing attention takes, which a block keeping
+    its attention outputs skips (the attention checkpoint policy; 0: not known)."""
 
     def __post_init__(self):
         # Messages name the YAML keys (KEYS), the names a user edits.
@@ -108,8 +112,10 @@ class CostProfile:
             raise UserError(f"profile: time_ms.floor_q must be a number >= 1, got {self.floor_q!r}")
         if self.per_token_ms == 0 and self.per_token_sq_ms == 0:
             raise UserError("profile: time_ms.per_token and time_ms.per_token_sq cannot both be 0")
-        if not (_is_number(self.recompute_frac) and 0 <= self.recompute_frac < 1):
-            raise UserError(f"profile: time_ms.recompute_frac must be a number in [0, 1), got {self.recompute_frac!r}")
+        for key in ("recompute_frac", "attention_recompute_frac"):
+            v = getattr(self, key)
+            if not (_is_number(v) and 0 <= v < 1):
+                raise UserError(f"profile: time_ms.{key} must be a number in [0, 1), got {v!r}")
         if type(self.budget_tokens) is not int or self.budget_tokens < 1:  # bool is an int: refused
             raise UserError(f"profile: memory.budget_tokens must be a positive integer, "
                             f"got {self.budget_tokens!r}")
@@ -202,7 +208,8 @@ class CostProfile:
                    sample_tokens=mem.get("sample_tokens", 0.0),
                    dual_p=dual.get("p"), dual_m_comp=dual.get("m_comp"), geometry=geometry,
                    memory=dict(mem), meta=dict(doc.get("meta") or {}), fit=dict(doc.get("fit") or {}),
-                   recompute_frac=t.get("recompute_frac", 0.0))
+                   recompute_frac=t.get("recompute_frac", 0.0),
+                   attention_recompute_frac=t.get("attention_recompute_frac", 0.0))
 
     def to_dict(self) -> dict:
         doc = {
@@ -211,7 +218,9 @@ class CostProfile:
                         "per_token_sq": self.per_token_sq_ms, "step_fixed": self.step_fixed_ms,
                         **({"floor": self.floor_ms} if self.floor_ms else {}),
                         **({"floor_q": self.floor_q} if math.isfinite(self.floor_q) else {}),
-                        **({"recompute_frac": self.recompute_frac} if self.recompute_frac else {})},
+                        **({"recompute_frac": self.recompute_frac} if self.recompute_frac else {}),
+                        **({"attention_recompute_frac": self.attention_recompute_frac}
+                           if self.attention_recompute_frac else {})},
             "memory": {**self.memory, "budget_tokens": self.budget_tokens},
         }
         if self.sample_tokens or "sample_tokens" in self.memory:  # in memory's place when it has one

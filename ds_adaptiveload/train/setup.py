@@ -97,6 +97,7 @@ def prepare_data(args, manifest, c, world, rank):
 
     from ds_adaptiveload.data import latents as data
     from ds_adaptiveload.schedule.manifest import load_manifest
+    from ds_adaptiveload.schedule.memory import RecomputeCost
     from ds_adaptiveload.schedule.planner import PlanConfig
     from ds_adaptiveload.schedule.sampler import AdaptiveSampler
     from ds_adaptiveload.train import checkpoint
@@ -118,8 +119,9 @@ def prepare_data(args, manifest, c, world, rank):
             raise UserError(f"{manifest}: every sample is bad")
     # ZeRO-2/3 synchronise ranks at every micro-batch (reduce-scatter / all-gather): plan rounds, not totals.
     lockstep = zero_stage(c.ds_cfg) >= 2
+    ckpt = plan_checkpoint(args, zero_stage(c.ds_cfg))
     plan_cfg = PlanConfig(policy=al.policy, world_size=world, sp=c.dims.sp, grad_accum=c.G, seed=al.seed,
-                          on_oversize=al.on_oversize, window=al.window, fill=al.fill, lockstep=lockstep)
+                          on_oversize=al.on_oversize, window=al.window, fill=al.fill, lockstep=lockstep, **ckpt)
     sampler = AdaptiveSampler(samples, c.profile, plan_cfg, c.dims.dp_rank)
     # Bad samples found while reading come back as data ("bad"), so the loop can agree on them across ranks.
     dataset = data.LatentDataset(samples, manifest, geometry, c.model_cfg.text_len, c.model_cfg.text_dim,
@@ -131,6 +133,8 @@ def prepare_data(args, manifest, c, world, rank):
                  if k not in ("on_bad_sample", "on_oom", "loss_weighting", "lr_scaling_method", "lr_reference_batch_size")}
     layout = {"world": world, "sp": c.dims.sp, "grad_accum": c.G, "adaptive_load": plan_keys,
               "manifest_samples": len(samples)}
+    if ckpt["checkpoint"] != "all" and RecomputeCost.of(c.profile, ckpt["checkpoint_policy"]):
+        layout["checkpoint"] = ckpt  # the plan costs recompute by it (absent otherwise: older checkpoints match)
     tag = checkpoint.find(args.resume) if args.resume else None
     if tag:
         checkpoint.check_layout(args.resume, tag, layout)
@@ -139,6 +143,16 @@ def prepare_data(args, manifest, c, world, rank):
               file=sys.stderr)
     return SimpleNamespace(samples=samples, bad_upfront=bad_upfront, sampler=sampler, dataset=dataset,
                            stream=data.MicroBatchStream(sampler), layout=layout, resume_tag=tag)
+
+
+def plan_checkpoint(args, stage: int) -> dict:
+    """PlanConfig's checkpoint and checkpoint_policy for this run: with --checkpoint-blocks auto the planner costs
+    the recompute each micro-batch's open blocks skip (under ZeRO-3 at the step's largest count, as checkpoint_for
+    sets it); with every block, a fixed count or none, as the profile says."""
+    policy = getattr(args, "checkpoint_policy", "full")
+    if getattr(args, "checkpoint_blocks", False) != "auto":
+        return {"checkpoint": "all", "checkpoint_policy": policy}
+    return {"checkpoint": "auto-step" if stage == 3 else "auto", "checkpoint_policy": policy}
 
 
 def read_step(batches, stream, G, step, rank):
