@@ -66,6 +66,35 @@ def test_report_prints_one_line_and_returns_the_code(capsys):
         failures.report(KeyError("x"))
 
 
+_PEER_RUN = """
+import sys
+import torch.distributed as dist
+sys.path.insert(0, {root!r})
+from ds_adaptiveload.train import failures
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+code = failures.report(RuntimeError("[gloo] Connection reset by peer: 127.0.0.1:4242\\nmore text"), step=3)
+dist.destroy_process_group()
+sys.exit(code)
+"""
+
+
+def test_a_failed_collective_with_every_peer_alive_says_what_failed():
+    """A peer failure while every rank still runs (nothing to name): the error line as before, and a note with the
+    collective's own first line from each rank, so a flaky start-up says what broke."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _PEER_RUN.format(root=ROOT, port=29683)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == failures.EXIT_PEER_LOST, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert "note: rank 0: the collective failed with: RuntimeError: [gloo] Connection reset by peer: 127.0.0.1:4242" \
+        in lines, proc.stderr[-3000:]
+    assert [x for x in lines if x.startswith("error:")] == [
+        "error: step 3: another rank stopped answering (a collective failed); rank 0 stops too. Relaunch with "
+        "--resume OUTPUT/checkpoints (docs/reliability.md)"]
+
+
 def test_compile_cache_argument_is_checked_before_training(tmp_path):
     from types import SimpleNamespace
 

@@ -215,6 +215,9 @@ def report(e: BaseException, step=None) -> int:
         return EXIT_USER_ERROR
     if is_peer_failure(e) or (isinstance(e, Terminated) and stopped_ranks()):
         msg, mine = peer_lost_message(step)
+        if not isinstance(e, Terminated) and "(a collective failed)" in msg:
+            # every peer still runs: what failed is the clue (which rank failed first shows in these notes)
+            print(f"note: rank {_rank()}: the collective failed with: {cause_line(e)}", file=sys.stderr, flush=True)
         if mine:
             print(f"error: {msg}", file=sys.stderr, flush=True)
         return EXIT_PEER_LOST
@@ -223,6 +226,12 @@ def report(e: BaseException, step=None) -> int:
               f"one has failed: see the first error above)", file=sys.stderr, flush=True)
         return EXIT_TERMINATED
     raise e
+
+
+def cause_line(e: BaseException, width: int = 300) -> str:
+    """The exception's type and the first line of its text, at most `width` characters."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text}"[:width]
 
 
 def _barrier():
