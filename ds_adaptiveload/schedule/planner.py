@@ -12,7 +12,7 @@ Policies:
 - equal-tokens: bucket by shape, B = floor(M_mem / S), shuffle micro-batches, deal them round-robin. What
   token-capped loaders (DeepSpeed dynamic batching, bucket loaders) do; the baseline.
 - dual: the same with B also capped by the paper's compute constraint B * S^p <= M_comp.
-- balanced: both caps, then balance every step. With G >= 2, each step draws a stratified slice of the
+- balanced (schedule/balanced.py): both caps, then balance every step. With G >= 2, each step draws a stratified slice of the
   epoch (every shape in proportion, so the step looks like the data) and packs its samples onto ranks by
   LPT (longest first to the least-loaded rank that has a free slot or an open micro-batch of that shape);
   images and short clips are the fine-grained filler that evens the totals. With G = 1 a rank runs one
@@ -23,19 +23,13 @@ Policies:
   predicted cost, steps drawn from the stratified stream (so they look like the data), at any G.
 """
 import bisect
-import heapq
-from array import array
-import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.geometry import per_gpu_tokens
 from ds_adaptiveload.schedule.memory import RecomputeCost
 
-# Same-shape run length (in micro-batches) of the stratified stream; measured best of 1/2/4/8 on the
-# video-heavy mix at 8-1024 ranks (docs/scheduler.md).
-RUN_SLOTS = 1
 POLICIES = ("balanced", "dual", "equal-tokens", "packed")
 CHECKPOINT_MODES = ("all", "auto", "auto-step")
 # Step-composition classes for mix_tv, by full-sequence tokens: images and short clips, mid clips, long.
@@ -60,7 +54,7 @@ class PlanConfig:
     """balanced with G = 1: steps per cost-sorting window (0 or None = whole epoch)."""
     fill: float = None
     """balanced with G >= 2: a step draws samples worth this fraction of its R*G micro-batch slots
-    (None: the better of FILL_CHOICES by predicted wall time on a prefix of the epoch). packed: the average
+    (None: the better of balanced.FILL_CHOICES by predicted wall time on a prefix of the epoch). packed: the average
     fraction of a micro-batch's memory that sets its target cost (None: packed.PACK_FILL)."""
     lockstep: bool = False
     """Ranks wait for each other at every micro-batch, not only at the optimizer step: true under ZeRO-3
@@ -187,8 +181,10 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
     rng = random.Random(f"{cfg.seed}/{epoch}")
     dual = profile.dual_for(min((gpu[i] for i in keep), default=1), max((gpu[i] for i in keep), default=1))
     cap = _batch_caps(gpu, shape, keep, profile, dual if cfg.policy == "dual" else None)
-    if cfg.policy == "packed":  # its own module; imported here because it builds on this one's helpers
-        from ds_adaptiveload.schedule import packed
+    # packed and balanced have their own modules, imported here because they build on this one's helpers
+    from ds_adaptiveload.schedule import balanced, packed
+
+    if cfg.policy == "packed":
         ctx = packed.PackedCtx(profile, cfg, full, gpu, shape, cap)
     else:
         ctx = _Ctx(profile, cfg, full, gpu, shape, cap)
@@ -198,12 +194,8 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
         steps = packed.packed_steps(keep, ctx, rng)
     elif cfg.policy in ("equal-tokens", "dual"):
         steps = _deal(_micro_batches(_shuffled_buckets(keep, shape, rng), cap), ctx, rng)
-    elif cfg.lockstep and cfg.grad_accum > 1:
-        steps = _balanced_rounds(keep, ctx, rng)
-    elif cfg.grad_accum == 1 or cfg.window:
-        steps = _balanced_sorted(keep, ctx, rng)
     else:
-        steps = _balanced_mixed(keep, ctx, rng)
+        steps = balanced.balanced_steps(keep, ctx, rng)
     pad = _finish_tail(steps, ctx, keep)
     ks = [ctx.step_ks(step) for step in steps]
     pred = [[ctx.rank_ms(mbs, k) for mbs in step] for step, k in zip(steps, ks)]
@@ -350,355 +342,6 @@ def _deal(mbs, ctx, rng):
 
 
 # ----------------------------------------------------------------------------------------------------
-# balanced, G >= 2: stratified steps packed by LPT
-
-
-def _stratified_stream(indices, ctx, rng, run_slots=0):
-    """Seeded epoch order in which any prefix holds every token class at close to its epoch share.
-
-    Within a class, samples come in runs of one shape, `run_slots` micro-batches long (0: single samples),
-    in shuffled order: a step then holds few distinct shapes, each with enough samples to spread over
-    ranks, which is what lets the packer fill slots. Classes are interleaved by key (j + u) / n for the
-    j-th sample of a class of n (u uniform): proportional, with jitter."""
-    classes = {}
-    # With G <= 2 a rank has too few slots to offset a sample that fills a micro-batch alone (a 720p clip)
-    # with filler, so such samples come in runs of R: a step that holds one then holds about one per rank.
-    heavy_run = ctx.cfg.dp_size if ctx.cfg.grad_accum <= 2 else 0
-    for key, b in _shuffled_buckets(indices, ctx.shape, rng):
-        size = heavy_run if (heavy_run and ctx.cap[key] == 1) else max(1, run_slots * ctx.cap[key])
-        runs = [b[j:j + size] for j in range(0, len(b), size)]
-        classes.setdefault(token_class(ctx.full[b[0]]), []).extend(runs)
-    order, keys = [], array("d")
-    for c in sorted(classes):
-        runs = classes[c]
-        rng.shuffle(runs)
-        n = sum(len(run) for run in runs)
-        j = 0
-        for run in runs:
-            for i in run:
-                order.append(i)
-                keys.append((j + rng.random()) / n)
-                j += 1
-    # sort positions by key without building (key, index) tuples: 10M-sample epochs stay small
-    return [order[p] for p in sorted(range(len(order)), key=keys.__getitem__)]
-
-
-# Fill targets tried when PlanConfig.fill is None. Lower fill leaves free slots for rebalancing (less idle);
-# fill 1.0 makes fewer, fuller micro-batches, which wins when the per-micro-batch fixed cost is large
-# (measured under ZeRO-3: about 1.3 s per micro-batch for the 1.3B model on an H200).
-FILL_CHOICES = (0.85, 1.0)
-AUTO_PREFIX_STEPS = 24
-AUTO_MARGIN = 0.97
-
-
-def _balanced_mixed(keep, ctx, rng):
-    r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
-    stream = _stratified_stream(keep, ctx, rng, run_slots=RUN_SLOTS)
-    demand = _slot_demand(stream, ctx)
-    fill = ctx.cfg.fill
-    if fill is None:
-        # Fewer, fuller steps (fill 1.0) only when they predict clearly less wall time than the default on
-        # a prefix of the epoch (same samples for both): the prefix estimate is noisy within a few %.
-        n = min(len(stream), math.ceil(len(stream) * AUTO_PREFIX_STEPS * r * g / max(demand, 1)))
-        prefix = stream[:n]
-        pd = _slot_demand(prefix, ctx)
-        wall = {f: sum(ctx.step_ms(step) for step in _draw_steps(prefix, pd, f, ctx))
-                for f in FILL_CHOICES}
-        lo, hi = FILL_CHOICES
-        fill = hi if wall[hi] < AUTO_MARGIN * wall[lo] else lo
-    return _draw_steps(stream, demand, fill, ctx)
-
-
-def _draw_steps(stream, demand, fill, ctx):
-    r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
-    # Slot demand of the whole stream at the fill target gives the step count; spreading it evenly keeps
-    # the last step from being a small remainder (which would need padding).
-    n_steps = max(1, math.ceil(demand / (r * g * fill)))
-    budget = min(r * g, demand / n_steps)
-    steps, pos = [], 0
-    while pos < len(stream):
-        # Draw until the step's shapes need `budget` of its R*G slots at full micro-batches; every sample
-        # drawn is placed in this step (no deferral, so steps keep the stream's composition).
-        counts, used, start = {}, 0, pos
-        while pos < len(stream) and (used < budget or pos - start < r * g):
-            key = ctx.shape[stream[pos]]
-            n = counts.get(key, 0)
-            if n % ctx.cap[key] == 0:
-                if used + 1 > r * g:
-                    break
-                used += 1
-            counts[key] = n + 1
-            pos += 1
-        steps.append(_pack_step(stream[start:pos], ctx))
-    return steps
-
-
-def _slot_demand(stream, ctx):
-    """Micro-batches needed if the stream were cut into steps of one shape-run each: a lower bound on slots."""
-    demand, prev, n = 0, None, 0
-    for i in stream:
-        key = ctx.shape[i]
-        if key != prev or n % ctx.cap[key] == 0:
-            demand += 1
-            n = 0
-        prev = key
-        n += 1
-    return demand
-
-
-def _pack_step(cand, ctx):
-    """Place one step's samples on R ranks x G slots with equal loads.
-
-    1. Full micro-batches per shape, dealt largest first to the least-loaded rank with a free slot (LPT).
-    2. Rebalance: the most loaded rank hands work to a lighter one, by moving samples into a micro-batch
-       of the same shape there (or into a free slot), or by swapping two micro-batches; the move chosen is
-       the one that best halves the gap. Stops when the most loaded rank cannot be relieved.
-    3. Split micro-batches so every rank runs exactly G (see _fill_slots)."""
-    r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
-    buckets = {}
-    for i in cand:
-        buckets.setdefault(ctx.shape[i], []).append(i)
-    mbs = _micro_batches(sorted(buckets.items()), ctx.cap)
-    cost = ctx.cost
-    mbs.sort(key=lambda mb: -len(mb) * cost[mb[0]])
-    step = _lpt_micro_batches(mbs, r, g, ctx, load_fn=lambda mb: len(mb) * cost[mb[0]])
-    _rebalance(step, ctx, g)
-    _fill_slots(step, g)
-    return step
-
-
-def _rebalance(step, ctx, g, passes=10, scan=4, tol=2e-3):
-    """Pairwise rebalancing: in each pass every rank above the mean (heaviest first) trades with the
-    lightest ranks below it, taking the move or swap that best halves their gap. Idle depends only on the
-    heaviest rank, so ranks within `tol` of the mean are left alone. A pass is O(R * G^2)."""
-    cost = ctx.cost
-    load = [sum(cost[mb[0]] * len(mb) for mb in mbs) for mbs in step]
-    r = len(step)
-    mean = sum(load) / r
-    for _ in range(passes):
-        heavy = sorted((k for k in range(r) if load[k] > mean * (1 + tol)), key=load.__getitem__, reverse=True)
-        if not heavy:
-            return
-        light = sorted((k for k in range(r) if load[k] < mean), key=load.__getitem__)
-        used = [False] * r
-        improved = False
-        j0 = 0
-        for a in heavy:
-            tried = 0
-            for j in range(j0, len(light)):
-                b = light[j]
-                if used[b]:
-                    if j == j0:
-                        j0 += 1
-                    continue
-                if tried >= scan:
-                    break
-                tried += 1
-                act = _best_action(step, a, b, load, ctx, g)
-                if act is not None:
-                    _apply(step, a, b, act, load, cost)
-                    used[b] = True
-                    improved = True
-                    break
-        if not improved:
-            return
-
-
-def _best_action(step, a, b, load, ctx, g):
-    """The move of samples from a to b, or swap of two micro-batches, that minimises the pair's max load."""
-    cost, cap, shape = ctx.cost, ctx.cap, ctx.shape
-    gap = load[a] - load[b]
-    best, best_new = None, load[a] - 1e-9
-    on_b = {}
-    for y, my in enumerate(step[b]):
-        on_b.setdefault(shape[my[0]], []).append(y)
-    free_b = len(step[b]) < g
-    for x, mx in enumerate(step[a]):
-        cx = cost[mx[0]]
-        kx = shape[mx[0]]
-        want = max(1, round(gap / (2 * cx)))
-        # move samples of mx into a same-shape micro-batch on b (leave mx non-empty) ...
-        for y in on_b.get(kx, ()):
-            t = min(cap[kx] - len(step[b][y]), len(mx) - 1, want)
-            if t >= 1:
-                new = max(load[a] - t * cx, load[b] + t * cx)
-                if new < best_new:
-                    best, best_new = ("move", x, y, t), new
-        # ... or into a free slot on b (mx may move whole; a then has a free slot)
-        if free_b:
-            t = min(cap[kx], len(mx), want)
-            new = max(load[a] - t * cx, load[b] + t * cx)
-            if new < best_new:
-                best, best_new = ("move", x, None, t), new
-        wx = cx * len(mx)
-        for y, my in enumerate(step[b]):
-            d = wx - cost[my[0]] * len(my)
-            if 0 < d < gap:
-                new = max(load[a] - d, load[b] + d)
-                if new < best_new:
-                    best, best_new = ("swap", x, y, d), new
-    return best
-
-
-def _apply(step, a, b, act, load, cost):
-    kind, x, y, t = act
-    if kind == "swap":
-        step[a][x], step[b][y] = step[b][y], step[a][x]
-        load[a] -= t
-        load[b] += t
-        return
-    mx = step[a][x]
-    moved = mx[len(mx) - t:]
-    del mx[len(mx) - t:]
-    if y is None:
-        step[b].append(moved)
-    else:
-        step[b][y].extend(moved)
-    if not mx:
-        del step[a][x]
-    w = t * cost[moved[0]]
-    load[a] -= w
-    load[b] += w
-
-
-def _fill_slots(mbs, g):
-    """Give every rank exactly G micro-batches: split its largest micro-batch while it has fewer; if it
-    holds fewer than G samples, take one from the largest micro-batch elsewhere. Splitting costs nothing
-    in the cost model beyond the per-micro-batch fixed time, which every rank then pays G times."""
-    needy = []
-    for k, rank_mbs in enumerate(mbs):
-        while len(rank_mbs) < g:
-            big = max(range(len(rank_mbs)), key=lambda m: len(rank_mbs[m]), default=None)
-            if big is None or len(rank_mbs[big]) < 2:
-                needy.append(k)
-                break
-            half = len(rank_mbs[big]) // 2
-            rank_mbs.append(rank_mbs[big][half:])
-            del rank_mbs[big][half:]
-    if not needy:
-        return
-    donors = [(-len(mb), k, m) for k, rank_mbs in enumerate(mbs) for m, mb in enumerate(rank_mbs) if len(mb) >= 2]
-    heapq.heapify(donors)
-    for k in needy:
-        while len(mbs[k]) < g and donors:
-            _, d, m = heapq.heappop(donors)
-            mb = mbs[d][m]
-            mbs[k].append([mb.pop()])
-            if len(mb) >= 2:
-                heapq.heappush(donors, (-len(mb), d, m))
-        # donors exhausted: too few samples in the step; the epoch tail pads
-
-
-# ----------------------------------------------------------------------------------------------------
-# balanced, G >= 2 under lockstep: rounds of equal-cost micro-batches, interleaved by class
-
-
-def _balanced_rounds(keep, ctx, rng):
-    """Under lockstep a step's wall time is the sum over its G rounds (the k-th micro-batch of every rank)
-    of the round's slowest micro-batch: rank totals do not matter, rounds do. Within a window of the
-    stratified stream (default: the epoch), full micro-batches per shape (the fewest: each pays the fixed
-    per-micro-batch cost) are sorted by cost and cut into rounds of R; for a fixed set of micro-batches
-    that minimises the sum of round maxima, and rounds of one shape cost exactly the same. The W*G rounds
-    of a window are striped over its W steps (step j takes rounds j, j + W, j + 2W, ...: one per cost
-    quantile), so every step holds expensive and cheap rounds. A smaller window keeps steps closer to the
-    data's composition at the price of less even rounds."""
-    r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
-    steps = []
-    for mbs, rest in _sorted_windows(keep, ctx, rng):
-        n = len(mbs) // (r * g)
-        rounds = [mbs[j:j + r] for j in range(0, len(mbs), r)]
-        order = []
-        for j in rng.sample(range(n), n):  # shuffled step order: no epoch sorted by cost
-            order += [rounds[j + q * n] for q in range(g)]
-        order += [rest[j:j + r] for j in range(0, len(rest), r)]  # fewer than G rounds: the last step
-        for s in range(0, len(order), g):
-            steps.append(_deal_rounds(order[s:s + g], r, ctx))
-    return steps
-
-
-def _deal_rounds(rounds, r, ctx):
-    """One step from its rounds: a round's heaviest micro-batch goes to the least-loaded rank so far, which
-    keeps rank totals even as well (what matters when ranks do not run in lockstep)."""
-    step = [[] for _ in range(r)]
-    load = [0.0] * r
-    for rd in rounds:
-        ranks = sorted(range(r), key=load.__getitem__)
-        for k, mb in zip(ranks, sorted(rd, key=ctx.mb_ms, reverse=True)):
-            step[k].append(mb)
-            load[k] += ctx.mb_ms(mb)
-    return step
-
-
-def _windows(stream, ctx):
-    """Cut the stream into windows of about `window` steps of micro-batches (slot units: a sample fills
-    1/cap of a micro-batch); window 0 or None: the whole stream."""
-    window = ctx.cfg.window or 0
-    if not window:
-        return [stream]
-    per_window = window * ctx.cfg.dp_size * ctx.cfg.grad_accum
-    chunks, cur, used = [], [], 0.0
-    for i in stream:
-        cur.append(i)
-        used += 1 / ctx.cap[ctx.shape[i]]
-        if used >= per_window:
-            chunks.append(cur)
-            cur, used = [], 0.0
-    if cur:
-        chunks.append(cur)
-    return chunks
-
-
-def _sorted_windows(keep, ctx, rng):
-    """Per window of the stratified stream: (its micro-batches sorted by cost, descending and in random
-    order among equal costs, cut at whole steps of R*G; rest). A window's remainder (its cheapest
-    micro-batches) moves on to the next window; only the epoch's last remainder comes back, as `rest`, for
-    the epoch's last step (_finish_tail)."""
-    per_step = ctx.cfg.dp_size * ctx.cfg.grad_accum
-    chunks = _windows(_stratified_stream(keep, ctx, rng), ctx)
-    carry = []
-    for w, chunk in enumerate(chunks):
-        mbs = _micro_batches(_shuffled_buckets(carry + chunk, ctx.shape, rng), ctx.cap)
-        rng.shuffle(mbs)
-        mbs.sort(key=ctx.mb_ms, reverse=True)
-        full = len(mbs) - len(mbs) % per_step
-        if w == len(chunks) - 1:
-            yield mbs[:full], mbs[full:]
-        else:
-            carry = [i for mb in mbs[full:] for i in mb]
-            yield mbs[:full], []
-
-
-# ----------------------------------------------------------------------------------------------------
-# balanced, G == 1 (or an explicit window): steps of similar micro-batches
-
-
-def _balanced_sorted(keep, ctx, rng):
-    r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
-    per_step = r * g
-    steps = []
-    for mbs, rest in _sorted_windows(keep, ctx, rng):
-        window_steps = [_lpt_micro_batches(mbs[s:s + per_step], r, g, ctx) for s in range(0, len(mbs), per_step)]
-        rng.shuffle(window_steps)  # no epoch sorted by length
-        steps += window_steps
-        if rest:
-            steps.append(_lpt_micro_batches(rest, r, g, ctx))
-    return steps
-
-
-def _lpt_micro_batches(chunk, r, g, ctx, load_fn=None):
-    """Deal whole micro-batches (sorted by cost, descending) to the least-loaded rank with a free slot."""
-    load_fn = load_fn or ctx.mb_ms
-    step = [[] for _ in range(r)]
-    heap = [(0.0, k) for k in range(r)]
-    for mb in chunk:
-        ld, k = heapq.heappop(heap)
-        step[k].append(mb)
-        if len(step[k]) < g:
-            heapq.heappush(heap, (ld + load_fn(mb), k))
-    return step
-
-
-# ----------------------------------------------------------------------------------------------------
 # Epoch tail
 
 
@@ -706,6 +349,8 @@ def _finish_tail(steps, ctx, keep):
     """Make every rank hold exactly G micro-batches in every step. Only the last step can be short; its
     micro-batches are split first (real samples spread over more slots), and slots still empty get a pad
     micro-batch: a repeat of the cheapest sample, trained with zero loss weight."""
+    from ds_adaptiveload.schedule.balanced import _fill_slots, _lpt_micro_batches
+
     pad = set()
     g = ctx.cfg.grad_accum
     if not steps:

@@ -50,7 +50,7 @@ class AdaptiveLoadConfig:
     epoch; smaller keeps steps closer to the data's composition, at some balance)."""
     fill: float = None
     """balanced with G >= 2: fraction of a step's R*G micro-batch slots to fill (None: the planner
-    chooses by predicted wall time, see planner.FILL_CHOICES)."""
+    chooses by predicted wall time, see balanced.FILL_CHOICES)."""
     on_bad_sample: str = "error"
     """error | skip: a sample that cannot be read (missing or truncated shard, missing tensor, shape or
     dtype not matching the manifest, NaN/Inf values) or a non-finite loss. skip drops samples found
