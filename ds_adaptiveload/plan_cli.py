@@ -92,13 +92,10 @@ def run_profile(profile, stage, world, source):
     moved there (schedule/zero.for_run), what moved said on stderr."""
     from ds_adaptiveload.schedule.zero import calibrated_for, for_run
 
-    known = calibrated_for(profile)
-    if known is None:
-        if stage is not None:
-            print(f"{source}: no meta.zero_stage, meta.train_world_size, meta.model.params or memory bytes to move "
-                  f"the budget with: --zero-stage {stage} leaves it as written", file=sys.stderr)
-        return profile
-    profile, notes = for_run(profile, known[1] if stage is None else stage, world, source)
+    if stage is not None and calibrated_for(profile) is None:
+        print(f"{source}: no meta.zero_stage, meta.train_world_size, meta.model.params or memory bytes to move "
+              f"the budget with: --zero-stage {stage} leaves it as written", file=sys.stderr)
+    profile, notes = for_run(profile, stage, world, source)
     for line in notes:
         print(line, file=sys.stderr)
     return profile

@@ -170,13 +170,10 @@ def render_markdown(args, profile, samples, tokens, shapes, plans, figs) -> str:
 def profile_at(profile, world):
     """The profile's memory at `world` ranks under its own ZeRO stage (schedule/zero.for_run), or None where the ZeRO
     state leaves no memory for tokens there (that world size is left out of the idle plot)."""
-    from ds_adaptiveload.schedule.zero import calibrated_for, for_run
+    from ds_adaptiveload.schedule.zero import for_run
 
-    known = calibrated_for(profile)
-    if known is None:
-        return profile
     try:
-        return for_run(profile, known[1], world)[0]
+        return for_run(profile, None, world)[0]
     except UserError:
         return None
 

@@ -47,15 +47,18 @@ def calibrated_for(profile):
     return params, stage, world
 
 
-def for_run(profile, zero_stage: int, world: int, source: str = "profile") -> tuple:
+def for_run(profile, zero_stage, world: int, source: str = "profile") -> tuple:
     """(profile, notes): the profile with memory.fixed_bytes and budget_tokens moved to a run of `world` ranks under
-    ZeRO `zero_stage` (module docstring), its meta.zero_stage and train_world_size set to the run's and the old
+    ZeRO `zero_stage` (None: the profile's own stage; module docstring), its meta.zero_stage and train_world_size set to the run's and the old
     values under meta.rescaled_from; notes are lines for the user saying what moved, and, across stages, what the
     accounting leaves out. The profile itself when it already matches or cannot say (calibrated_for)."""
     known = calibrated_for(profile)
-    if known is None or (known[1], known[2]) == (zero_stage, world):
+    if known is None:
         return profile, []
     params, stage0, world0 = known
+    zero_stage = stage0 if zero_stage is None else zero_stage
+    if (stage0, world0) == (zero_stage, world):
+        return profile, []
     delta = state_bytes(params, zero_stage, world) - state_bytes(params, stage0, world0)
     mem = profile.memory
     budget = math.floor(profile.budget_tokens - delta / mem["bytes_per_token"])
