@@ -119,6 +119,15 @@ def predicted_peak_bytes(tokens: int, samples: int, profile_memory: dict, num_la
             + samples * (num_layers - k) * block_sample)
 
 
+def checkpoint_ks(tokens: int, samples: int, profile_memory: dict, num_layers: int, policy: str = "full") -> tuple:
+    """(k, k_full) of a micro-batch under --checkpoint-policy `policy`: blocks_to_checkpoint with every checkpointed
+    block recomputed whole (full), or selective_checkpoint (attention). What the trainer sets and the planner costs."""
+    if policy == "attention":
+        return selective_checkpoint(tokens, samples, profile_memory, num_layers)
+    k = blocks_to_checkpoint(tokens, samples, profile_memory, num_layers)
+    return k, k
+
+
 def recompute_factor(k: int, num_layers: int, recompute_frac: float = 0.0, k_full: int = None,
                      attention_frac: float = 0.0) -> float:
     """t(k) / t(all checkpointed) = 1 - recompute_frac * (L - k) / L - attention_frac * (k - k_full) / L: the
@@ -165,14 +174,10 @@ class RecomputeCost:
         return cls(mem, L, profile.recompute_frac, profile.attention_recompute_frac, policy)
 
     def ks(self, tokens: int, samples: int) -> tuple:
-        """(k, k_full) as the trainer sets them (blocks_to_checkpoint, or selective_checkpoint for attention)."""
+        """(k, k_full) as the trainer sets them (checkpoint_ks)."""
         key = ("ks", tokens, samples)
         if key not in self._cache:
-            if self.policy == "attention":
-                self._cache[key] = selective_checkpoint(tokens, samples, self.memory, self.L)
-            else:
-                k = blocks_to_checkpoint(tokens, samples, self.memory, self.L)
-                self._cache[key] = k, k
+            self._cache[key] = checkpoint_ks(tokens, samples, self.memory, self.L, self.policy)
         return self._cache[key]
 
     def factor(self, tokens: int, samples: int, ks: tuple = None) -> float:

@@ -250,9 +250,9 @@ class Trainer:
         self._pred_peak_gib = max(self._pred_peak_gib, peak)
 
     def blocks_to_checkpoint(self, indices) -> tuple:
-        """(k, k_full) of a micro-batch (its sample indices) on this rank's tokens: schedule/memory's
-        blocks_to_checkpoint (k_full = k) or, under --checkpoint-policy attention, selective_checkpoint."""
-        from ds_adaptiveload.schedule.memory import blocks_to_checkpoint, selective_checkpoint
+        """(k, k_full) of a micro-batch (its sample indices) on this rank's tokens: schedule/memory.checkpoint_ks,
+        which the planner costs the micro-batch with too."""
+        from ds_adaptiveload.schedule.memory import checkpoint_ks
 
         tokens = self.rank_tokens(indices)
         mem, L = self.profile.memory, self.model_cfg.num_layers
@@ -260,10 +260,7 @@ class Trainer:
             import torch
 
             mem = {**mem, "capacity_bytes": torch.cuda.get_device_properties(self.device).total_memory}
-        if getattr(self.args, "checkpoint_policy", "full") == "attention":
-            return selective_checkpoint(tokens, len(indices), mem, L)
-        k = blocks_to_checkpoint(tokens, len(indices), mem, L)
-        return k, k
+        return checkpoint_ks(tokens, len(indices), mem, L, getattr(self.args, "checkpoint_policy", "full"))
 
     def rank_tokens(self, indices) -> int:
         """Tokens of a micro-batch on this rank: ceil(S / sp) of each sample."""
