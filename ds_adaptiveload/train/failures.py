@@ -182,7 +182,7 @@ def _alive(psutil, pid: int) -> bool:
 
 
 def peer_lost_message(step) -> tuple:
-    """(message, whether this rank prints it): the lowest rank still running prints, once."""
+    """(message, whether this rank prints it, the ranks found gone): the lowest rank still running prints, once."""
     gone, me = stopped_ranks(), _rank()
     when = f"step {step}: " if step else ""
     if gone:
@@ -192,7 +192,7 @@ def peer_lost_message(step) -> tuple:
         msg = f"{when}another rank stopped answering (a collective failed)"
     first_alive = min(r for r in range(me + 1) if r not in gone)
     return (msg + f"; rank {me} stops too. Relaunch with --resume OUTPUT/checkpoints (docs/reliability.md)",
-            me == first_alive)
+            me == first_alive, gone)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -214,8 +214,8 @@ def report(e: BaseException, step=None) -> int:
             _barrier()  # no rank exits (and gets its peers killed by the launcher) before rank 0 printed
         return EXIT_USER_ERROR
     if is_peer_failure(e) or (isinstance(e, Terminated) and stopped_ranks()):
-        msg, mine = peer_lost_message(step)
-        if not isinstance(e, Terminated) and "(a collective failed)" in msg:
+        msg, mine, gone = peer_lost_message(step)
+        if not gone and not isinstance(e, Terminated):
             # every peer still runs: what failed is the clue (which rank failed first shows in these notes)
             print(f"note: rank {_rank()}: the collective failed with: {cause_line(e)}", file=sys.stderr, flush=True)
         if mine:
