@@ -79,14 +79,14 @@ def write_trainer_profile(path, base_ds, memory):
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.train.config import read_json_object, zero_stage
 
-    src = read_json_object(os.path.join(ROOT, base_ds), "DeepSpeed config")["adaptive_load"]["profile"]
+    ds = read_json_object(os.path.join(ROOT, base_ds), "DeepSpeed config")
+    src = ds["adaptive_load"]["profile"]
     prof = CostProfile.load(os.path.join(ROOT, src))
     keys = ("fixed_bytes", "bytes_per_token", "block_bytes_per_token", "attention_bytes_per_token",
             "block_bytes_per_sample", "safety")
     prof.memory.update({k: memory[k] for k in keys if memory.get(k) is not None})
     if memory.get("fixed_bytes") is not None:  # measured here, on one GPU under base_ds's stage: nothing to move
-        stage = zero_stage(read_json_object(os.path.join(ROOT, base_ds), "DeepSpeed config"))
-        prof.meta = {**prof.meta, "zero_stage": stage, "train_world_size": 1}  # (schedule/zero.for_run)
+        prof.meta = {**prof.meta, "zero_stage": zero_stage(ds), "train_world_size": 1}  # (schedule/zero.for_run)
     prof.to_yaml(path)
 
 

@@ -424,11 +424,12 @@ def plan_variants(args, names, manifest, run_profile, lockstep):
     from ds_adaptiveload.schedule.zero import for_run
 
     plans, costs, same_plan, profile_paths = {}, {}, {}, {}
+    stage = stage_of(args.ds_base)
     for n in names:
         policy, fused, sp = VARIANTS[n]
         profile_paths[n] = profile_for(sp, run_profile, args.model_config)
         # the profile as the trainer plans with it: its memory moved to this run's ZeRO stage and GPUs
-        prof = for_run(CostProfile.load(profile_paths[n]), stage_of(args.ds_base), args.num_gpus)[0]
+        prof = for_run(CostProfile.load(profile_paths[n]), stage, args.num_gpus)[0]
         per_step, plans[n], steps_key = plan_step_s(manifest, prof, policy, sp, args.num_gpus, args.grad_accum,
                                                     lockstep)
         # dual equals equal-tokens when the compute cap never binds harder than memory (profile.derive_dual:

@@ -118,10 +118,10 @@ def prepare_data(args, manifest, c, world, rank):
         if not samples:
             raise UserError(f"{manifest}: every sample is bad")
     # ZeRO-2/3 synchronise ranks at every micro-batch (reduce-scatter / all-gather): plan rounds, not totals.
-    lockstep = zero_stage(c.ds_cfg) >= 2
-    ckpt = plan_checkpoint(args, zero_stage(c.ds_cfg))
+    stage = zero_stage(c.ds_cfg)
+    ckpt = plan_checkpoint(args, stage)
     plan_cfg = PlanConfig(policy=al.policy, world_size=world, sp=c.dims.sp, grad_accum=c.G, seed=al.seed,
-                          on_oversize=al.on_oversize, window=al.window, fill=al.fill, lockstep=lockstep, **ckpt)
+                          on_oversize=al.on_oversize, window=al.window, fill=al.fill, lockstep=stage >= 2, **ckpt)
     sampler = AdaptiveSampler(samples, c.profile, plan_cfg, c.dims.dp_rank)
     # Bad samples found while reading come back as data ("bad"), so the loop can agree on them across ranks.
     dataset = data.LatentDataset(samples, manifest, geometry, c.model_cfg.text_len, c.model_cfg.text_dim,
