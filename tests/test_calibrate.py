@@ -701,7 +701,7 @@ def test_sp_terms_convert_one_gpu_terms_to_per_gpu_tokens():
 
 def fake_calibration(tmp_path, monkeypatch, ds, *flags, step_fn=None):
     """measure.measure_profile of the 1.3B config on CPU, the engine faked at calibrate.engine (one rank, a 140 GiB
-    device, step_fn or FakeStepFn for StepFn), --packs 0 and `flags`."""
+    device, step_fn or FakeStepFn for StepFn), --packs 0 and `flags` (after it: a later flag overrides)."""
     import argparse
     import types
 

@@ -1,13 +1,11 @@
 """calibrate's packed validation: the pack builder (deterministic, mixed, within budget, each recipe as meant),
 predictions through the planner's own costing, the time budget, the verdicts, and the stage end to end
 (a faked engine with device memory, and the real loop on CPU with the tiny model)."""
-import argparse
 import json
 import math
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 import yaml
@@ -178,24 +176,14 @@ class PackedFakeStep:
 
 
 def fake_calibration(tmp_path, monkeypatch, quadratic, *flags, sp=1):
-    import torch
+    """tests/test_calibrate.fake_calibration with PackedFakeStep (`quadratic`), ZeRO-3 at `sp`, the packed stage at
+    its default size and without the open-block stage (tests/test_calibrate_blocks.py), and --json."""
+    from tests.test_calibrate import fake_calibration as faked_engine_calibration
 
-    from ds_adaptiveload.calibrate import cli, engine, measure
-    from ds_adaptiveload.model import WanConfig
-
-    monkeypatch.setattr(engine, "init_engine", lambda cfg, ds, args: (
-        None, types.SimpleNamespace(world=1, sp=1, rank=0), None, torch.device("cpu"), torch.bfloat16))
     monkeypatch.setattr(PackedFakeStep, "quadratic", quadratic)
-    monkeypatch.setattr(engine, "StepFn", PackedFakeStep)
-    monkeypatch.setattr(engine, "capacity", lambda device: 140 * 2**30)
-    ap = argparse.ArgumentParser()
-    cli.add_arguments(ap)
-    args = ap.parse_args(["--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", "ds.json",
-                          "--out", str(tmp_path / "p.yaml"), "--json", str(tmp_path / "p.json"),
-                          "--no-open-blocks", *flags])  # the open-block stage: tests/test_calibrate_blocks.py
-    cfg = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_1_3b.yaml"))
     ds = {"sequence_parallel_size": sp, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
-    return measure.measure_profile(cfg, ds, args, cal.GRID_SHAPES, cal.HELDOUT_SHAPES)
+    return faked_engine_calibration(tmp_path, monkeypatch, ds, "--json", str(tmp_path / "p.json"), "--no-open-blocks",
+                                    "--packs", str(cal.PACKS), *flags, step_fn=PackedFakeStep)
 
 
 @pytest.mark.parametrize("sp", [1, 2])
