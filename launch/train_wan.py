@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         trainer.train()
         return 0
     except (Exception, failures.Terminated) as e:  # bad input, a lost peer, SIGTERM: one line; else re-raised
-        return failures.report(e, trainer.step if trainer else None)
+        return failures.report(e, trainer.step if trainer else None, getattr(trainer, "bar", None))
     finally:
         failures.teardown()
 

@@ -57,7 +57,18 @@ def test_combined_messages_are_one_line():
     assert failures.combine(["m1", "m2", "m3", "m4", "m5"]) == "m1; m2; m3 (and 2 more)"
 
 
-def test_report_prints_one_line_and_returns_the_code(capsys):
+@pytest.fixture
+def signals_back():
+    """report() holds SIGTERM and SIGCHLD (failures.hold_signals): give this process its handlers back."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGCHLD)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_report_prints_one_line_and_returns_the_code(capsys, signals_back):
     assert failures.report(failures.AgreedError("step 2, rank 1: bad")) == failures.EXIT_USER_ERROR
     assert capsys.readouterr().err == "error: step 2, rank 1: bad\n"
     assert failures.report(failures.Terminated(), step=4) == failures.EXIT_TERMINATED
@@ -76,6 +87,114 @@ code = failures.report(RuntimeError("[gloo] Connection reset by peer: 127.0.0.1:
 dist.destroy_process_group()
 sys.exit(code)
 """
+
+
+def _raised_while_handling(*errors):
+    """errors[-1] raised while errors[-2] was handled, and so on: the chain a signal leaves behind."""
+    for older, newer in zip(errors, errors[1:]):
+        newer.__context__ = older
+    return errors[-1]
+
+
+_WORKER_ENDED = "DataLoader worker (pid 4242) is killed by signal: Terminated. "
+
+
+def test_report_names_the_first_error_when_a_signal_lands_during_its_handling(capsys, signals_back):
+    """The launcher SIGTERMs a rank's workers, then the rank: either signal can raise anew while an error is handled.
+    The first error is reported; a bug raised while handling a known error keeps its traceback."""
+    import signal
+    import sys
+
+    e = _raised_while_handling(failures.AgreedError("step 2, rank 0: bad"), failures.Terminated(),
+                               RuntimeError(_WORKER_ENDED))
+    assert failures.first_cause(e).__class__ is failures.AgreedError
+    assert failures.report(e, step=2) == failures.EXIT_USER_ERROR
+    assert capsys.readouterr().err == "error: step 2, rank 0: bad\n"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # held until the rank has left
+    assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+    for e in (RuntimeError(_WORKER_ENDED), _raised_while_handling(failures.Terminated(), RuntimeError(_WORKER_ENDED))):
+        assert failures.report(e, step=4) == failures.EXIT_TERMINATED
+        assert capsys.readouterr().err.startswith("error: step 4: stopped by SIGTERM")
+    class Bar:  # the error line must start a line: the bar is closed first
+        def close(self):
+            print("<bar closed>", file=sys.stderr)
+    assert failures.report(failures.Terminated(), step=4, bar=Bar()) == failures.EXIT_TERMINATED
+    assert capsys.readouterr().err.startswith("<bar closed>\nerror: step 4: stopped by SIGTERM")
+    with pytest.raises(KeyError):  # a bug in the handling code
+        failures.report(_raised_while_handling(failures.AgreedError("x"), KeyError("y")))
+    with pytest.raises(RuntimeError):  # a worker that died otherwise is no SIGTERM
+        failures.report(RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed."))
+
+
+_LAUNCHER_KILL = """
+import functools, os, signal, sys, time
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+sys.path.insert(0, {root!r})
+from ds_adaptiveload.train import failures
+from ds_adaptiveload.train.setup import end_loop
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10_000
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return i
+
+def launcher_kills():  # its order: every child of the rank first, then the rank
+    for w in it._workers:
+        os.kill(w.pid, signal.SIGTERM)
+    time.sleep({pause})
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep({pause})
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+signal.signal(signal.SIGTERM, failures.on_sigterm)
+it = iter(torch.utils.data.DataLoader(Slow(), num_workers=2,
+                                      worker_init_fn=functools.partial(failures.die_with_parent, os.getpid())))
+bar = tqdm(total=5, desc="train")
+next(it)
+bar.update(3)
+try:
+    try:
+        try:
+            raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242")  # the collective, a peer gone
+        finally:
+            if {during_handling}:
+                launcher_kills()
+    finally:
+        if not {during_handling}:
+            launcher_kills()  # a SIGTERM here cuts the loop's finally short: the bar is still open
+        end_loop(it, bar.close)
+except BaseException as e:
+    code = failures.report(e, 4, bar)
+failures.teardown()
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("pause,during_handling", [(0.0, True), (0.3, True), (0.3, False)])
+def test_the_launchers_sigterms_during_a_peer_failure_leave_one_line(pause, during_handling):
+    """The CI failure of test_rank_killed_mid_step_...: after a peer died, the launcher SIGTERMed the survivor's
+    DataLoader worker and then the survivor, while it handled the failed collective. The worker's death raised
+    "DataLoader worker ... killed by signal: Terminated" over Terminated over the collective's error, and the rank
+    printed a traceback. A SIGTERM in the loop's `finally` left the progress bar open, and the error line ran on
+    from the bar's. Now: the collective's error is reported, one line at the start of a line, exit 3."""
+    import subprocess
+    import sys
+
+    port = 29684 + int(pause * 10) + 5 * during_handling
+    proc = subprocess.run([sys.executable, "-c", _LAUNCHER_KILL.format(root=ROOT, port=port, pause=pause,
+                                                                       during_handling=during_handling)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == failures.EXIT_PEER_LOST, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert [x for x in lines if x.startswith("error:")] == [
+        "error: step 4: another rank stopped answering (a collective failed); rank 0 stops too. Relaunch with "
+        "--resume OUTPUT/checkpoints (docs/reliability.md)"], proc.stderr[-3000:]
+    assert all(x.startswith(("error:", "note:")) for x in lines if "error:" in x or "note:" in x), proc.stderr[-3000:]
 
 
 def test_a_failed_collective_with_every_peer_alive_says_what_failed():

@@ -199,12 +199,49 @@ def peer_lost_message(step) -> tuple:
 # Ending a run
 
 
-def report(e: BaseException, step=None) -> int:
-    """Print the error line (once over all ranks) and return the exit code; re-raises anything that is
-    neither bad input nor a lost peer (a bug: its traceback is wanted)."""
+def hold_signals() -> None:
+    """Once a rank is failing: ignore SIGTERM and the DataLoader's SIGCHLD check until it has said why and left.
+    The launcher SIGTERMs a rank's workers before the rank itself; either signal, landing while an error is
+    handled, replaced it with `Terminated` or "DataLoader worker ... killed by signal: Terminated" and the
+    rank printed a traceback instead of its line (one CI run of test_rank_killed_mid_step_...). Main thread only."""
     import signal
+    import threading
 
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # decided: a later SIGTERM ends the process silently
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the rank leaves by itself; the launcher SIGKILLs after 30 s
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # not SIG_IGN: that would reap the workers before their join
+
+
+def _ended(e: BaseException) -> bool:
+    """SIGTERM, or the DataLoader's error for a worker that the launcher's SIGTERM ended (its rank is next)."""
+    text = str(e) if isinstance(e, RuntimeError) else ""
+    return isinstance(e, Terminated) or ("DataLoader worker" in text and "killed by signal: Terminated" in text)
+
+
+def _known(e: BaseException) -> bool:
+    return isinstance(e, UserError) or _ended(e) or is_peer_failure(e)
+
+
+def first_cause(e: BaseException) -> BaseException:
+    """The oldest exception in e's chain (__context__) that report knows, else e. A signal or a worker's death
+    that lands while an error is handled raises anew from the handling code; the first error says what happened."""
+    chain = [e]
+    while chain[-1].__context__ is not None and len(chain) < 32:
+        chain.append(chain[-1].__context__)
+    return next((x for x in reversed(chain) if _known(x)), e)
+
+
+def report(e: BaseException, step=None, bar=None) -> int:
+    """Print the error line (once over all ranks) and return the exit code; re-raises anything that is
+    neither bad input nor a lost peer nor SIGTERM (a bug: its traceback is wanted). bar: the run's progress bar,
+    closed first so that the line starts a line (the loop's `finally` closes it, unless a signal cut it short)."""
+    hold_signals()
+    if bar is not None:
+        bar.close()
+    first = first_cause(e)
+    if not _known(e) and not _ended(first):
+        raise e  # a bug, also one raised while a known error was handled: its traceback is wanted
+    e = first
     dist = _dist()
     if isinstance(e, UserError):
         agreed_ = isinstance(e, AgreedError) or dist is None or dist.get_world_size() == 1
@@ -213,15 +250,16 @@ def report(e: BaseException, step=None) -> int:
         if agreed_ and dist is not None:
             _barrier()  # no rank exits (and gets its peers killed by the launcher) before rank 0 printed
         return EXIT_USER_ERROR
-    if is_peer_failure(e) or (isinstance(e, Terminated) and stopped_ranks()):
+    terminated = _ended(e)
+    if is_peer_failure(e) or (terminated and stopped_ranks()):
         msg, mine, gone = peer_lost_message(step)
-        if not gone and not isinstance(e, Terminated):
+        if not gone and not terminated:
             # every peer still runs: what failed is the clue (which rank failed first shows in these notes)
             print(f"note: rank {_rank()}: the collective failed with: {cause_line(e)}", file=sys.stderr, flush=True)
         if mine:
             print(f"error: {msg}", file=sys.stderr, flush=True)
         return EXIT_PEER_LOST
-    if isinstance(e, Terminated):
+    if terminated:
         print(f"error: {f'step {step}: ' if step else ''}stopped by SIGTERM (the launcher ends every rank once "
               f"one has failed: see the first error above)", file=sys.stderr, flush=True)
         return EXIT_TERMINATED

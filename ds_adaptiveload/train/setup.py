@@ -174,11 +174,25 @@ def read_step(batches, stream, G, step, rank):
         return mbs, None, f"step {step}, rank {rank}: reading the step failed ({type(e).__name__}: {error_text(e)})"
 
 
-def stop_workers(batches) -> None:
-    """Stop the DataLoader's workers now; an exception's traceback would keep the iterator alive."""
+def end_loop(batches, *closers) -> None:
+    """The training loop's `finally`: run closers (the progress bar's line ends, so an error line starts a line),
+    then stop the DataLoader's workers now (an exception's traceback would keep the iterator alive). While an
+    error propagates, no SIGTERM or worker death may replace it (failures.hold_signals), and a worker already
+    gone (ended by the launcher) is no new error."""
+    from ds_adaptiveload.train.failures import hold_signals
+
+    failing = sys.exc_info()[0] is not None
+    if failing:
+        hold_signals()
+    for close in closers:
+        close()
     shutdown = getattr(batches, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
+    try:
+        if shutdown is not None:
+            shutdown()
+    except Exception:
+        if not failing:
+            raise
 
 
 def write_summary(out_dir, start, end, bad_upfront, skipped) -> None:

@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 from ds_adaptiveload.train import failures
-from ds_adaptiveload.train.setup import prepare_data, read_config, read_step, stop_workers, write_summary, \
+from ds_adaptiveload.train.setup import prepare_data, read_config, read_step, end_loop, write_summary, \
     write_synthetic
 
 
@@ -137,9 +137,7 @@ class Trainer:
             if self.rank == 0:
                 write_summary(args.output, self.start, args.max_steps, self.bad_upfront, self.skipped)
         finally:  # every exit path: the bar's line ended (the error line starts a line), workers stopped
-            self.bar.close()
-            self.log.close()
-            stop_workers(self.batches)
+            end_loop(self.batches, self.bar.close, self.log.close)
         self._dist.barrier()
 
     def save_compile_cache(self, graphs) -> None:
