@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 from ds_adaptiveload.train import failures
-from ds_adaptiveload.train.setup import prepare_data, read_config, read_step, end_loop, write_summary, \
+from ds_adaptiveload.train.setup import end_loop, prepare_data, read_config, read_step, write_summary, \
     write_synthetic
 
 
