@@ -1,6 +1,6 @@
 """model/wan.py's GeluLinear (the FFN's GELU and second projection, recomputing the GELU in backward): the same
-values and gradients as nn.GELU then nn.Linear (gradcheck in float64, a whole model in fp32), and one [T, ffn_dim]
-tensor fewer saved for backward per open block."""
+values and gradients as nn.GELU then nn.Linear (gradcheck in float64, a whole model in fp32), one [T, ffn_dim]
+tensor fewer saved for backward per open block, and one [T, ffn_dim] temporary alive at a time in its backward."""
 import copy
 
 import torch
@@ -61,3 +61,42 @@ def test_an_open_block_saves_one_ffn_activation_less():
     tokens = 3 * 16  # 3 samples of 1 x 4 x 4 patches
     saved, saved_ref = _saved_bytes(m, pack), _saved_bytes(ref, pack)
     assert saved_ref - saved == len(m.blocks) * tokens * m.cfg.ffn_dim * 4  # fp32: one [T, ffn_dim] per block
+
+
+def _peak_bytes(fn):
+    """Peak of the CPU allocator's live bytes while fn runs, over what was live before: the profiler's raw memory
+    events (every allocation and free in order; its per-op totals would credit a free to the op that encloses it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_backward_holds_one_ffn_sized_temporary_at_a_time():
+    """The weight gradient first (gelu(h) freed before dh exists), then dh in place of dout @ weight: the backward's
+    peak is the [T, ffn_dim] gradient it returns, where computing dh first held two such tensors at once (about
+    18 KB per token at the 1.3B size in bf16, at the start of every block's backward)."""
+    T, dim, ffn = 2048, 32, 512
+    g = torch.Generator().manual_seed(0)
+    lin = GeluLinear(ffn, dim)
+    h = torch.randn(T, ffn, generator=g, requires_grad=True)
+    dout = torch.randn(T, dim, generator=g)
+    y = lin(h)
+    unit = T * ffn * 4
+    peak = _peak_bytes(lambda: y.backward(dout))
+    assert unit <= peak < 1.5 * unit, peak / unit  # h.grad itself is one unit
+
+    def computing_dh_first():  # the order before: dh = gelu_backward(dout @ weight, h), then dw from gelu(h)
+        dh = torch.ops.aten.gelu_backward(dout @ lin.weight.detach(), h.detach(), approximate="tanh")
+        dw = dout.t() @ torch.nn.functional.gelu(h.detach(), approximate="tanh")
+        return dh, dw
+    assert _peak_bytes(computing_dh_first) >= 2 * unit  # the tracker sees the difference it is meant to catch
+    dh, dw = computing_dh_first()
+    torch.testing.assert_close(h.grad, dh, rtol=0, atol=0)  # the same values, bit for bit
+    torch.testing.assert_close(lin.weight.grad, dw, rtol=0, atol=0)

@@ -217,14 +217,17 @@ class _GeluLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        # The weight gradient first, so gelu(h) is freed before dh exists, and dh written over dout @ weight: one
+        # [T, ffn_dim] temporary alive at a time, where dh first held two (tests/test_gelu_linear.py).
         h, weight = ctx.saved_tensors
         dh = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dh = torch.ops.aten.gelu_backward(dout @ weight, h, approximate="tanh")
         if ctx.needs_input_grad[1]:
             dw = dout.flatten(0, -2).t() @ F.gelu(h, approximate="tanh").flatten(0, -2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dout.flatten(0, -2).sum(0)
+        if ctx.needs_input_grad[0]:
+            dh = dout @ weight
+            torch.ops.aten.gelu_backward.grad_input(dh, h, approximate="tanh", grad_input=dh)
         return dh, dw, db
 
 
