@@ -331,10 +331,9 @@ def z3_engine(args, cfg, leaf):
 
     from ds_adaptiveload.train import config as tconfig
     from ds_adaptiveload.train.build import build_model
+    from ds_adaptiveload.train.engine import single_process_env
 
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                 ("MASTER_PORT", "29677")):
-        os.environ.setdefault(k, v)
+    single_process_env()
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(verbose=False)
     ds, _ = tconfig.load_ds_config(os.path.join(ROOT, args.z3_config))

@@ -291,3 +291,27 @@ def test_prepare_data_plans_the_recompute_of_checkpoint_blocks_auto(tmp_path, st
         if auto:
             costed = pred
     assert sum(map(sum, costed)) < sum(map(sum, pred))  # some micro-batches open blocks: less recompute predicted
+
+
+def test_single_process_env_takes_a_free_port_outside_the_fixed_ones(monkeypatch):
+    """A one-process run (calibrate, bench/mfu.py in this very process) gets the launcher's variables on a port the
+    kernel hands out as free: its ephemeral range, which holds none of the suite's fixed ports (295xx-297xx). The
+    pid-derived port before was one of them in some runs, and its store, alive to the end of the suite, made a later
+    launch on it fail with EADDRINUSE."""
+    import socket
+
+    from ds_adaptiveload.train.engine import single_process_env
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    single_process_env()
+    port = int(os.environ["MASTER_PORT"])
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = map(int, f.read().split())
+    assert low <= port <= high and not 29500 <= port < 29800, port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # still free
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"]) == ("0", "1", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    single_process_env()
+    assert os.environ["MASTER_PORT"] == "29999"  # what the user or a launcher set stays

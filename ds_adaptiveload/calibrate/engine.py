@@ -13,9 +13,7 @@ def init_engine(cfg, ds, args):
     from ds_adaptiveload.model import WanModel
     from ds_adaptiveload.train import config as tconfig, engine as eng, sp as tsp
 
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                 ("MASTER_PORT", str(29600 + os.getpid() % 300))):
-        os.environ.setdefault(k, v)
+    eng.single_process_env()
     accel, rank, world = eng.init_distributed()
     # Ranks share the host's cores (as training does), unless the user set OMP_NUM_THREADS.
     device = eng.pick_device(accel, int(os.environ.get("LOCAL_RANK", 0)), threads="OMP_NUM_THREADS" not in os.environ)

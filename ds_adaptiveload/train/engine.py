@@ -20,6 +20,22 @@ def init_distributed():
     return accel, dist.get_rank(), dist.get_world_size()
 
 
+def single_process_env() -> None:
+    """The launcher's variables for a run without one (one process, rank 0 of 1), where they are not set, on a port
+    the kernel has just handed out as free. A fixed or pid-derived port (29600 + pid % 300 before) could be a port
+    that another run or test on the same machine binds: a process group left alive keeps its store listening on it.
+    In the test suite, 8 of those 300 ports were fixed ports of later tests, whose launch then failed at start-up
+    (EADDRINUSE)."""
+    import socket
+
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:  # the ephemeral range, which the launchers' fixed ports stay out of
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
 def shm_buffer_path(rank: int, env=os.environ) -> str:
     """The shared-memory file DeepSpeed's CPU all-reduce creates for this rank when every rank is local
     (deepspeed/ops/csrc/cpu/comm/shm.cpp: deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>)."""
