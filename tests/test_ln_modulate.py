@@ -317,10 +317,10 @@ def test_cuda_saved_vs_recomputed_stats(cuda_op):
     B, S, D = 2, 333, 5120
     x = torch.randn(B * S, D, device="cuda").bfloat16()
     sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(B, 1, D, device="cuda")
-    y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, D, 0, 1e-6, 2, True, -1, -1)
+    y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, D, 0, 1e-6, 2, True, -1, -1, None)
     dy = torch.randn_like(y)
-    saved = op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False, False, 1e-6, -1, -1)
-    recomp = op.backward(dy, x, sc, None, None, None, None, B, S, D, 0, 1, 1, False, False, 1e-6, -1, -1)
+    saved = op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False, False, 1e-6, -1, -1, None)
+    recomp = op.backward(dy, x, sc, None, None, None, None, B, S, D, 0, 1, 1, False, False, 1e-6, -1, -1, None)
     for a, c in zip(saved[:3], recomp[:3]):
         assert rel(a, c) < 1e-2
 
@@ -334,12 +334,12 @@ def test_cuda_launch_overrides(cuda_op, kernel_choice, vpt, rpc, variant):
     B, S, D = 3, 71, 3072
     x = torch.randn(B * S, D, device="cuda").bfloat16()
     sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(D, device="cuda")
-    y = op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, 1e-6, 2, True, vpt, rpc)
+    y = op.forward(x, sc, sh, None, None, B, S, D, 0, 0, 0, 1e-6, 2, True, vpt, rpc, None)
     ref = ref64(x.view(B, S, D), sc, sh, None, None)
     assert rel(y[0].view(B, S, D), ref) < 1e-2
     dy = torch.randn_like(y[0])
-    got = op.backward(dy, x, sc, None, None, y[1], y[2], B, S, D, 0, 1, 0, False, False, 1e-6, vpt, rpc)
-    base = op.backward(dy, x, sc, None, None, y[1], y[2], B, S, D, 0, 1, 0, False, False, 1e-6, -1, -1)
+    got = op.backward(dy, x, sc, None, None, y[1], y[2], B, S, D, 0, 1, 0, False, False, 1e-6, vpt, rpc, None)
+    base = op.backward(dy, x, sc, None, None, y[1], y[2], B, S, D, 0, 1, 0, False, False, 1e-6, -1, -1, None)
     # dx in bf16: another launch shape may be another kernel (another summation order): a few 1-ulp flips.
     assert rel(got[0], base[0]) < 4e-3
     for a, c in zip(got[1:3], base[1:3]):
@@ -413,7 +413,8 @@ def test_cuda_kernel_choice_shapes(cuda_op, kernel_choice, variant, D, vpt, rpc,
     ss = 0 if layout == "sample" else D
     poison("cuda", B * S * D * 2)
     poison("cuda", B * S * 4)
-    y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, shp[1] * D, ss, shp[1] * D, ss, 1e-6, 2, True, vpt, rpc)
+    y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, shp[1] * D, ss, shp[1] * D, ss, 1e-6, 2, True, vpt, rpc,
+                               None)
     assert torch.isfinite(y).all() and torch.isfinite(mean).all() and torch.isfinite(rstd).all()
     ref = ref64(x.view(B, S, D), sc, sh, None, None)
     assert rel(y.view(B, S, D), ref) < TOL[torch.bfloat16][0]
@@ -435,7 +436,7 @@ def test_cuda_large_mean_stable_variance(cuda_op, kernel_choice, variant, D):
     x = x.float()
     sc, sh = 0.5 * torch.randn(B, 1, D, device="cuda"), 0.5 * torch.randn(B, 1, D, device="cuda")
     poison("cuda", B * S * D * 4)
-    y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, D, 0, 1e-6, 0, True, -1, -1)
+    y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, D, 0, 1e-6, 0, True, -1, -1, None)
     x64 = x.double()
     rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt()
     assert ((rstd.double() - rstd64) / rstd64).abs().max().item() < 1e-4
@@ -474,14 +475,14 @@ def check_fast_tiles(kernel_choice, D, ftiles, btiles, dtype, layout):
     ref = ref64(x.view(B, S, D), sc, sh, None, None)
     dy = torch.randn(B * S, D, device="cuda").to(dtype)
     op = kernel_choice(2)
-    stats = op.forward(x, sc, sh, None, None, B, S, sb, 0, sb, 0, 1e-6, code, True, -1, -1)[1:]
-    base = op.backward(dy, x, sc, None, None, *stats, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1)
+    stats = op.forward(x, sc, sh, None, None, B, S, sb, 0, sb, 0, 1e-6, code, True, -1, -1, None)[1:]
+    base = op.backward(dy, x, sc, None, None, *stats, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1, None)
     op = kernel_choice(0)
     x64 = x.double()
     for t in ftiles:
         _tuning.set_choices(tile=(t, -1))
         poison("cuda", B * S * D * x.element_size())
-        y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, sb, 0, sb, 0, 1e-6, code, True, -1, -1)
+        y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, sb, 0, sb, 0, 1e-6, code, True, -1, -1, None)
         assert rel(y.view(B, S, D), ref) < TOL[dtype][0], f"forward D {D} tile {_tuning.fast_tiles(False)[t]}"
         assert (mean.double() - x64.mean(-1)).abs().max().item() < 1e-4
         rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt()
@@ -491,11 +492,12 @@ def check_fast_tiles(kernel_choice, D, ftiles, btiles, dtype, layout):
         _tuning.set_choices(tile=(-1, t))
         what = f"D {D} tile {_tuning.fast_tiles(True)[t]}"
         poison("cuda", B * S * D * x.element_size())
-        got = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1)
+        got = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1, None)
         assert rel(got[0], base[0]) < 4e-3, f"dx, backward {what}"
         for a, c in zip(got[1:3], base[1:3]):
             assert rel(a, c) < 1e-5, f"dscale/dshift, backward {what}"
-        again = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1)
+        again = op.backward(dy, x, sc, None, None, mean, rstd, B, S, sb, 0, mode, mode, False, False, 1e-6, -1, -1,
+                            None)
         assert all(torch.equal(a, c) for a, c in zip(got[:3], again[:3])), f"not bitwise reproducible: {what}"
 
 

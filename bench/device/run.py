@@ -89,6 +89,9 @@ STAGES = {
                       "short check of the fp16 paths: their CUDA tests, every shape's rows in fp16", op=True),
     "model_test": Stage([py(*PYTEST, "-m", "cuda", "tests/test_compile_blocks.py", "tests/test_compile_regions.py")],
                         200, "the model's CUDA tests (compiled blocks and regions against eager, inductor on the GPU)"),
+    "packed_test": Stage([py(*PYTEST, "-m", "cuda", "tests/test_packed_ops.py", "tests/test_compile_regions.py")], 150,
+                         "packed micro-batches' whole-tensor steps on the GPU (the kernel into the groups' rows, "
+                         "compiled gated adds) and the compiled regions against eager", op=True),
     "numerics": Stage([py("bench/model/compile_numerics.py", "--out", "{out}")], 150,
                       "which gradients are right, eager or compiled? each variant vs an fp32 reference, per parameter"),
     "ncu": Stage([py("bench/kernel/ncu_ln_modulate.py", "--out", "{out}")], 150, "Nsight Compute sections", op=True),

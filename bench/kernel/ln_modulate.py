@@ -232,12 +232,12 @@ def ours_direct(sets, layout):
     k = 8 if x.numel() < 2**25 else 1
 
     def fwd():
-        return op.forward(x2, sc_t, sh_t, None, None, B, S, sb, ss, hb, hs, EPS, code, True, -1, -1)
+        return op.forward(x2, sc_t, sh_t, None, None, B, S, sb, ss, hb, hs, EPS, code, True, -1, -1, None)
     try:
         _, mean, rstd = fwd()
         out["ours_kernel_fwd_ms"] = graph_replay_ms(fwd, k)
         out["ours_kernel_bwd_ms"] = graph_replay_ms(lambda: op.backward(
-            dy2, x2, sc_t, None, None, mean, rstd, B, S, sb, ss, sc_mode, sh_mode, False, False, EPS, -1, -1), k)
+            dy2, x2, sc_t, None, None, mean, rstd, B, S, sb, ss, sc_mode, sh_mode, False, False, EPS, -1, -1, None), k)
         out["ours_kernel_fwdbwd_ms"] = out["ours_kernel_fwd_ms"] + out["ours_kernel_bwd_ms"]
     except Exception as err:  # noqa: BLE001 - a result, not a crash of the benchmark
         out["ours_kernel_error"] = f"{type(err).__name__}: {str(err)[:200]}"

@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.model.wan import BlockFns, LayerNorm, RMSNorm, WanBlock, WanModel, gated_add, rope_qk
+from ds_adaptiveload.model.wan import (BlockFns, LayerNorm, RMSNorm, WanBlock, WanModel, gated_add, gated_add_grad_into,
+                                       gated_add_into, rope_qk)
 
 # WanBlock.forward(x, e0, context, lay): argument position -> dims to mark dynamic.
 # x [T, dim] packed token rows, e0 [n, 6, dim], context [n, text_len, dim]; the Layout's per-group RoPE
@@ -138,7 +139,8 @@ def uncompile_blocks(model: torch.nn.Module) -> None:
 # compile_blocks' graphs depend on how many shape groups a micro-batch holds and which hold one sample: a packed
 # micro-batch of the video-heavy mix holds 8 to 19 groups, so nearly every packed micro-batch is a new graph (and
 # the 64th would run eagerly). compile_regions compiles what inductor fuses (the fp32 chains between GEMMs) as
-# separate graphs: per group RoPE of q and k and the gated residual add, over all tokens the RMSNorms and the
+# separate graphs: per group RoPE of q and k and the gated residual add (its forward and backward written into the
+# group's rows where a micro-batch holds several groups: model/packed_ops.py), over all tokens the RMSNorms and the
 # LayerNorm; the GEMMs, the loops over groups and attention run eagerly. The graphs then depend only on the
 # tensors' ranks and sizes of 1, whatever the composition (tests/test_compile_regions.py counts them).
 
@@ -165,7 +167,10 @@ def region_fns(mode: Optional[str] = None, backend: str = "inductor") -> tuple:
     key = (mode, backend)
     if key not in _REGIONS:
         opts = CompileOptions(mode=mode, backend=backend)
-        _REGIONS[key] = (BlockFns(rope_qk=_region(rope_qk, opts), gated_add=_region(gated_add, opts)),
+        fns = BlockFns(rope_qk=_region(rope_qk, opts), gated_add=_region(gated_add, opts),
+                       gated_add_into=_region(gated_add_into, opts),
+                       gated_add_grad_into=_region(gated_add_grad_into, opts))
+        _REGIONS[key] = (fns,
                          {RMSNorm: _region(RMSNorm.forward, opts), LayerNorm: _region(LayerNorm.forward, opts)})
     return _REGIONS[key]
 
@@ -259,7 +264,8 @@ def compile_stats() -> dict:
     unique graphs and graph breaks (by reason)."""
     from torch._dynamo.utils import counters
 
-    codes = (WanBlock.forward, rope_qk, gated_add, RMSNorm.forward, LayerNorm.forward)
+    codes = (WanBlock.forward, rope_qk, gated_add, gated_add_into, gated_add_grad_into, RMSNorm.forward,
+             LayerNorm.forward)
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 

@@ -64,7 +64,7 @@ class Packing:
         group: the backward of a split is one cat, where each slice would add a zero-filled [T, ...] tensor.
         sizes: size_tensors() — the group sizes read from tensor shapes instead of this object's ints, so
         torch.compile keeps them symbolic rather than compiling a graph per micro-batch composition."""
-        dims = self._dims(sizes)
+        dims = self.dims(sizes)
         if len(dims) == 1:  # S from the tensor: compiled blocks then stay dynamic in S
             return [h.unflatten(0, (dims[0][0], -1))]
         parts = h.split([n * local for n, local in dims])
@@ -72,7 +72,7 @@ class Packing:
 
     def sample_views(self, v: torch.Tensor, sizes=None) -> list[torch.Tensor]:
         """Each group's rows [n_g, ...] of a per-sample tensor [n, ...] in packed order (sizes: as views)."""
-        counts = [n for n, _ in self._dims(sizes)]
+        counts = [n for n, _ in self.dims(sizes)]
         return list(v.split(counts)) if len(counts) > 1 else [v]
 
     def map(self, fn: Callable, rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = (), dtype=None,
@@ -82,7 +82,7 @@ class Packing:
         cols = [self.views(r, sizes) for r in rows] + [self.sample_views(s, sizes) for s in samples]
         return merge([fn(*args) for args in zip(*cols)], dtype)
 
-    def _dims(self, sizes) -> list:
+    def dims(self, sizes=None) -> list:
         """(n_g, local) per group: from the size tensors' shapes when given (symbolic under compile), else ints."""
         if sizes is not None:
             return [(s.shape[0], s.shape[1]) for s in sizes]

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.config import WanConfig
+from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate
 from ds_adaptiveload.model.packing import Packing, merge, plan_packing
 from ds_adaptiveload.ops import ln_modulate
 
@@ -109,6 +110,19 @@ def gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Ten
     return (x.float() + y.float() * gate).to(x.dtype)
 
 
+def gated_add_into(x, y, gate, out) -> None:
+    """gated_add written into `out` (one group's rows of a packed output: model/packed_ops.py)."""
+    out.copy_((x.float() + y.float() * gate).to(out.dtype))
+
+
+def gated_add_grad_into(dout, y, gate, dy) -> torch.Tensor:
+    """gated_add's backward for one group: dy = dout * gate written into `dy`; returns the gate's gradient, the sum
+    over tokens of dout * y, [n_g, 1, dim] fp32 (x's gradient is dout itself)."""
+    g = dout.float()
+    dy.copy_((g * gate).to(dy.dtype))
+    return (g * y.float()).sum(1, keepdim=True)
+
+
 @dataclass(frozen=True)
 class BlockFns:
     """The per-group elementwise steps of a block, which run once per shape group: eager by default, compiled
@@ -116,6 +130,8 @@ class BlockFns:
     micro-batch holds)."""
     rope_qk: Callable = rope_qk
     gated_add: Callable = gated_add
+    gated_add_into: Callable = gated_add_into
+    gated_add_grad_into: Callable = gated_add_grad_into
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,23 @@ class Layout:
 
     def map(self, fn, rows, samples=(), dtype=None):
         return self.packing.map(fn, rows, samples, dtype, self.sizes)
+
+    def _whole(self) -> bool:
+        """Run the per-sample steps over the whole [T, dim] tensor (model/packed_ops.py): two or more groups, and
+        not inside a compiled block's trace (inductor fuses the merges there)."""
+        return len(self.packing.groups) > 1 and not torch.compiler.is_compiling()
+
+    def modulate(self, x, scale, shift, eps):
+        """LN(x) * (1 + scale) + shift per sample: x [T, dim], scale/shift [n, 1, dim] fp32."""
+        if self._whole():
+            return packed_modulate(x, scale, shift, self.packing.dims(self.sizes), eps)
+        return self.map(lambda xg, sc, sh: ln_modulate(xg, sc, sh, eps=eps), (x,), (scale, shift))
+
+    def gated_add(self, x, y, gate):
+        """x + y * gate per sample: x, y [T, dim], gate [n, 1, dim] fp32."""
+        if self._whole():
+            return packed_gated_add(x, y, gate, self.packing.dims(self.sizes), self.fns)
+        return self.map(self.fns.gated_add, (x, y), (gate,))
 
 
 class PatchEmbed(nn.Conv3d):
@@ -252,9 +285,6 @@ class WanBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(d, cfg.ffn_dim), nn.Identity(), GeluLinear(cfg.ffn_dim, d))
         self.modulation = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
 
-    def _modulate(self, x, scale, shift):
-        return ln_modulate(x, scale, shift, eps=self.eps)
-
     def forward(self, x, e0, context, lay: Layout, save_attention: bool = False):
         """save_attention: recompute this block in backward except its attention outputs (selective
         checkpointing, save_attention_policy). Inside forward, so compile_blocks traces the checkpoint with the
@@ -267,11 +297,11 @@ class WanBlock(nn.Module):
     def _forward(self, x, e0, context, lay: Layout):
         # x [T, dim]; e0 [n, 6, dim] fp32 time projection in packed order; modulation math stays fp32 as in Wan.
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.float() + e0).chunk(6, dim=1)
-        y = self.self_attn(lay.map(self._modulate, (x,), (scale1, shift1)), lay)
-        x = lay.map(lay.fns.gated_add, (x, y), (gate1,))
+        y = self.self_attn(lay.modulate(x, scale1, shift1, self.eps), lay)
+        x = lay.gated_add(x, y, gate1)
         x = x + self.cross_attn(self.norm3(x), context, lay)
-        y = self.ffn(lay.map(self._modulate, (x,), (scale2, shift2)))
-        return lay.map(lay.fns.gated_add, (x, y), (gate2,))
+        y = self.ffn(lay.modulate(x, scale2, shift2, self.eps))
+        return lay.gated_add(x, y, gate2)
 
 
 class Head(nn.Module):
@@ -283,7 +313,8 @@ class Head(nn.Module):
 
     def forward(self, x, e, packing: Packing):
         shift, scale = (self.modulation.float() + e.float()[:, None]).chunk(2, dim=1)
-        return self.head(packing.map(lambda xg, sc, sh: ln_modulate(xg, sc, sh, eps=self.eps), (x,), (scale, shift)))
+        lay = Layout(packing, (), (), None)
+        return self.head(lay.modulate(x, scale, shift, self.eps))
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:

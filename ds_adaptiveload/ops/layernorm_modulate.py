@@ -116,9 +116,10 @@ def _plan(x, scale, shift, weight, bias, out_dtype):
     return B, S, D, sc, sh
 
 
-def _fwd_impl(x, scale, shift, weight, bias, eps, out_dtype, save=True, plan=None):
+def _fwd_impl(x, scale, shift, weight, bias, eps, out_dtype, save=True, plan=None, into=None):
     """The CUDA op's forward: (y in out_dtype shaped like x, mean, rstd); mean/rstd are empty unless `save`.
-    `plan`: _plan()'s, when the caller has it (eager), else planned here from the tensors as they arrive."""
+    `plan`: _plan()'s, when the caller has it (eager), else planned here from the tensors as they arrive.
+    `into`: a contiguous tensor shaped like x, of out_dtype (x's dtype or fp32), that the kernel writes y into."""
     plan = plan or _plan(x, scale, shift, weight, bias, out_dtype)
     B, S, D, (_, sc_sb, sc_ss, sc_t), (_, sh_sb, sh_ss, sh_t) = plan
     x2 = x.reshape(B * S, D).contiguous()
@@ -127,7 +128,8 @@ def _fwd_impl(x, scale, shift, weight, bias, eps, out_dtype, save=True, plan=Non
     # The kernel writes x's dtype or fp32; any other out_dtype is converted afterwards.
     k_dtype = out_dtype if out_dtype in (x.dtype, torch.float32) else torch.float32
     y, mean, rstd = load_op().forward(x2, sc_t, sh_t, w, b, B, S, sc_sb, sc_ss, sh_sb, sh_ss, float(eps),
-                                      _DTYPE_CODE[k_dtype], bool(save), -1, -1)
+                                      _DTYPE_CODE[k_dtype], bool(save), -1, -1,
+                                      None if into is None else into.view(B * S, D))
     if not save:
         mean = rstd = x.new_empty(0, dtype=torch.float32)
     return y.view(x.shape).to(out_dtype), mean, rstd
@@ -139,10 +141,10 @@ def _grad_like(x, scale, shift_shape, shift_dtype, weight, bias):
         [None if t is None else (t.shape, t.dtype) for t in (weight, bias)]
 
 
-def _bwd_impl(dy, x, scale, shift_shape, shift_dtype, weight, bias, mean, rstd, eps, needs):
+def _bwd_impl(dy, x, scale, shift_shape, shift_dtype, weight, bias, mean, rstd, eps, needs, dx_into=None):
     """The CUDA op's backward: (dx, dscale, dshift, dweight, dbias), each shaped and typed like its input (the
     shift by shift_shape / shift_dtype: the backward needs only its layout); an empty tensor where needs[i] is
-    False or the input is None. The forward checked the plan."""
+    False or the input is None. The forward checked the plan. dx_into: a contiguous tensor like x for dx."""
     B, S, D = _dims(x)
     sc_mode, sc_sb, sc_ss, sc_t = _layout(scale, B, S, D, x.dim())
     sh_mode = _mode(shift_shape, B, S, D, x.dim())
@@ -154,7 +156,8 @@ def _bwd_impl(dy, x, scale, shift_shape, shift_dtype, weight, bias, mean, rstd, 
     have = [bool(n) and t is not None for n, t in zip(needs, (x, scale, True, weight, bias))]
     dx, dsc, dsh, dw, db = load_op().backward(
         dy2, x2, sc_t, w, b, mean if mean.numel() else None, rstd if rstd.numel() else None, B, S, sc_sb, sc_ss,
-        sc_mode if have[1] else -1, sh_mode if have[2] else -1, have[3], have[4], float(eps), -1, -1)
+        sc_mode if have[1] else -1, sh_mode if have[2] else -1, have[3], have[4], float(eps), -1, -1,
+        None if dx_into is None else dx_into.view(B * S, D))
     like = _grad_like(x, scale, shift_shape, shift_dtype, weight, bias)
     outs = [g.reshape(lk[0]).to(lk[1]) if h else x.new_empty(0) for g, lk, h in zip((dsc, dsh, dw, db), like[1:], have[1:])]
     return (dx.view(x.shape), *outs)
@@ -271,29 +274,39 @@ def ln_modulate(x, scale, shift, *, eps=1e-6, weight=None, bias=None, out_dtype=
     x: [B, S, D] or [S, D]; scale/shift: [D], [B, 1, D] or [B, S, D] (any row stride, e.g. chunks of a
     [B, S, 6, D] tensor), fp32 or x's dtype. Gradients flow to every tensor argument. Under torch.compile the
     CUDA op is the custom op ds_adaptiveload::ln_modulate (no graph break); the PyTorch path is traced as is."""
-    global _warned
     out_dtype = out_dtype or x.dtype
     if x.shape[-1:] != scale.shape[-1:] or x.shape[-1:] != shift.shape[-1:]:
         raise UserError(f"ln_modulate: last dim of scale {tuple(scale.shape)} / shift {tuple(shift.shape)} "
                         f"must equal D of x {tuple(x.shape)}")
+    plan = kernel_plan(x, scale, shift, weight, bias, out_dtype)
+    if plan is not None:
+        if torch.compiler.is_compiling():
+            return ln_modulate_op(x, scale, shift, weight, bias, float(eps), out_dtype)[0]
+        return LNModulateFunction.apply(x, scale, shift, weight, bias, eps, out_dtype, plan)
+    return ln_modulate_reference(x, scale, shift, eps=eps, weight=weight, bias=bias, out_dtype=out_dtype)
+
+
+def kernel_plan(x, scale, shift, weight=None, bias=None, out_dtype=None):
+    """The CUDA op's plan for these tensors (_plan's tuple), or None where ln_modulate runs the PyTorch path:
+    DS_ADAPTIVELOAD_LN_MODULATE=torch, CPU tensors, an uncovered layout or no op (warned once). Raises where the
+    variable asks for cuda and the op cannot serve."""
+    global _warned
     backend = _backend()
     if backend not in ("auto", "cuda", "torch"):
         raise UserError(f"DS_ADAPTIVELOAD_LN_MODULATE={backend!r}: expected auto, cuda or torch")
     if backend != "torch" and x.is_cuda:
-        plan = _plan(x, scale, shift, weight, bias, out_dtype)
+        plan = _plan(x, scale, shift, weight, bias, out_dtype or x.dtype)
         if isinstance(plan, tuple) and _op_loads():
-            if torch.compiler.is_compiling():
-                return ln_modulate_op(x, scale, shift, weight, bias, float(eps), out_dtype)[0]
-            return LNModulateFunction.apply(x, scale, shift, weight, bias, eps, out_dtype, plan)
+            return plan
         reason = plan if isinstance(plan, str) else f"op unavailable ({op_error()})"
         if backend == "cuda":
             raise RuntimeError(f"ln_modulate: CUDA op requested but not usable: {reason}")
         if not _warned and not torch.compiler.is_compiling():
-            warnings.warn(f"ln_modulate: using the PyTorch implementation: {reason}", stacklevel=2)
+            warnings.warn(f"ln_modulate: using the PyTorch implementation: {reason}", stacklevel=3)
             _warned = True
     elif backend == "cuda":
         raise RuntimeError("ln_modulate: CUDA op requested for CPU tensors")
-    return ln_modulate_reference(x, scale, shift, eps=eps, weight=weight, bias=bias, out_dtype=out_dtype)
+    return None
 
 
 class FusedLayerNormModulate(torch.nn.Module):

@@ -49,11 +49,24 @@ bool vec_ok(int64_t D, const at::Tensor& x, const at::Tensor& a, int64_t a_sb, i
   return aligned16(x.data_ptr()) && rows_ok(a, a_sb, a_ss) && rows_ok(b, b_sb, b_ss);
 }
 
-// Returns (y, mean, rstd); mean/rstd are empty when save_stats is false.
+// `into`, when given, is where the result goes (a contiguous [B*S, D] tensor of the output dtype, e.g. one shape
+// group's rows of a packed micro-batch's [T, D] output), so the caller needs no copy to assemble its rows.
+at::Tensor output_tensor(const c10::optional<at::Tensor>& into, const at::Tensor& like, int64_t rows, int64_t D,
+                         at::ScalarType dtype, const char* name) {
+  if (!into.has_value() || !into->defined()) return at::empty({rows, D}, like.options().dtype(dtype));
+  const at::Tensor& t = *into;
+  TORCH_CHECK(t.device() == like.device() && t.scalar_type() == dtype && t.is_contiguous() && t.dim() == 2 &&
+                  t.size(0) == rows && t.size(1) == D,
+              "ln_modulate: ", name, " must be a contiguous [rows, D] tensor of the output dtype on x's device");
+  return t;
+}
+
+// Returns (y, mean, rstd); mean/rstd are empty when save_stats is false. y is `into` when given.
 std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
                                 int64_t B, int64_t S, int64_t sc_sb, int64_t sc_ss, int64_t sh_sb, int64_t sh_ss,
-                                double eps, int64_t out_code, bool save_stats, int64_t vpt, int64_t rpc) {
+                                double eps, int64_t out_code, bool save_stats, int64_t vpt, int64_t rpc,
+                                const c10::optional<at::Tensor>& into) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, "ln_modulate: x must be a contiguous [rows, D] CUDA tensor");
   TORCH_CHECK(x.size(0) == B * S, "ln_modulate: rows != B * S");
   TORCH_CHECK(scale.is_cuda() && shift.is_cuda() && scale.scalar_type() == shift.scalar_type(),
@@ -64,7 +77,7 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& scale, co
   // Output dtype as our code (0 fp32, 1 fp16, 2 bf16): plain ints keep the binding simple.
   const at::ScalarType out_dtype = out_code == lnmod::kF32 ? at::kFloat : out_code == lnmod::kF16 ? at::kHalf : at::kBFloat16;
   TORCH_CHECK(out_code >= 0 && out_code <= 2, "ln_modulate: bad output dtype code");
-  auto y = at::empty({B * S, D}, x.options().dtype(out_dtype));
+  auto y = output_tensor(into, x, B * S, D, out_dtype, "into");
   at::Tensor mean, rstd;
   if (save_stats) {
     mean = at::empty({B * S}, x.options().dtype(at::kFloat));
@@ -97,18 +110,19 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& scale, co
 }
 
 // Returns (dx, dscale, dshift, dweight, dbias). dscale/dshift: per-token [rows, D] in scale's dtype for
-// mode 2, fp32 [B, D] for mode 1, fp32 [D] for mode 0, empty for mode -1 (not wanted).
+// mode 2, fp32 [B, D] for mode 1, fp32 [D] for mode 0, empty for mode -1 (not wanted). dx is `dx_into` when given.
 std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
                                  const c10::optional<at::Tensor>& mean, const c10::optional<at::Tensor>& rstd,
                                  int64_t B, int64_t S, int64_t sc_sb, int64_t sc_ss, int64_t sc_mode, int64_t sh_mode,
-                                 bool want_dweight, bool want_dbias, double eps, int64_t vpt, int64_t rpc) {
+                                 bool want_dweight, bool want_dbias, double eps, int64_t vpt, int64_t rpc,
+                                 const c10::optional<at::Tensor>& dx_into) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, "ln_modulate: x must be a contiguous [rows, D] CUDA tensor");
   TORCH_CHECK(dy.is_contiguous() && dy.sizes() == x.sizes(), "ln_modulate: dy must be contiguous and shaped like x");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t D = x.size(1);
   auto f32 = x.options().dtype(at::kFloat);
-  auto dx = at::empty_like(x);
+  auto dx = output_tensor(dx_into, x, x.size(0), D, x.scalar_type(), "dx_into");
   auto grad_for = [&](int64_t mode) -> at::Tensor {
     if (mode == lnmod::kPerToken) return at::empty({B * S, D}, scale.options().memory_format(at::MemoryFormat::Contiguous));
     if (mode == lnmod::kPerSample) return at::empty({B, D}, f32);

@@ -1,0 +1,122 @@
+"""model/packed_ops.py: the whole-tensor modulation and gated add of packed micro-batches equal the same steps run
+per group (outputs and every gradient) on CPU, and on the GPU with the fused kernel writing into the groups'
+rows (bit for bit against the kernel per group) and with inductor-compiled gated adds."""
+import pytest
+import torch
+
+from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate
+from ds_adaptiveload.model.wan import BlockFns, gated_add
+from ds_adaptiveload.ops.layernorm_modulate import ln_modulate
+
+# (n_g, local rows per sample) per group: groups of one sample, at the front and behind, and of several
+DIMS = [(1, 7), (3, 5), (2, 9), (1, 4)]
+
+
+def _inputs(dims, D, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T, n = sum(a * b for a, b in dims), sum(a for a, _ in dims)
+    rand = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x = rand(T, D).to(device, dtype)
+    y = rand(T, D).to(device, dtype)
+    # chunks of an [n, 6, D] fp32 tensor, as the blocks pass them: strided per-sample rows
+    mod = (rand(n, 6, D) * 0.5).to(device)
+    return x, y, mod, rand(T, D).to(device, dtype)
+
+
+def _per_group(fn, dims, rows, samples):
+    """fn per group on views, merged with cat: the reference the whole-tensor steps must equal."""
+    sizes = [a * b for a, b in dims]
+    rparts = [r.split(sizes) for r in rows]
+    sparts = [s.split([a for a, _ in dims]) for s in samples]
+    outs = [fn(*(p[i].unflatten(0, d) for p in rparts), *(p[i] for p in sparts)) for i, d in enumerate(dims)]
+    return torch.cat([o.flatten(0, 1) for o in outs])
+
+
+def _leaves(*ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+def _check_modulate(dims, D, dtype, device, exact):
+    x, _, mod, dout = _inputs(dims, D, dtype, device)
+    x0, m0 = _leaves(x, mod)
+    ref = _per_group(lambda xg, sc, sh: ln_modulate(xg, sc, sh, eps=1e-6), dims, [x0],
+                     [m0[:, 1:2], m0[:, 0:1]])
+    ref.backward(dout)
+    x1, m1 = _leaves(x, mod)
+    got = packed_modulate(x1, m1[:, 1:2], m1[:, 0:1], dims, 1e-6)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    got.backward(dout)
+    for a, b, name in ((got, ref, "y"), (x1.grad, x0.grad, "dx"), (m1.grad, m0.grad, "dmod")):
+        if exact:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5, msg=name)
+    assert m1.grad[:, 2:].abs().sum() == 0 and m1.grad[:, :2].abs().sum() > 0
+
+
+def _check_gated_add(dims, D, dtype, device, fns, tol):
+    x, y, mod, dout = _inputs(dims, D, dtype, device, seed=1)
+    x0, y0, m0 = _leaves(x, y, mod)
+    ref = _per_group(gated_add, dims, [x0, y0], [m0[:, 2:3]])
+    ref.backward(dout)
+    x1, y1, m1 = _leaves(x, y, mod)
+    got = packed_gated_add(x1, y1, m1[:, 2:3], dims, fns)
+    got.backward(dout)
+    for a, b, name in ((got, ref, "out"), (x1.grad, x0.grad, "dx"), (y1.grad, y0.grad, "dy"),
+                       (m1.grad, m0.grad, "dgate")):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=name)
+    assert torch.equal(x1.grad, dout)  # d out / d x is the identity: the gradient passes through
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_modulate_equals_per_group_on_cpu(dtype):
+    _check_modulate(DIMS, 16, dtype, "cpu", exact=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_gated_add_equals_per_group_on_cpu(dtype):
+    _check_gated_add(DIMS, 16, dtype, "cpu", BlockFns(), tol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [1536, 100])
+def test_packed_modulate_kernel_writes_the_groups_rows_bit_for_bit(dtype, D):
+    """The kernel per group into one output (and one dx) against the kernel per group and a cat: the same
+    kernels on the same rows, so equal bit for bit (the backward is deterministic). D = 100: the unvectorized path."""
+    _check_modulate(DIMS + [(4, 33)], D, dtype, "cuda", exact=True)
+
+
+@pytest.mark.cuda
+def test_packed_gated_add_compiled_on_gpu():
+    from ds_adaptiveload.model.compile import region_fns
+
+    torch._dynamo.reset()
+    fns = region_fns()[0]
+    for dims in (DIMS, [(2, 40), (5, 8)], [(1, 40), (1, 8), (3, 3)]):
+        _check_gated_add(dims, 1536, torch.bfloat16, "cuda", fns, tol=1e-2)
+
+
+@pytest.mark.cuda
+def test_kernel_into_overwrites_poison_and_rejects_a_wrong_tensor():
+    from ds_adaptiveload.ops.layernorm_modulate import load_op
+
+    op = load_op()
+    B, S, D = 3, 17, 256
+    x = torch.randn(B * S, D, device="cuda", dtype=torch.bfloat16)
+    sc, sh = (torch.randn(B, D, device="cuda") for _ in range(2))
+    fresh = op.forward(x, sc, sh, None, None, B, S, D, 0, D, 0, 1e-6, 2, True, -1, -1, None)
+    big = torch.full((B * S + 10, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    into = big[5:5 + B * S]
+    y, mean, rstd = op.forward(x, sc, sh, None, None, B, S, D, 0, D, 0, 1e-6, 2, True, -1, -1, into)
+    assert y.data_ptr() == into.data_ptr() and torch.equal(into, fresh[0])
+    assert big[:5].isnan().all() and big[-5:].isnan().all()  # rows outside untouched
+    dy = torch.randn_like(x)
+    dx_ref = op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False, False, 1e-6, -1, -1, None)[0]
+    big.fill_(float("nan"))
+    op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False, False, 1e-6, -1, -1, into)
+    assert torch.equal(into, dx_ref) and big[:5].isnan().all()
+    with pytest.raises(RuntimeError, match="into"):
+        op.forward(x, sc, sh, None, None, B, S, D, 0, D, 0, 1e-6, 2, True, -1, -1, into.float())
+    with pytest.raises(RuntimeError, match="dx_into"):
+        op.backward(dy, x, sc, None, None, mean, rstd, B, S, D, 0, 1, 1, False, False, 1e-6, -1, -1, big[:B * S - 1])
