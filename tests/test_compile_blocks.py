@@ -230,7 +230,7 @@ def test_trainer_trains_packed_micro_batches_with_compiled_blocks(tmp_path):
 
     from tests import test_reliability as rel
     from tests import test_train as tt
-    from tests.test_packed import free_port
+    from ds_adaptiveload.train.engine import free_port
 
     if rel.DEEPSPEED is None:
         pytest.skip("deepspeed launcher not installed")

@@ -17,8 +17,8 @@ import torch
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.train import config, flow
+from ds_adaptiveload.train.engine import free_port  # an ephemeral port: the fixed 29641 was once in use
 from ds_adaptiveload.train.lr_scaling import BatchSizeLR, scale_lr
-from tests.test_packed import free_port  # a free ephemeral port: the fixed 29641 was once in use (EADDRINUSE)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")

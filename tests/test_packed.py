@@ -2,7 +2,6 @@
 sample run alone, in outputs and parameter gradients; grouping, checkpointing, Ulysses SP on 2 ranks and
 the packed flow-matching loss."""
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model import WanModel, sdpa_attention
 from ds_adaptiveload.model.packing import plan_packing
 from ds_adaptiveload.train import flow
+from ds_adaptiveload.train.engine import free_port
 from tests.test_model import inputs, perturbed_model, rel_err, tiny_cfg
 
 # Mixed shapes with repeats that are not adjacent: grouping must reorder and restore the input order.
@@ -251,13 +251,6 @@ def _zero3_worker(rank, world, port, result_path):
     torch.save({"out": max(rel_err(a.detach(), b.detach()) for a, b in zip(ys, ys_ref)),
                 "grad": max(rel_err(safe_get_full_grad(p), q.grad) for p, q in zip(engine.module.parameters(),
                                                                                     ref.parameters()))}, result_path)
-
-
-def free_port() -> int:
-    """A port the kernel has just handed out as free (ephemeral range, so never one of the suite's fixed ports)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(worker, world, tmp_path):

@@ -26,14 +26,20 @@ def single_process_env() -> None:
     that another run or test on the same machine binds: a process group left alive keeps its store listening on it.
     In the test suite, 8 of those 300 ports were fixed ports of later tests, whose launch then failed at start-up
     (EADDRINUSE)."""
-    import socket
-
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:  # the ephemeral range, which the launchers' fixed ports stay out of
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
+def free_port() -> int:
+    """A port the kernel has just handed out as free: the ephemeral range, which the launchers' fixed ports (and the
+    test suite's) stay out of."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def shm_buffer_path(rank: int, env=os.environ) -> str:
