@@ -204,6 +204,11 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
     if collate_fn is None:
         import torch.utils.data
 
+        if al.policy == "packed" and not isinstance(dataset, latents.LatentDataset):
+            # a packed micro-batch mixes shapes, which default_collate cannot stack (and a one-shape model cannot run)
+            raise UserError("adaptive_load.policy \"packed\" (the default) builds micro-batches of several shapes: "
+                            "pass a collate_fn that takes them (and a model that runs them, as WanModel does), or "
+                            "set adaptive_load.policy to \"balanced\" for one shape per micro-batch")
         collate_fn = latents.first if isinstance(dataset, latents.LatentDataset) else torch.utils.data.default_collate
     sampling = (ds.get("data_efficiency") or {}).get("data_sampling") or {}
     workers = sampling.get("num_workers", 0) if num_workers is None else num_workers

@@ -16,7 +16,7 @@ def add_arguments(p):
     p.add_argument("--world-size", type=int, required=True, help="GPUs (data-parallel size = N / sp)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step (G)")
-    p.add_argument("--policy", default="balanced", choices=["balanced", "dual", "equal-tokens", "packed"])
+    p.add_argument("--policy", default="packed", choices=["packed", "balanced", "dual", "equal-tokens"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epoch", type=int, default=0)
     p.add_argument("--on-oversize", default="error", choices=["error", "skip"],

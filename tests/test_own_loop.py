@@ -203,7 +203,7 @@ def stand_in_engine(section, G=2, lr=1e-4):
     return SimpleNamespace(gradient_accumulation_steps=lambda: G, zero_optimization_stage=lambda: 0,
                            train_batch_size=lambda: G, optimizer=opt, lr_scheduler=None,
                            _config=SimpleNamespace(_param_dict={"data_efficiency": {"seed": 1, "data_sampling": {
-                               "adaptive_load": {"profile": PROFILE, **section}}}}))
+                               "adaptive_load": {"profile": PROFILE, "policy": "balanced", **section}}}}))
 
 
 def test_loader_yields_weighted_steps_covering_the_epoch_and_resumes():
@@ -258,6 +258,9 @@ def test_refusals_name_the_key():
         get_dataloader_and_lr_scheduler(stand_in_engine({"on_oom": "skip"}), ShapeDataset(samples), samples)
     with pytest.raises(UserError, match="differ in length"):
         get_dataloader_and_lr_scheduler(stand_in_engine({}), ShapeDataset(samples[:5]), samples)
+    # packed (the default) with a Dataset that torch's default_collate would have to stack in mixed shapes
+    with pytest.raises(UserError, match="adaptive_load.policy to \"balanced\""):
+        get_dataloader_and_lr_scheduler(stand_in_engine({"policy": "packed"}), ShapeDataset(samples), samples)
 
 
 def test_import_stays_torch_free():

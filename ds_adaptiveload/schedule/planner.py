@@ -38,8 +38,8 @@ CLASS_BOUNDS = (4096, 20000)
 
 @dataclass
 class PlanConfig:
-    policy: str = "balanced"
-    """balanced | dual | equal-tokens | packed (micro-batches of mixed shapes; needs the packed model)."""
+    policy: str = "packed"
+    """packed (micro-batches of mixed shapes; needs the packed model) | balanced | dual | equal-tokens."""
     world_size: int = 1
     """GPUs in the job; the data-parallel size is world_size / sp."""
     sp: int = 1

@@ -37,9 +37,10 @@ class AdaptiveLoadConfig:
     profile: str
     """Cost profile YAML (profile.py); a relative path is looked up from the working directory, then
     from the JSON file's folder."""
-    policy: str = "balanced"
-    """balanced | packed | dual | equal-tokens (schedule/planner.py, schedule/packed.py). packed: micro-batches of
-    several shapes (ZeRO-2 at any world size, ZeRO-3 on one GPU only for now)."""
+    policy: str = "packed"
+    """packed | balanced | dual | equal-tokens (schedule/packed.py, schedule/planner.py). packed (the default since
+    2026-12-02: docs/benchmarks.md) fills micro-batches with samples of several shapes, which the model runs as one
+    packed forward; a model that takes one shape per micro-batch needs balanced."""
     seed: int = 0
     """Plan shuffling seed, and the seed of model init, noise and timesteps. `data_efficiency.seed`, when
     given, sets it (DeepSpeed's data-efficiency seed)."""
