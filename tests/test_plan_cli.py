@@ -67,7 +67,7 @@ def test_json_summary_and_dump(tmp_path, manifest, capsys):
 def test_table_output(manifest, capsys):
     assert main(["plan", "--manifest", manifest, "--profile", H200, "--world-size", "8"]) == 0
     out = capsys.readouterr().out
-    assert "predicted idle fraction" in out and "balanced" in out
+    assert "predicted idle fraction" in out and "packed" in out  # the default policy
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):

@@ -35,7 +35,7 @@ def test_derive_ds_config_from_a_path_is_what_the_trainer_loads(tmp_path):
                                                        adaptive_load={"profile": os.path.join(
                                                            ROOT, "configs", "profiles", "tiny-cpu.yaml")})))
     ds, al = config.load_ds_config(path)
-    assert ds["gradient_accumulation_steps"] == 3 and al.policy == "balanced"
+    assert ds["gradient_accumulation_steps"] == 3 and al.policy == "packed"
     with pytest.raises(UserError, match="cannot read DeepSpeed config"):
         config.derive_ds_config(str(tmp_path / "missing.json"))
 
