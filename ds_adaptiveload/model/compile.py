@@ -56,6 +56,8 @@ class CompileOptions:
     """torch.compile mode (None, 'max-autotune-no-cudagraphs', ...)."""
     backend: str = "inductor"
     """torch.compile backend ('aot_eager' traces without code generation: CPU tests)."""
+    inductor: Optional[dict] = None
+    """More inductor options on top of INDUCTOR_OPTIONS (benchmarks A-B them: bench/model/packed_profile.py)."""
 
 
 def _mark(args):
@@ -82,7 +84,8 @@ def _mode_and_options(opts: CompileOptions) -> dict:
         return {"mode": opts.mode}
     from torch._inductor import list_mode_options
 
-    return {"options": {**list_mode_options(opts.mode or "default", opts.dynamic), **INDUCTOR_OPTIONS}}
+    return {"options": {**list_mode_options(opts.mode or "default", opts.dynamic), **INDUCTOR_OPTIONS,
+                        **(opts.inductor or {})}}
 
 
 def engine_compile_kwargs(backend: str = "inductor") -> dict:
@@ -147,7 +150,7 @@ def uncompile_blocks(model: torch.nn.Module) -> None:
 _REGIONS = {}
 
 
-def _region(fn, opts: CompileOptions):
+def compile_region(fn, opts: CompileOptions):
     """fn compiled on its own (fullgraph), every dim of its tensor arguments but the last marked dynamic before
     the call: token, sample and head counts symbolic, channels static."""
     compiled = torch.compile(fn, dynamic=None, fullgraph=True, backend=opts.backend, **_mode_and_options(opts))
@@ -167,11 +170,12 @@ def region_fns(mode: Optional[str] = None, backend: str = "inductor") -> tuple:
     key = (mode, backend)
     if key not in _REGIONS:
         opts = CompileOptions(mode=mode, backend=backend)
-        fns = BlockFns(rope_qk=_region(rope_qk, opts), gated_add=_region(gated_add, opts),
-                       gated_add_into=_region(gated_add_into, opts),
-                       gated_add_grad_into=_region(gated_add_grad_into, opts))
+        fns = BlockFns(rope_qk=compile_region(rope_qk, opts), gated_add=compile_region(gated_add, opts),
+                       gated_add_into=compile_region(gated_add_into, opts),
+                       gated_add_grad_into=compile_region(gated_add_grad_into, opts))
         _REGIONS[key] = (fns,
-                         {RMSNorm: _region(RMSNorm.forward, opts), LayerNorm: _region(LayerNorm.forward, opts)})
+                         {RMSNorm: compile_region(RMSNorm.forward, opts),
+                          LayerNorm: compile_region(LayerNorm.forward, opts)})
     return _REGIONS[key]
 
 
