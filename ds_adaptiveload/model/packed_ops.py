@@ -10,22 +10,10 @@ in backward. The gated add hands its gradient through to x unchanged (d out / d 
 Used for micro-batches of two or more groups outside torch.compile tracing (model/wan.Layout); one group
 needs no merge, and a compiled whole block fuses the merges itself.
 """
-from typing import Sequence
-
 import torch
 
+from ds_adaptiveload.model.packing import split_rows, split_samples
 from ds_adaptiveload.ops.layernorm_modulate import _bwd_impl, _fwd_impl, kernel_plan, ln_modulate_reference
-
-
-def _rows(t: torch.Tensor, dims: Sequence[tuple]) -> list:
-    """Each group's rows of a [T, ...] tensor as [n_g, local, ...] views (no autograd: inside a Function)."""
-    parts = t.split([n * local for n, local in dims])
-    return [p.view(n, local, *t.shape[1:]) for (n, local), p in zip(dims, parts)]
-
-
-def _samples(t: torch.Tensor, dims: Sequence[tuple]) -> list:
-    """Each group's rows [n_g, ...] of a per-sample tensor [n, ...] in packed order."""
-    return list(t.split([n for n, _ in dims]))
 
 
 class _PackedModulate(torch.autograd.Function):
@@ -38,7 +26,8 @@ class _PackedModulate(torch.autograd.Function):
     def forward(ctx, x, scale, shift, dims, eps):
         out = torch.empty_like(x)
         stats = []
-        for xg, sg, hg, og in zip(_rows(x, dims), _samples(scale, dims), _samples(shift, dims), _rows(out, dims)):
+        groups = zip(split_rows(x, dims), split_samples(scale, dims), split_samples(shift, dims), split_rows(out, dims))
+        for xg, sg, hg, og in groups:
             plan = kernel_plan(xg, sg, hg)
             if plan is None:
                 og.copy_(ln_modulate_reference(xg, sg, hg, eps=eps))
@@ -55,8 +44,8 @@ class _PackedModulate(torch.autograd.Function):
         dims, needs = ctx.dims, ctx.needs_input_grad[:3]
         dx = torch.empty_like(x)
         dsc, dsh = [], []
-        groups = zip(_rows(x, dims), _samples(scale, dims), _samples(shift, dims), _rows(dout.contiguous(), dims),
-                     _rows(dx, dims), stats[0::2], stats[1::2])
+        groups = zip(split_rows(x, dims), split_samples(scale, dims), split_samples(shift, dims),
+                     split_rows(dout.contiguous(), dims), split_rows(dx, dims), stats[0::2], stats[1::2])
         for xg, sg, hg, dg, dxg, mean, rstd in groups:
             if mean.numel():
                 _, a, b, _, _ = _bwd_impl(dg, xg, sg, hg.shape, hg.dtype, None, None, mean, rstd, ctx.eps,
@@ -86,7 +75,8 @@ class _PackedGatedAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, gate, dims, fns):
         out = torch.empty_like(x)
-        for xg, yg, gg, og in zip(_rows(x, dims), _rows(y, dims), _samples(gate, dims), _rows(out, dims)):
+        for xg, yg, gg, og in zip(split_rows(x, dims), split_rows(y, dims), split_samples(gate, dims),
+                                  split_rows(out, dims)):
             fns.gated_add_into(xg, yg, gg, og)
         ctx.save_for_backward(y, gate)
         ctx.dims, ctx.fns = dims, fns
@@ -98,8 +88,8 @@ class _PackedGatedAdd(torch.autograd.Function):
         dims = ctx.dims
         dout = dout.contiguous()
         dy = torch.empty_like(y)
-        dgate = [ctx.fns.gated_add_grad_into(dg, yg, gg, dyg)
-                 for dg, yg, gg, dyg in zip(_rows(dout, dims), _rows(y, dims), _samples(gate, dims), _rows(dy, dims))]
+        groups = zip(split_rows(dout, dims), split_rows(y, dims), split_samples(gate, dims), split_rows(dy, dims))
+        dgate = [ctx.fns.gated_add_grad_into(dg, yg, gg, dyg) for dg, yg, gg, dyg in groups]
         return dout, dy, torch.cat(dgate), None, None
 
 

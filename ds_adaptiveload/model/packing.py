@@ -64,16 +64,11 @@ class Packing:
         group: the backward of a split is one cat, where each slice would add a zero-filled [T, ...] tensor.
         sizes: size_tensors() — the group sizes read from tensor shapes instead of this object's ints, so
         torch.compile keeps them symbolic rather than compiling a graph per micro-batch composition."""
-        dims = self.dims(sizes)
-        if len(dims) == 1:  # S from the tensor: compiled blocks then stay dynamic in S
-            return [h.unflatten(0, (dims[0][0], -1))]
-        parts = h.split([n * local for n, local in dims])
-        return [p.unflatten(0, d) for d, p in zip(dims, parts)]
+        return split_rows(h, self.dims(sizes))
 
     def sample_views(self, v: torch.Tensor, sizes=None) -> list[torch.Tensor]:
         """Each group's rows [n_g, ...] of a per-sample tensor [n, ...] in packed order (sizes: as views)."""
-        counts = [n for n, _ in self.dims(sizes)]
-        return list(v.split(counts)) if len(counts) > 1 else [v]
+        return split_samples(v, self.dims(sizes))
 
     def map(self, fn: Callable, rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = (), dtype=None,
             sizes=None):
@@ -103,6 +98,20 @@ class Packing:
             for j, i in enumerate(g.index):
                 out[i] = y[j]
         return out
+
+
+def split_rows(h: torch.Tensor, dims: Sequence[tuple]) -> list[torch.Tensor]:
+    """Each group's rows of a [T, ...] tensor as [n_g, local, ...] views, for groups `dims` ((n_g, local) each)."""
+    if len(dims) == 1:  # S from the tensor: compiled blocks then stay dynamic in S
+        return [h.unflatten(0, (dims[0][0], -1))]
+    parts = h.split([n * local for n, local in dims])
+    return [p.unflatten(0, d) for d, p in zip(dims, parts)]
+
+
+def split_samples(v: torch.Tensor, dims: Sequence[tuple]) -> list[torch.Tensor]:
+    """Each group's rows [n_g, ...] of a per-sample tensor [n, ...] in packed order, for groups `dims`."""
+    counts = [n for n, _ in dims]
+    return list(v.split(counts)) if len(counts) > 1 else [v]
 
 
 class _Merge(torch.autograd.Function):

@@ -156,22 +156,28 @@ class Layout:
     def map(self, fn, rows, samples=(), dtype=None):
         return self.packing.map(fn, rows, samples, dtype, self.sizes)
 
-    def _whole(self) -> bool:
-        """Run the per-sample steps over the whole [T, dim] tensor (model/packed_ops.py): two or more groups, and
-        not inside a compiled block's trace (inductor fuses the merges there)."""
-        return len(self.packing.groups) > 1 and not torch.compiler.is_compiling()
-
     def modulate(self, x, scale, shift, eps):
         """LN(x) * (1 + scale) + shift per sample: x [T, dim], scale/shift [n, 1, dim] fp32."""
-        if self._whole():
-            return packed_modulate(x, scale, shift, self.packing.dims(self.sizes), eps)
-        return self.map(lambda xg, sc, sh: ln_modulate(xg, sc, sh, eps=eps), (x,), (scale, shift))
+        return modulate_groups(x, scale, shift, eps, self.packing, self.sizes)
 
     def gated_add(self, x, y, gate):
         """x + y * gate per sample: x, y [T, dim], gate [n, 1, dim] fp32."""
-        if self._whole():
+        if _whole(self.packing):
             return packed_gated_add(x, y, gate, self.packing.dims(self.sizes), self.fns)
         return self.map(self.fns.gated_add, (x, y), (gate,))
+
+
+def _whole(packing: Packing) -> bool:
+    """Run the per-sample steps over the whole [T, dim] tensor (model/packed_ops.py): two or more groups, and not
+    inside a compiled block's trace (inductor fuses the merges there)."""
+    return len(packing.groups) > 1 and not torch.compiler.is_compiling()
+
+
+def modulate_groups(x, scale, shift, eps, packing: Packing, sizes=None):
+    """ln_modulate per sample of a packed x [T, dim] with scale/shift [n, 1, dim] (sizes: as Packing.views)."""
+    if _whole(packing):
+        return packed_modulate(x, scale, shift, packing.dims(sizes), eps)
+    return packing.map(lambda xg, sc, sh: ln_modulate(xg, sc, sh, eps=eps), (x,), (scale, shift), sizes=sizes)
 
 
 class PatchEmbed(nn.Conv3d):
@@ -313,8 +319,7 @@ class Head(nn.Module):
 
     def forward(self, x, e, packing: Packing):
         shift, scale = (self.modulation.float() + e.float()[:, None]).chunk(2, dim=1)
-        lay = Layout(packing, (), (), None)
-        return self.head(lay.modulate(x, scale, shift, self.eps))
+        return self.head(modulate_groups(x, scale, shift, self.eps, packing))
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
