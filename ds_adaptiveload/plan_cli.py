@@ -24,6 +24,9 @@ def add_arguments(p):
     p.add_argument("--window", type=int, default=None,
                    help="balanced with G=1 or --lockstep: steps per cost-sorting window (default: whole epoch)")
     p.add_argument("--fill", type=float, default=None, help="balanced, G>=2: slot fill target per step")
+    p.add_argument("--replicate", default="auto", choices=["auto", "on", "off"],
+                   help="packed: light samples in runs of R of one shape, so that a round's micro-batches are "
+                        "copies (auto: when a micro-batch holds fewer than about 10 samples)")
     p.add_argument("--lockstep", action="store_true",
                    help="ranks synchronise at every micro-batch (ZeRO-2/3; the trainer sets this from the "
                         "DeepSpeed config): plan and predict per micro-batch round")
@@ -65,7 +68,8 @@ def run(args):
     extra = {k: v for k, v in (("window", args.window), ("fill", args.fill)) if v is not None}
     cfg = PlanConfig(policy=args.policy, world_size=args.world_size, sp=args.sp, grad_accum=args.grad_accum,
                      seed=args.seed, on_oversize=args.on_oversize, lockstep=args.lockstep,
-                     checkpoint=args.checkpoint, checkpoint_policy=args.checkpoint_policy, **extra)
+                     checkpoint=args.checkpoint, checkpoint_policy=args.checkpoint_policy,
+                     replicate={"auto": None, "on": True, "off": False}[args.replicate], **extra)
     profile = run_profile(profile, args.zero_stage, args.world_size, args.profile)  # after cfg checked --world-size
     if args.checkpoint != "all" and RecomputeCost.of(profile, args.checkpoint_policy) is None:
         print(f"{args.profile}: no time_ms.recompute_frac, memory.block_bytes_per_token, capacity_bytes or "

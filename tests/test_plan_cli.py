@@ -47,6 +47,17 @@ def test_packed_policy_dump(tmp_path, manifest, capsys):
     assert any(len({shapes[i] for i in r["ids"]}) > 1 for r in lines)
 
 
+def test_replicate_flag(manifest, capsys):
+    """--replicate on / off reach the packed plan: runs of R at a budget of one 720p clip change it."""
+    out = {}
+    for flag in ("on", "off", "auto"):
+        assert main(["plan", "--manifest", manifest, "--profile", H200, "--world-size", "4", "--grad-accum", "1",
+                     "--lockstep", "--replicate", flag, "--json"]) == 0
+        out[flag] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        out[flag].pop("plan_seconds", None)
+    assert out["on"] != out["off"] and out["auto"] == out["on"]  # the blocks profile: memory for one clip
+
+
 def test_json_summary_and_dump(tmp_path, manifest, capsys):
     dump = tmp_path / "plan.jsonl"
     rc = main(["plan", "--manifest", manifest, "--profile", H200, "--world-size", "4", "--sp", "2",

@@ -13,7 +13,7 @@ from ds_adaptiveload.schedule.manifest import Sample, load_manifest
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.schedule.planner import POLICIES, PlanConfig, make_plan
 from ds_adaptiveload.schedule.profile import CostProfile
-from ds_adaptiveload.schedule.sampler import AdaptiveSampler
+from ds_adaptiveload.schedule.sampler import AdaptiveSampler, plan_digest
 
 H200 = "configs/profiles/h200-wan1.3b-blocks.yaml"
 GEO = Geometry()
@@ -38,7 +38,8 @@ def scenarios(draw):
     dp = draw(st.integers(1, 9))
     cfg = PlanConfig(policy=draw(st.sampled_from(POLICIES)), world_size=dp * sp, sp=sp,
                      grad_accum=draw(st.integers(1, 4)), seed=draw(st.integers(0, 3)), on_oversize="skip",
-                     lockstep=draw(st.booleans()), window=draw(st.sampled_from([None, None, 1, 3])))
+                     lockstep=draw(st.booleans()), window=draw(st.sampled_from([None, None, 1, 3])),
+                     replicate=draw(st.sampled_from([None, None, True, False])))
     return samples, profile, cfg, draw(st.integers(0, 2))
 
 
@@ -235,6 +236,33 @@ def test_packed_balances_rounds_and_keeps_composition():
         assert eq["predicted_wall_s"] / pk["predicted_wall_s"] >= 1.3
 
 
+def test_packed_replicates_rounds_when_slots_hold_few_samples():
+    """Memory for one 720p clip (about five video-heavy samples a slot): packed deals light samples in runs
+    of R (replicate, chosen by itself), so most rounds are copies of one mix and cost exactly the same;
+    that idles less than evening single samples out and beats balanced's wall time, while steps still
+    look more like the data than balanced's. With memory for six clips the sand suffices: no runs."""
+    import dataclasses
+    base = CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml")
+    one = dataclasses.replace(base, budget_tokens=75693)
+    samples = make_mix("video-heavy", 20000)  # fewer: the runs' last, partial rounds weigh more
+    for g in (1, 4):
+        cfg = PlanConfig("packed", 8, grad_accum=g, lockstep=True)
+        auto = make_plan(samples, one, cfg)
+        on = make_plan(samples, one, dataclasses.replace(cfg, replicate=True))
+        off = make_plan(samples, one, dataclasses.replace(cfg, replicate=False)).summary()
+        bal = make_plan(samples, one, dataclasses.replace(cfg, policy="balanced")).summary()
+        assert auto.steps == on.steps, "one-clip budget: replicate chosen"
+        exact = sum(max(r) - min(r) <= 1e-6 * max(r) for r in auto.pred_ms)
+        assert exact >= 0.8 * len(auto.steps), (exact, len(auto.steps))
+        s = auto.summary()
+        assert s["idle_fraction"] < 0.5 * off["idle_fraction"], (s, off)
+        assert s["predicted_wall_s"] < min(off["predicted_wall_s"], bal["predicted_wall_s"]), (s, off, bal)
+        assert s["mix_tv"] < bal["mix_tv"], (s, bal)
+    six = dataclasses.replace(base, budget_tokens=453600)
+    cfg = PlanConfig("packed", 8, grad_accum=4, lockstep=True)
+    assert make_plan(samples, six, cfg).steps == make_plan(samples, six, dataclasses.replace(cfg, replicate=False)).steps
+
+
 def test_packed_micro_batch_cost_generalises_micro_ms():
     """packed_ms: a one-shape micro-batch costs exactly micro_ms; attention is per sample (sum of S_i^2)."""
     p = CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml")
@@ -409,10 +437,20 @@ def test_oversize_error_names_sample_and_sp():
 
 @pytest.mark.parametrize("kwargs, msg", [({"world_size": 6, "sp": 4}, "not divisible"),
                                          ({"grad_accum": 0}, "grad-accum"), ({"policy": "fast"}, "policy"),
-                                         ({"on_oversize": "drop"}, "on-oversize")])
+                                         ({"on_oversize": "drop"}, "on-oversize"),
+                                         ({"replicate": "yes"}, "replicate must be true, false or null")])
 def test_config_errors(kwargs, msg):
     with pytest.raises(UserError, match=msg):
         PlanConfig(**{"world_size": 8, **kwargs})
+
+
+def test_adaptive_load_replicate_reaches_the_plan_and_is_checked():
+    from ds_adaptiveload.train.config import AdaptiveLoadConfig
+
+    assert AdaptiveLoadConfig.from_dict({"profile": H200, "replicate": False}, "ds.json").replicate is False
+    assert AdaptiveLoadConfig.from_dict({"profile": H200}, "ds.json").replicate is None
+    with pytest.raises(UserError, match=r"ds.json: adaptive_load.replicate must be true, false or null, got 'on'"):
+        AdaptiveLoadConfig.from_dict({"profile": H200, "replicate": "on"}, "ds.json")
 
 
 def test_sampler_state_refuses_other_run():
@@ -431,3 +469,28 @@ def test_sampler_state_refuses_other_run():
         AdaptiveSampler(samples, profile, PlanConfig("balanced", 2, lockstep=True), 0).load_state_dict(state)
     with pytest.raises(UserError, match="fingerprint"):
         AdaptiveSampler(shuffled, profile, PlanConfig("balanced", 2), 0).load_state_dict(state)
+
+
+def test_sampler_state_refuses_a_differently_planned_epoch_mid_way():
+    """The same manifest, seed and layout planned otherwise (here replicate, as a planner upgrade might):
+    resuming mid-epoch would skip or repeat samples, so it is refused; at an epoch's start it is harmless,
+    and a state saved before the digest existed loads as before."""
+    import dataclasses
+    samples = make_mix("video-heavy", 400)
+    profile = CostProfile.load(H200)  # memory for one clip: replicate changes the packed plan
+    cfg = PlanConfig("packed", 4, lockstep=True, replicate=True)
+    s = AdaptiveSampler(samples, profile, cfg, 0)
+    s.set_epoch(1)
+    state = s.state_dict(next_step=3)
+    other = AdaptiveSampler(samples, profile, dataclasses.replace(cfg, replicate=False), 0)
+    assert plan_digest(other.plan) != state["plan"]
+    with pytest.raises(UserError, match=r"epoch 1 was planned differently .* resuming at step 3 would skip or repeat"):
+        other.load_state_dict(state)
+    other.load_state_dict({**state, "next_step": 0})
+    assert other.next_step == 0 and other.epoch == 1
+    legacy = {k: v for k, v in state.items() if k != "plan"}
+    other.load_state_dict(legacy)
+    assert other.next_step == 3
+    same = AdaptiveSampler(samples, profile, cfg, 1)  # another rank of the same run
+    same.load_state_dict(state)
+    assert same.next_step == 3 and same.state_dict()["plan"] == state["plan"]

@@ -7,7 +7,8 @@ peak memory for 1M samples at 1024 ranks. Pure CPU.
 
 --section packed: the packed policy against equal-tokens and balanced under lockstep (ZeRO-3) with the
 calibrated H200 profile, memory for about six 720p clips (453,600 tokens) and for one (75,693: one
-81x720x1280 clip and its memory.sample_tokens), on the video-heavy and image-heavy mixes.
+81x720x1280 clip and its memory.sample_tokens), on the video-heavy and image-heavy mixes; at the one-clip
+budget also packed with replicate off (rows with "replicate": false).
 """
 import argparse
 import dataclasses
@@ -31,10 +32,10 @@ PACKED_BUDGETS = (453600, 75693)  # about six 720p clips per micro-batch; one (7
 PACKED_MIXES = ("video-heavy", "image-heavy")
 
 
-def plan_row(samples, profile, policy, ranks, g, lockstep=False):
+def plan_row(samples, profile, policy, ranks, g, lockstep=False, **extra):
     t0 = time.perf_counter()
-    plan = make_plan(samples, profile, PlanConfig(policy, ranks, grad_accum=g, lockstep=lockstep))
-    return {**plan.summary(), "plan_seconds": time.perf_counter() - t0}
+    plan = make_plan(samples, profile, PlanConfig(policy, ranks, grad_accum=g, lockstep=lockstep, **extra))
+    return {**plan.summary(), "plan_seconds": time.perf_counter() - t0, **extra}
 
 
 def big_run(n, ranks, g, policy="balanced", profile=PROFILE, budget=None, lockstep=False):
@@ -64,24 +65,36 @@ def packed_section(args):
             profile = dataclasses.replace(base, budget_tokens=budget)
             for ranks in ((8, 64, 1024) if budget == PACKED_BUDGETS[0] else (8, 64)):
                 for g in (1, 4):
-                    for policy in ("equal-tokens", "balanced", "packed"):
-                        row = {**plan_row(small if ranks < 1024 else big, profile, policy, ranks, g, True),
+                    # packed chooses replicate itself (runs of R at the one-clip budget); the row with
+                    # replicate off shows what the runs change there
+                    variants = [("equal-tokens", {}), ("balanced", {}), ("packed", {})]
+                    if budget == PACKED_BUDGETS[1]:
+                        variants.append(("packed", {"replicate": False}))
+                    for policy, extra in variants:
+                        row = {**plan_row(small if ranks < 1024 else big, profile, policy, ranks, g, True, **extra),
                                "mix": mix, "budget_tokens": budget, "lockstep": True}
                         rows.append(row)
-                        print(f"{mix:11s} budget={budget} ranks={ranks:5d} G={g} {policy:13s} "
+                        name = policy + ("/no-runs" if extra else "")
+                        print(f"{mix:11s} budget={budget} ranks={ranks:5d} G={g} {name:16s} "
                               f"idle={row['idle_fraction']:.4f} mix_tv={row['mix_tv']:.3f} "
                               f"wall={row['predicted_wall_s']:.0f}s plan={row['plan_seconds']:.1f}s", flush=True)
     timing = [big_run(args.big, 1024, g, "packed", CALIBRATED, PACKED_BUDGETS[0], True) for g in (4, 1)]
     for t in timing:
         print(f"packed, 1024 ranks, {args.big} samples, G={t['grad_accum']}: plan {t['plan_seconds']:.1f}s, "
               f"peak RSS {t['peak_rss_MiB']:.0f} MiB", flush=True)
+    # one clip per micro-batch at 1024 ranks (video-heavy): packed's runs of 1024 against balanced
+    one_clip_1024 = [big_run(args.big, 1024, g, policy, CALIBRATED, PACKED_BUDGETS[1], True)
+                     for g in (1, 4) for policy in ("balanced", "packed")]
+    for t in one_clip_1024:
+        print(f"one clip, 1024 ranks, G={t['grad_accum']} {t['policy']:9s} idle={t['idle_fraction']:.4f} "
+              f"mix_tv={t['mix_tv']:.3f} wall={t['predicted_wall_s']:.0f}s plan {t['plan_seconds']:.1f}s", flush=True)
     return {
         "what": "Predicted balance under lockstep (ZeRO-3: a step costs the sum over its G rounds of the slowest "
                 "micro-batch) of packed, balanced and equal-tokens with the calibrated H200 Wan-1.3B profile at "
                 "budget_tokens 453,600 (about six 720p clips) and 75,693 (one). idle_fraction = 1 - sum(mean rank "
                 "time) / sum(step wall); mix_tv = mean per-step total-variation distance of class shares.",
         "profile": CALIBRATED, "samples": args.samples, "samples_1024": args.big, "rows": rows,
-        "timing_1024": timing,
+        "timing_1024": timing, "one_clip_1024": one_clip_1024,
     }
 
 

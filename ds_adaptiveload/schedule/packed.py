@@ -12,6 +12,11 @@ and the cheaper ones take light samples from just ahead in the stream. A sample 
 target on its own (a 720p clip when memory holds about one) is heavy: heavy samples come in runs of R of one
 shape, which fill whole rounds.
 
+When a slot holds only a few samples (memory for about one long clip), no sand is fine enough to even the
+slots out. Light samples then come in runs of R of one shape too (`replicate`): LPT deals the R samples of
+a run one to each slot of a round, so the slots of a round hold copies of one mix of shapes and cost exactly
+the same.
+
 Pure Python, no torch: a function of (samples, profile, config, epoch), like the other policies.
 """
 import heapq
@@ -36,6 +41,11 @@ TRIES = 8
 SAND_WINDOW = 256
 # A slot this close (relative) to its round's mean (evening) or costliest slot (gap filling) is left alone.
 EVEN_TOL = 1e-3
+# replicate=None: light samples come in runs of R when a slot holds fewer than this many on average. At
+# memory for one 720p clip (4.7 video-heavy samples a slot, 9.2 image-heavy) runs cut the predicted idle
+# 0.17-0.38% -> 0.00-0.14% and the wall time with it; with 20 or more a slot the sand evens slots out
+# already and runs only coarsen the steps' mix (docs/benchmarks.md, 2026-12-02 eighth session).
+REPLICA_BELOW = 10
 
 
 @dataclass
@@ -71,9 +81,15 @@ def packed_steps(keep, ctx: PackedCtx, rng):
     slots = r * g
     fill = ctx.cfg.fill or PACK_FILL
     target, heavy = _target(keep, ctx, fill)
-    stream, runs = _stream(keep, ctx, rng, heavy, r)
-    draw = _Drawer(stream, runs, ctx, heavy, _scales(ctx, target, fill), slots)
-    units = sum(1 for i in keep if heavy[i]) + _units(_sums(keep, ctx, heavy), draw.scale)
+    scale = _scales(ctx, target, fill)
+    light_units = _units(_sums(keep, ctx, heavy), scale)
+    replicate = ctx.cfg.replicate
+    if replicate is None:
+        n_light = sum(1 for i in keep if not heavy[i])
+        replicate = r > 1 and n_light < REPLICA_BELOW * light_units
+    stream, runs, cont = _stream(keep, ctx, rng, heavy, r, replicate)
+    draw = _Drawer(stream, runs, cont, ctx, heavy, scale, slots)
+    units = sum(1 for i in keep if heavy[i]) + light_units
     per_step = units / max(1, math.ceil(units / slots))
     steps, carry = [], []
     while not draw.done() or carry:
@@ -81,7 +97,7 @@ def packed_steps(keep, ctx: PackedCtx, rng):
         # last sample) is taken from the next one, so the epoch does not end on a small remainder.
         cand = draw.step(carry, (len(steps) + 1) * per_step)
         sl, carry = _pack(cand, ctx, slots)
-        steps.append(_rounds(sl, ctx, r, draw, carry))
+        steps.append(_rounds(sl, ctx, r, draw, carry, replicate))
     return steps
 
 
@@ -124,12 +140,14 @@ def _units(sums, scale):
     return max(s / d for s, d in zip(sums, scale))
 
 
-def _stream(keep, ctx, rng, heavy, run):
-    """Seeded epoch order (array of indices) and {start position: length} of its heavy runs.
+def _stream(keep, ctx, rng, heavy, run, replicate=False):
+    """Seeded epoch order (array of indices), {start position: length} of its heavy runs, and a bytearray
+    that is 1 at the positions that continue a light run (replicate; all 0 otherwise).
 
     Classes are interleaved by key (j + u)/n for the j-th sample of a class of n (u uniform), so any prefix
-    holds each class at its share; light samples come one by one in shuffled order, heavy ones in runs of
-    `run` of one shape (a run keeps one key, so it stays contiguous)."""
+    holds each class at its share; light samples come one by one in shuffled order (or in runs of `run` of
+    one shape with `replicate`), heavy ones in runs of `run` of one shape (a run keeps one key, so it stays
+    contiguous)."""
     shape, full = ctx.shape, ctx.full
     buckets = {}
     for i in keep:
@@ -137,7 +155,7 @@ def _stream(keep, ctx, rng, heavy, run):
     classes = {}
     for key in sorted(buckets):  # sorted: the plan does not depend on the manifest order of first sight
         b = buckets[key]
-        if heavy[b[0]]:
+        if heavy[b[0]] or replicate:
             rng.shuffle(b)
             b = [b[j:j + run] for j in range(0, len(b), run)]
         classes.setdefault(token_class(full[b[0][0] if isinstance(b[0], list) else b[0]]), []).extend(b)
@@ -151,24 +169,30 @@ def _stream(keep, ctx, rng, heavy, run):
         starts = range(n) if n == len(group) else accumulate(sizes, initial=0)
         items += group
         keys.extend([(j + rnd()) / n for j, _ in zip(starts, group)])
-    order, runs = array("q"), {}
+    order, runs, cont = array("q"), {}, bytearray()
     # keys ascend within a class, so the sort merges a few sorted runs
     for p in sorted(range(len(items)), key=keys.__getitem__):
         it = items[p]
-        if isinstance(it, list):
-            runs[len(order)] = len(it)
-            order.extend(it)
-        else:
+        if not isinstance(it, list):
             order.append(it)
-    return order, runs
+            cont.append(0)
+            continue
+        if heavy[it[0]]:
+            runs[len(order)] = len(it)
+            cont.extend(bytes(len(it)))
+        else:
+            cont.extend(b"\0" + b"\1" * (len(it) - 1))
+        order.extend(it)
+    return order, runs, cont
 
 
 class _Drawer:
     """The stream's read position, with cumulative slot sums of what has been drawn and the heavy runs that
     wait for a step with room."""
 
-    def __init__(self, stream, runs, ctx, heavy, scale, slots):
+    def __init__(self, stream, runs, cont, ctx, heavy, scale, slots):
         self.stream, self.runs, self.heavy, self.scale, self.slots = stream, runs, heavy, scale, slots
+        self.cont = cont  # 1 where a light run continues: the step does not end there
         self.cols = _cols(ctx)
         self.pos, self.n_heavy, self.sums, self.pending = 0, 0, [0.0] * len(self.cols), []
         self.taken = {}  # positions ahead of pos already pulled forward by sand()
@@ -217,13 +241,14 @@ class _Drawer:
     def step(self, first, until):
         """One step's samples: `first` (deferred by the last step's packing), heavy runs that waited, then
         the stream until `until` slots are drawn in all and the step holds at least one sample per slot. A
-        heavy run that would overflow the slots waits for the next step, so steps stay full."""
+        heavy run that would overflow the slots waits for the next step, so steps stay full; a waiting run
+        is taken whole (a run cut in two leaves two rounds with some slots heavy and some light)."""
         cand = list(first)
         room = self.slots - sum(1 for i in cand if self.heavy[i])
         while self.pending:
             run = self.pending[0]
             take = min(len(run), max(room, self.slots - len(cand)))
-            if take <= 0:
+            if take <= 0 or (take < len(run) and cand):
                 break
             cand += run[:take]
             room -= take
@@ -263,14 +288,14 @@ class _Drawer:
 
     def _light(self, cand, until):
         """Light samples up to the next heavy run (returns True) or until the step is drawn or the stream
-        ends (False). The hot loop of the planner, hence plain locals."""
+        ends (False); a light run is taken whole. The hot loop of the planner, hence plain locals."""
         stream, runs, end, slots = self.stream, self.runs, len(self.stream), self.slots
         (c0, c1, c2), (s0, s1, s2) = self.cols, self.sums
         left = until - self.n_heavy
         l0, l1, l2 = (left * d for d in self.scale)
         pos = self.pos
-        taken = self.taken
-        while pos < end and ((s0 < l0 and s1 < l1 and s2 < l2) or len(cand) < slots):
+        taken, cont = self.taken, self.cont
+        while pos < end and (cont[pos] or (s0 < l0 and s1 < l1 and s2 < l2) or len(cand) < slots):
             if pos in runs:
                 break
             i = stream[pos]
@@ -345,10 +370,11 @@ def _pack(cand, ctx, slots):
     return sl, deferred
 
 
-def _rounds(sl, ctx, r, draw, carry):
+def _rounds(sl, ctx, r, draw, carry, replicate=False):
     """Slots sorted by cost, cut into rounds of R (the slots of one cost level), each round evened out
     (_even, _shed into `carry` while the stream lasts, _fill_gaps); a round's costliest slot goes to the
-    least-loaded rank so far (even rank totals too)."""
+    least-loaded rank so far (even rank totals too). With `replicate` nothing is shed: a sample given back
+    lands alone in the next step, whose rounds its runs would otherwise make exact."""
     order = sorted((k for k in range(len(sl.samples)) if sl.samples[k]), key=sl.load.__getitem__, reverse=True)
     step = [[] for _ in range(r)]
     total = [0.0] * r
@@ -356,7 +382,7 @@ def _rounds(sl, ctx, r, draw, carry):
     for j in range(0, len(order), r):
         rd = order[j:j + r]
         _even(rd, sl, ctx)
-        if not draw.done():  # a sample given back must have a next step to go to
+        if not replicate and not draw.done():  # a sample given back must have a next step to go to
             _shed(rd, sl, ctx.shape, carry)
         _fill_gaps(rd, sl, draw)
         ranks = sorted(range(r), key=total.__getitem__)

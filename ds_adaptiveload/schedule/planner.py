@@ -60,6 +60,9 @@ class PlanConfig:
     """Ranks wait for each other at every micro-batch, not only at the optimizer step: true under ZeRO-3
     (parameter all-gathers in every forward and backward) and ZeRO-2 (gradient reduce-scatter in every
     backward). A step then costs the sum over its G micro-batch rounds of the slowest rank's micro-batch."""
+    replicate: bool = None
+    """packed: light samples too in runs of R of one shape, so that the micro-batches of a round are copies
+    (None: when a micro-batch holds fewer than packed.REPLICA_BELOW light samples on average)."""
     checkpoint: str = "all"
     """What the trainer checkpoints: all (every block, as calibrate measures: costs as the profile says) | auto
     (--checkpoint-blocks auto: each micro-batch only the blocks its memory needs, so it skips the rest's
@@ -87,6 +90,8 @@ class PlanConfig:
             raise UserError(f"lockstep must be true or false, got {self.lockstep!r}")
         if self.fill is not None and not 0.1 <= self.fill <= 1.0:
             raise UserError(f"fill must be in [0.1, 1], got {self.fill!r}")
+        if self.replicate not in (None, True, False):
+            raise UserError(f"replicate must be true, false or null, got {self.replicate!r}")
         if self.checkpoint not in CHECKPOINT_MODES:
             raise UserError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}")
         if self.checkpoint_policy not in ("full", "attention"):
@@ -197,9 +202,8 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
     else:
         steps = balanced.balanced_steps(keep, ctx, rng)
     pad = _finish_tail(steps, ctx, keep)
-    ks = [ctx.step_ks(step) for step in steps]
-    pred = [[ctx.rank_ms(mbs, k) for mbs in step] for step, k in zip(steps, ks)]
-    return Plan(steps, pred, pad, skipped, full, cfg, epoch, dual, [ctx.step_ms(st, k) for st, k in zip(steps, ks)])
+    pred, wall = zip(*(ctx.step_pred(step) for step in steps)) if steps else ((), ())
+    return Plan(steps, list(pred), pad, skipped, full, cfg, epoch, dual, list(wall))
 
 
 @dataclass
@@ -241,16 +245,21 @@ class _Ctx:
         k = max(self.recompute.ks(sum(map(self.gpu.__getitem__, mb)), len(mb))[0] for mbs in step for mb in mbs)
         return k, k
 
-    def rank_ms(self, mbs, ks=None):
-        return self.profile.step_fixed_ms + sum(self.mb_ms(mb, ks) for mb in mbs)
-
-    def step_ms(self, step, ks=None):
-        """Predicted wall time of a step (every rank holds the same number of micro-batches); ks: step_ks(step)."""
-        ks = self.step_ks(step) if ks is None else ks
+    def step_pred(self, step):
+        """(predicted ms of every rank, predicted wall ms of the step), each micro-batch costed once (with 1M
+        samples costing them twice, per rank and per round, took a fifth of the planning time). Every rank
+        holds the same number of micro-batches; under lockstep the wall is the sum over rounds of the
+        slowest micro-batch, else the slowest rank."""
+        ks = self.step_ks(step)
+        costs = [[self.mb_ms(mb, ks) for mb in mbs] for mbs in step]
+        fixed = self.profile.step_fixed_ms
+        ranks = [fixed + sum(c) for c in costs]
         if not self.cfg.lockstep:
-            return max(self.rank_ms(mbs, ks) for mbs in step)
-        return self.profile.step_fixed_ms + sum(max(self.mb_ms(mbs[k], ks) for mbs in step)
-                                                for k in range(len(step[0])))
+            return ranks, max(ranks)
+        return ranks, fixed + sum(max(c[k] for c in costs) for k in range(len(costs[0])))
+
+    def step_ms(self, step):
+        return self.step_pred(step)[1]
 
 
 def _tokens(samples, profile, sp):

@@ -5,6 +5,7 @@ its own rows, so ranks agree without communication. Torch-free: a DataLoader can
 its batch_sampler (lists of sample indices) while the trainer reads the step structure from `__iter__`.
 """
 import hashlib
+from array import array
 from dataclasses import dataclass
 
 from ds_adaptiveload.errors import UserError
@@ -39,8 +40,23 @@ def fingerprint(samples) -> str:
     return h.hexdigest()
 
 
+def plan_digest(plan) -> str:
+    """Identifies a plan's micro-batches (every rank's, in order, and the pads)."""
+    h = hashlib.sha1()
+    for step in plan.steps:
+        for mbs in step:
+            for mb in mbs:
+                h.update(array("q", mb).tobytes())
+                h.update(b"|")
+            h.update(b"/")
+    h.update(repr(sorted(plan.pad)).encode())
+    return h.hexdigest()
+
+
 _STATE_KEYS = {"version", "epoch", "next_step", "seed", "policy", "world_size", "sp", "grad_accum",
                "lockstep", "num_samples", "fingerprint"}
+# States written before 2026-12-02 have no "plan" (the digest of the epoch's plan): they load unchecked.
+_OPTIONAL_KEYS = {"plan"}
 
 
 class AdaptiveSampler:
@@ -52,11 +68,12 @@ class AdaptiveSampler:
         self.next_step = 0
         self._plan = None
         self._fingerprint = None
+        self._digest = None  # plan_digest of self._plan
 
     # -- plan --------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.epoch, self.next_step, self._plan = epoch, 0, None
+            self.epoch, self.next_step, self._plan, self._digest = epoch, 0, None, None
 
     @property
     def plan(self) -> Plan:
@@ -92,30 +109,40 @@ class AdaptiveSampler:
     def state_dict(self, next_step: int = None) -> dict:
         """Plain dict. Pass `next_step` (the first step not yet trained) when a prefetching loader runs
         ahead of training; it defaults to the sampler's own position."""
+        if self._digest is None:
+            self._digest = plan_digest(self.plan)
+        return {"version": 1, "epoch": self.epoch, "next_step": self.next_step if next_step is None else next_step,
+                **self._layout(), "plan": self._digest}
+
+    def _layout(self) -> dict:
+        """What fixes the samples of a position: manifest, seed, layout."""
         if self._fingerprint is None:
             self._fingerprint = fingerprint(self.samples)
         c = self.cfg
-        return {"version": 1, "epoch": self.epoch,
-                "next_step": self.next_step if next_step is None else next_step,
-                "seed": c.seed, "policy": c.policy, "world_size": c.world_size, "sp": c.sp,
-                "grad_accum": c.grad_accum, "lockstep": c.lockstep, "num_samples": len(self.samples), "fingerprint": self._fingerprint}
+        return {"seed": c.seed, "policy": c.policy, "world_size": c.world_size, "sp": c.sp, "grad_accum": c.grad_accum,
+                "lockstep": c.lockstep, "num_samples": len(self.samples), "fingerprint": self._fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores the position; refuses a state from a different manifest, seed or layout, since the
-        same position would then mean different samples."""
+        """Restores the position; refuses a state from a different manifest, seed or layout, or (mid-epoch)
+        one whose epoch was planned differently (other planner settings or version), since the same position
+        would then mean different samples."""
         if not isinstance(state, dict):
             raise UserError(f"sampler state must be a dict, got {type(state).__name__}")
-        extra, missing = set(state) - _STATE_KEYS, _STATE_KEYS - set(state)
+        extra, missing = set(state) - _STATE_KEYS - _OPTIONAL_KEYS, _STATE_KEYS - set(state)
         if extra or missing:
             raise UserError(f"sampler state: unexpected keys {sorted(extra)}, missing keys {sorted(missing)}")
-        mine = self.state_dict()
-        diff = [k for k in ("seed", "policy", "world_size", "sp", "grad_accum", "lockstep", "num_samples",
-                                      "fingerprint")
-                if state[k] != mine[k]]
+        mine = self._layout()
+        diff = [k for k in mine if state[k] != mine[k]]
         if diff:
             raise UserError("sampler state does not match this run: " +
                             ", ".join(f"{k} saved {state[k]!r} now {mine[k]!r}" for k in diff))
         self.set_epoch(state["epoch"])
         if not 0 <= state["next_step"] <= len(self):
             raise UserError(f"sampler state: next_step {state['next_step']} outside 0..{len(self)}")
+        if state["next_step"] and "plan" in state and state["plan"] != self.state_dict()["plan"]:
+            raise UserError(
+                f"sampler state: epoch {self.epoch} was planned differently when this state was saved (same "
+                f"manifest, seed and layout, but other adaptive_load settings or another ds_adaptiveload version), "
+                f"so resuming at step {state['next_step']} would skip or repeat samples; resume with the settings "
+                f"and version that saved it, or from a checkpoint taken at an epoch's start")
         self.next_step = state["next_step"]

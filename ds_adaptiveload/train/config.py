@@ -52,6 +52,10 @@ class AdaptiveLoadConfig:
     fill: float = None
     """balanced with G >= 2: fraction of a step's R*G micro-batch slots to fill (None: the planner
     chooses by predicted wall time, see balanced.FILL_CHOICES)."""
+    replicate: bool = None
+    """packed: light samples in runs of R of one shape, so that the micro-batches of a round are copies and
+    cost the same (None: when a micro-batch holds fewer than about 10 samples, as with memory for one long
+    clip; schedule/packed.py)."""
     on_bad_sample: str = "error"
     """error | skip: a sample that cannot be read (missing or truncated shard, missing tensor, shape or
     dtype not matching the manifest, NaN/Inf values) or a non-finite loss. skip drops samples found
@@ -88,6 +92,8 @@ class AdaptiveLoadConfig:
         for key, choices in (("loss_weighting", LOSS_WEIGHTINGS), ("lr_scaling_method", LR_SCALING_METHODS)):
             if d.get(key, "none") not in choices:
                 raise UserError(f"{source}: adaptive_load.{key} must be one of {', '.join(choices)}, got {d[key]!r}")
+        if d.get("replicate") not in (None, True, False):
+            raise UserError(f"{source}: adaptive_load.replicate must be true, false or null, got {d['replicate']!r}")
         ref = d.get("lr_reference_batch_size")
         if ref is not None and (not isinstance(ref, int) or isinstance(ref, bool) or ref < 1):
             raise UserError(f"{source}: adaptive_load.lr_reference_batch_size must be a positive integer, got {ref!r}")

@@ -121,7 +121,8 @@ def prepare_data(args, manifest, c, world, rank):
     stage = zero_stage(c.ds_cfg)
     ckpt = plan_checkpoint(args, stage)
     plan_cfg = PlanConfig(policy=al.policy, world_size=world, sp=c.dims.sp, grad_accum=c.G, seed=al.seed,
-                          on_oversize=al.on_oversize, window=al.window, fill=al.fill, lockstep=stage >= 2, **ckpt)
+                          on_oversize=al.on_oversize, window=al.window, fill=al.fill, replicate=al.replicate,
+                          lockstep=stage >= 2, **ckpt)
     sampler = AdaptiveSampler(samples, c.profile, plan_cfg, c.dims.dp_rank)
     # Bad samples found while reading come back as data ("bad"), so the loop can agree on them across ranks.
     dataset = data.LatentDataset(samples, manifest, geometry, c.model_cfg.text_len, c.model_cfg.text_dim,
