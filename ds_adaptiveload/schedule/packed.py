@@ -43,8 +43,8 @@ SAND_WINDOW = 256
 EVEN_TOL = 1e-3
 # replicate=None: light samples come in runs of R when a slot holds fewer than this many on average. At
 # memory for one 720p clip (4.7 video-heavy samples a slot, 9.2 image-heavy) runs cut the predicted idle
-# 0.17-0.38% -> 0.00-0.17% at 8 and 64 ranks, and the wall time with it; with 20 or more a slot the sand evens slots out
-# already and runs only coarsen the steps' mix (docs/benchmarks.md, 2026-12-02 eighth session).
+# 0.17-0.38% -> 0.00-0.17% at 8 and 64 ranks, and the wall time with it; with 20 or more a slot the sand
+# evens slots out already and runs only coarsen the steps' mix (docs/benchmarks.md, eighth session).
 REPLICA_BELOW = 10
 
 
