@@ -28,7 +28,8 @@ def test_runner_fits_skips_fails_and_packs(tmp_path, capsys):
     stages = {
         "fits": S(_py(write.format("a", "a")) + _py("print('second command')"), 20, "fits"),
         "fits2": S(_py(write.format("b", "b")), 20, "fits beside fails"),
-        "fits3": S([["{py}", "-c", "import sys; print('args', sys.argv[1:])"]], 20, "takes --args"),
+        "fits3": S([["{py}", "-c", "import os, sys; print('args', sys.argv[1:], os.environ['TRITON_CACHE_DIR'])"]], 20,
+                   "takes --args"),
         "fails": S(_py("import sys; print('boom'); sys.exit(3)"), 20, "fails"),
         "slow": S(_py("import time; print('sleeping', flush=True); time.sleep(60)"), 2, "cut at its limit"),
         "big": S(_py("print('never')"), 10_000, "does not fit"),
@@ -60,6 +61,8 @@ def test_runner_fits_skips_fails_and_packs(tmp_path, capsys):
     assert members["fits/result.txt"] == "a" and members["fits2/result.txt"] == "b"
     assert "second command" in members["fits/stage.log"] and "boom" in members["fails/stage.log"]
     assert "args ['--x', 'a b']" in members["fits3/stage.log"]
+    # compile caches of the stage's own: kernels a stage times were not picked for an earlier stage's shapes
+    assert os.path.join("dsal-compile-caches", "fits3", "triton") in members["fits3/stage.log"]
     assert {n.split("/")[0] for n in members} == {"fits", "fits2", "fits3", "fails", "slow"}
     summary = (out / "summary.txt").read_text()
     assert "big: skipped: needs 10000 s" in summary and "fails: failed (exit 3)" in summary

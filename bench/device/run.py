@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -240,6 +241,14 @@ def _run_cmd(argv, env, limit, log_file, prefix):
     return rc
 
 
+def compile_caches(stage: str) -> dict:
+    """Inductor and Triton caches of the stage's own. Inductor picks a dynamic graph's kernels (split reductions,
+    autotuned configs) from the sizes of its first call, and reuses them across processes from its disk caches:
+    a stage that runs after the CUDA tests would otherwise time kernels made for the tests' tiny shapes."""
+    root = os.path.join(tempfile.gettempdir(), "dsal-compile-caches", stage)
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"), "TRITON_CACHE_DIR": os.path.join(root, "triton")}
+
+
 def run_stage(name, st, limit, out, env, extra):
     """The stage's commands one after another until its deadline; a failed command does not stop the next
     (a failed test run still leaves the benchmark to run). Returns its report record."""
@@ -248,7 +257,7 @@ def run_stage(name, st, limit, out, env, extra):
     subs = {"{py}": sys.executable, "{out}": d, "{date}": datetime.date.today().isoformat(),
             "{limit}": str(int(limit)), "{inner}": str(max(int(limit - st.margin), 10)),
             "{gpu1}": "1" if gpu_count() > 1 else "0"}
-    env = {**env, **{k: _sub(v, subs) for k, v in st.env.items()}, "OUT": d}
+    env = {**env, **{k: _sub(v, subs) for k, v in st.env.items()}, "OUT": d, **compile_caches(name)}
     cmds = [list(c) for c in st.cmds]
     cmds[-1] += extra
     t0 = time.monotonic()
