@@ -88,18 +88,18 @@ def test_packed_modulate_kernel_writes_the_groups_rows_bit_for_bit(dtype, D):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("aligned", [False, True], ids=["default", "assume_aligned_inputs"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["assume_aligned_inputs", "unaligned"])
 def test_packed_gated_add_compiled_on_gpu(aligned):
-    """The compiled into-regions, also as bench/model/packed_profile.py's aligned variant compiles them."""
+    """The compiled into-regions as compile_regions makes them (assume_aligned_inputs), and without the option."""
     from ds_adaptiveload.model.compile import CompileOptions, compile_region, region_fns
-    from ds_adaptiveload.model.wan import gated_add_grad_into, gated_add_into
+    from ds_adaptiveload.model.wan import gated_add_into, gated_dy_into
 
     torch._dynamo.reset()
     fns = region_fns()[0]
-    if aligned:
-        opts = CompileOptions(inductor={"assume_aligned_inputs": True})
+    if not aligned:
+        opts = CompileOptions()
         fns = BlockFns(gated_add_into=compile_region(gated_add_into, opts),
-                       gated_add_grad_into=compile_region(gated_add_grad_into, opts))
+                       gated_dy_into=compile_region(gated_dy_into, opts), gate_grad=fns.gate_grad)
     for dims in (DIMS, [(2, 40), (5, 8)], [(1, 40), (1, 8), (3, 3)]):
         _check_gated_add(dims, 1536, torch.bfloat16, "cuda", fns, tol=1e-2)
 

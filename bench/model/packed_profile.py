@@ -3,12 +3,12 @@ by kind (GEMM, attention, compiled elementwise, copies, other) and the kernels w
 profiled fwd+bwd of each after a warm-up (bench/model/packed_model.py's model, samples and runs; 1.3B, bf16,
 every block checkpointed, compiled regions).
 
-    python bench/model/packed_profile.py --out OUT [--mix mixed|image-heavy] [--packed-variants default,aligned]
+    python bench/model/packed_profile.py --out OUT [--mix mixed|image-heavy] [--packed-variants default,previous]
 
---packed-variants aligned: the packed run again with the gated add's into-regions compiled under inductor's
-assume_aligned_inputs. The groups' row views sit at symbolic storage offsets, for which inductor cannot prove
-16-byte alignment, so by default it does not vectorize them (2026-12-02: 89 ms against 58 for the same add into a
-fresh tensor). With the option it assumes alignment, and clones a misaligned input (copying a mutated one back).
+--packed-variants previous: the packed run again with the gated add's into-regions as compile_regions made them
+until 2026-12-02 (ninth session), for an A/B in one run: compiled without inductor's assume_aligned_inputs, and
+the backward's y-gradient store and gate-gradient sum in one graph. (aligned: the same, with the option; the
+eighth session's A/B.)
 """
 import argparse
 import json
@@ -63,16 +63,24 @@ def summarise(run: dict) -> dict:
             "kernels": sum(run["calls"].values()), "by_kind_ms": {k: round(v, 1) for k, v in sorted(by_kind.items())}}
 
 
-def aligned_fns(fns):
-    """fns (BlockFns) with gated_add_into / gated_add_grad_into compiled under assume_aligned_inputs."""
+def previous_fns(fns, aligned=False):
+    """fns (BlockFns) with the into-regions of before 2026-12-02 (ninth session): the y-gradient store and the
+    gate's gradient in one compiled graph (run from gate_grad, once gated_dy_into has handed it gate and dy)."""
     import dataclasses
 
     from ds_adaptiveload.model.compile import CompileOptions, compile_region
-    from ds_adaptiveload.model.wan import gated_add_grad_into, gated_add_into
+    from ds_adaptiveload.model.wan import gated_add_into
 
-    opts = CompileOptions(inductor={"assume_aligned_inputs": True})
+    def grad_into(dout, y, gate, dy):
+        g = dout.float()
+        dy.copy_((g * gate).to(dy.dtype))
+        return (g * y.float()).sum(1, keepdim=True)
+
+    opts = CompileOptions(inductor={"assume_aligned_inputs": True} if aligned else None)
+    fused, pending = compile_region(grad_into, opts), []
     return dataclasses.replace(fns, gated_add_into=compile_region(gated_add_into, opts),
-                               gated_add_grad_into=compile_region(gated_add_grad_into, opts))
+                               gated_dy_into=lambda dout, gate, dy: pending.append((gate, dy)),
+                               gate_grad=lambda dout, y: fused(dout, y, *pending.pop()))
 
 
 def main(argv=None):
@@ -82,7 +90,8 @@ def main(argv=None):
     p.add_argument("--model-config", default="configs/wan_1_3b.yaml")
     p.add_argument("--profile", default="configs/profiles/h200-wan1.3b-calibrated.yaml")
     p.add_argument("--compile", default="regions", choices=("none", "regions"))
-    p.add_argument("--packed-variants", default="default", help="comma list of default, aligned (module docstring)")
+    p.add_argument("--packed-variants", default="default",
+                   help="comma list of default, previous, aligned (module docstring)")
     args = p.parse_args(argv)
     args.reps, args.heavy_reps, args.budget_s = 1, 1, 1e9
     b = pm.Bench(args)
@@ -90,12 +99,16 @@ def main(argv=None):
     spec = (pm.MIXED if args.mix == "mixed" else pm.IMAGE_MIX)[True]
     smp = b.samples(spec)
     runs = {}
+    fns = b.model._block_fns
     for variant in args.packed_variants.split(","):
-        if variant == "aligned":
-            b.model.set_block_fns(aligned_fns(b.model._block_fns))
-        elif variant != "default":
+        if variant in ("previous", "aligned"):
+            b.model.set_block_fns(previous_fns(fns, aligned=variant == "aligned"))
+        elif variant == "default":
+            b.model.set_block_fns(fns)
+        else:
             raise SystemExit(f"error: --packed-variants: unknown {variant!r}")
         runs["packed" if variant == "default" else f"packed-{variant}"] = profile_once(b, b.packed_fn(smp))
+    b.model.set_block_fns(fns)
     runs["separate"] = profile_once(b, b.separate_fn(smp))
     if "packed" not in runs:
         runs["packed"] = runs[next(iter(runs))]

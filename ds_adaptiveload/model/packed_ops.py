@@ -70,7 +70,7 @@ def _reference_grads(dy, x, scale, shift, eps, dx_into):
 
 class _PackedGatedAdd(torch.autograd.Function):
     """x + y * gate per sample in fp32, rounded to x's dtype: x, y [T, D], gate [n, 1, D] -> [T, D]. fns: the
-    model's BlockFns, whose gated_add_into / gated_add_grad_into run per group (compiled under compile_regions)."""
+    model's BlockFns, whose gated_add_into, gated_dy_into and gate_grad run per group (compiled under compile_regions)."""
 
     @staticmethod
     def forward(ctx, x, y, gate, dims, fns):
@@ -89,7 +89,10 @@ class _PackedGatedAdd(torch.autograd.Function):
         dout = dout.contiguous()
         dy = torch.empty_like(y)
         groups = zip(split_rows(dout, dims), split_rows(y, dims), split_samples(gate, dims), split_rows(dy, dims))
-        dgate = [ctx.fns.gated_add_grad_into(dg, yg, gg, dyg) for dg, yg, gg, dyg in groups]
+        dgate = []
+        for dg, yg, gg, dyg in groups:
+            ctx.fns.gated_dy_into(dg, gg, dyg)
+            dgate.append(ctx.fns.gate_grad(dg, yg))
         return dout, dy, torch.cat(dgate), None, None
 
 

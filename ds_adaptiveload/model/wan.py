@@ -115,12 +115,15 @@ def gated_add_into(x, y, gate, out) -> None:
     out.copy_((x.float() + y.float() * gate).to(out.dtype))
 
 
-def gated_add_grad_into(dout, y, gate, dy) -> torch.Tensor:
-    """gated_add's backward for one group: dy = dout * gate written into `dy`; returns the gate's gradient, the sum
-    over tokens of dout * y, [n_g, 1, dim] fp32 (x's gradient is dout itself)."""
-    g = dout.float()
-    dy.copy_((g * gate).to(dy.dtype))
-    return (g * y.float()).sum(1, keepdim=True)
+def gated_dy_into(dout, gate, dy) -> None:
+    """gated_add's y-gradient for one group, dout * gate, written into `dy` (x's gradient is dout itself)."""
+    dy.copy_((dout.float() * gate).to(dy.dtype))
+
+
+def gate_grad(dout, y) -> torch.Tensor:
+    """gated_add's gate gradient for one group: the sum over tokens of dout * y, [n_g, 1, dim] fp32. A graph of
+    its own under compile_regions, so that inductor plans the reduction apart from gated_dy_into's store."""
+    return (dout.float() * y.float()).sum(1, keepdim=True)
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,8 @@ class BlockFns:
     rope_qk: Callable = rope_qk
     gated_add: Callable = gated_add
     gated_add_into: Callable = gated_add_into
-    gated_add_grad_into: Callable = gated_add_grad_into
+    gated_dy_into: Callable = gated_dy_into
+    gate_grad: Callable = gate_grad
 
 
 @dataclass(frozen=True)
