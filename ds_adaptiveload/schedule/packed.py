@@ -83,13 +83,13 @@ def packed_steps(keep, ctx: PackedCtx, rng):
     target, heavy = _target(keep, ctx, fill)
     scale = _scales(ctx, target, fill)
     light_units = _units(_sums(keep, ctx, heavy), scale)
+    n_heavy = sum(1 for i in keep if heavy[i])
     replicate = ctx.cfg.replicate
     if replicate is None:
-        n_light = sum(1 for i in keep if not heavy[i])
-        replicate = r > 1 and n_light < REPLICA_BELOW * light_units
+        replicate = r > 1 and len(keep) - n_heavy < REPLICA_BELOW * light_units
     stream, runs, cont = _stream(keep, ctx, rng, heavy, r, replicate)
     draw = _Drawer(stream, runs, cont, ctx, heavy, scale, slots)
-    units = sum(1 for i in keep if heavy[i]) + light_units
+    units = n_heavy + light_units
     per_step = units / max(1, math.ceil(units / slots))
     steps, carry = [], []
     while not draw.done() or carry:

@@ -109,10 +109,14 @@ class AdaptiveSampler:
     def state_dict(self, next_step: int = None) -> dict:
         """Plain dict. Pass `next_step` (the first step not yet trained) when a prefetching loader runs
         ahead of training; it defaults to the sampler's own position."""
+        return {"version": 1, "epoch": self.epoch, "next_step": self.next_step if next_step is None else next_step,
+                **self._layout(), "plan": self._plan_digest()}
+
+    def _plan_digest(self) -> str:
+        """plan_digest of this epoch's plan, computed once per epoch."""
         if self._digest is None:
             self._digest = plan_digest(self.plan)
-        return {"version": 1, "epoch": self.epoch, "next_step": self.next_step if next_step is None else next_step,
-                **self._layout(), "plan": self._digest}
+        return self._digest
 
     def _layout(self) -> dict:
         """What fixes the samples of a position: manifest, seed, layout."""
@@ -139,7 +143,7 @@ class AdaptiveSampler:
         self.set_epoch(state["epoch"])
         if not 0 <= state["next_step"] <= len(self):
             raise UserError(f"sampler state: next_step {state['next_step']} outside 0..{len(self)}")
-        if state["next_step"] and "plan" in state and state["plan"] != self.state_dict()["plan"]:
+        if state["next_step"] and "plan" in state and state["plan"] != self._plan_digest():
             raise UserError(
                 f"sampler state: epoch {self.epoch} was planned differently when this state was saved (same "
                 f"manifest, seed and layout, but other adaptive_load settings or another ds_adaptiveload version), "
