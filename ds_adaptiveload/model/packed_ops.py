@@ -70,7 +70,8 @@ def _reference_grads(dy, x, scale, shift, eps, dx_into):
 
 class _PackedGatedAdd(torch.autograd.Function):
     """x + y * gate per sample in fp32, rounded to x's dtype: x, y [T, D], gate [n, 1, D] -> [T, D]. fns: the
-    model's BlockFns, whose gated_add_into, gated_dy_into and gate_grad run per group (compiled under compile_regions)."""
+    model's BlockFns, whose gated_add_into, gated_dy_into and gate_grad run per group (compiled under
+    compile_regions)."""
 
     @staticmethod
     def forward(ctx, x, y, gate, dims, fns):
