@@ -1,11 +1,13 @@
-"""model/packed_ops.py: the whole-tensor modulation and gated add of packed micro-batches equal the same steps run
-per group (outputs and every gradient) on CPU, and on the GPU with the fused kernel writing into the groups'
-rows (bit for bit against the kernel per group) and with inductor-compiled gated adds."""
+"""model/packed_ops.py: the whole-tensor modulation, gated add, RoPE and output projection of packed micro-batches
+equal the same steps run per group (outputs and every gradient) on CPU, and on the GPU with the fused kernel
+writing into the groups' rows (bit for bit against the kernel per group) and with inductor-compiled regions."""
 import pytest
 import torch
 
-from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate
-from ds_adaptiveload.model.wan import BlockFns, gated_add
+import torch.nn.functional as F
+
+from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate, packed_rope, parts_linear
+from ds_adaptiveload.model.wan import BlockFns, gated_add, rope_qk
 from ds_adaptiveload.ops.layernorm_modulate import ln_modulate
 
 # (n_g, local rows per sample) per group: groups of one sample, at the front and behind, and of several
@@ -68,6 +70,96 @@ def _check_gated_add(dims, D, dtype, device, fns, tol):
     assert torch.equal(x1.grad, dout)  # d out / d x is the identity: the gradient passes through
 
 
+def _rope_tables(dims, hd, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    ang = [torch.rand(1, local, 1, hd // 2, generator=g, dtype=torch.float64) * 6.3 for _, local in dims]
+    return [(a.cos().float().to(device), a.sin().float().to(device)) for a in ang]
+
+
+def _check_rope(dims, heads, hd, dtype, device, fns, tol, drop_k=False):
+    """packed_rope against rope_qk per group on split views; drop_k: the keys unused (their gradient None)."""
+    g = torch.Generator().manual_seed(2)
+    T = sum(a * b for a, b in dims)
+    q, k = (torch.randn(T, heads, hd, generator=g).to(device, dtype) for _ in range(2))
+    douts = [torch.randn(a, b, heads, hd, generator=g).to(device, dtype) for a, b in dims for _ in range(2)]
+    rope = _rope_tables(dims, hd, device, seed=3)
+    sizes = [a * b for a, b in dims]
+    q0, k0 = _leaves(q, k)
+    ref = [rope_qk(qg.unflatten(0, d), kg.unflatten(0, d), cos, sin)
+           for qg, kg, d, (cos, sin) in zip(q0.split(sizes), k0.split(sizes), dims, rope)]
+    q1, k1 = _leaves(q, k)
+    qs, ks = packed_rope(q1, k1, rope, dims, fns)
+    pairs = [tuple(r) for r in ref]
+    loss_ref = sum((a * douts[2 * i]).sum() + (0 if drop_k else (b * douts[2 * i + 1]).sum())
+                   for i, (a, b) in enumerate(pairs))
+    loss = sum((a * douts[2 * i]).sum() + (0 if drop_k else (b * douts[2 * i + 1]).sum())
+               for i, (a, b) in enumerate(zip(qs, ks)))
+    for (a, b), x, y in zip(pairs, qs, ks):  # compiled, RoPE without autograd is a graph of its own (1 ulp apart)
+        assert x.shape == a.shape and x.dtype == a.dtype
+        torch.testing.assert_close(x.float(), a.float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(y.float(), b.float(), rtol=tol, atol=tol)
+    loss_ref.backward()
+    loss.backward()
+    torch.testing.assert_close(q1.grad.float(), q0.grad.float(), rtol=tol, atol=tol, msg="dq")
+    if drop_k:
+        assert k1.grad is None or not k1.grad.any()
+    else:
+        torch.testing.assert_close(k1.grad.float(), k0.grad.float(), rtol=tol, atol=tol, msg="dk")
+
+
+def _check_parts_linear(dims, D, dtype, device, bias, tol, transposed):
+    """parts_linear on per-group parts (strided as SDPA's outputs when transposed) against F.linear on their cat
+    in float64 (from the same rounded inputs): each result within tol of the largest reference value."""
+    g = torch.Generator().manual_seed(4)
+    heads = 4
+    raw = [torch.randn(a, b, heads, D // heads, generator=g).to(device, dtype) for a, b in dims]
+    if transposed:  # [n, heads, S, hd] underneath, seen as [n, S, heads, hd]
+        raw = [r.transpose(1, 2).contiguous().transpose(1, 2) for r in raw]
+        assert not raw[0].is_contiguous()
+    w = (torch.randn(D + 3, D, generator=g) / D ** 0.5).to(device, dtype)
+    b = torch.randn(D + 3, generator=g).to(device, dtype) if bias else None
+    dout = torch.randn(sum(a * c for a, c in dims), D + 3, generator=g).to(device, dtype)
+    p0 = [r.detach().double().requires_grad_() for r in raw]
+    w0, *b0 = (t.detach().double().requires_grad_() for t in (w, b) if t is not None)
+    ref = F.linear(torch.cat([p.reshape(-1, D) for p in p0]), w0, b0[0] if bias else None)
+    ref.backward(dout.double())
+    p1 = [r.detach().requires_grad_() for r in raw]
+    w1, *b1 = (t.detach().requires_grad_() for t in (w, b) if t is not None)
+    got = parts_linear(p1, w1, b1[0] if bias else None)
+    got.backward(dout)
+    pairs = [(got, ref, "out"), (w1.grad, w0.grad, "dw")] + [(x.grad, y.grad, "dpart") for x, y in zip(p1, p0)]
+    if bias:
+        pairs.append((b1[0].grad, b0[0].grad, "db"))
+    for a, r, name in pairs:
+        assert a.shape == r.shape and a.dtype == dtype, name
+        err = (a.double() - r).abs().max().item()
+        assert err <= tol * r.abs().max().item(), f"{name}: {err} against max {r.abs().max().item()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("drop_k", [False, True], ids=["q-and-k", "q-only"])
+def test_packed_rope_equals_per_group_on_cpu(dtype, drop_k):
+    _check_rope(DIMS, 3, 8, dtype, "cpu", BlockFns(), tol=1e-6 if dtype == torch.float32 else 1e-2, drop_k=drop_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("transposed", [True, False], ids=["strided", "contiguous"])
+def test_parts_linear_equals_linear_on_the_cat_on_cpu(dtype, bias, transposed):
+    _check_parts_linear(DIMS, 16, dtype, "cpu", bias, 1e-6 if dtype == torch.float32 else 2 ** -7, transposed)
+
+
+def test_parts_linear_gradcheck_in_float64():
+    """(RoPE computes in fp32 whatever its input, too coarse for finite differences: its test above compares with
+    autograd through the per-group steps instead.)"""
+    dims = [(1, 3), (2, 2)]
+    parts = [torch.randn(a, b, 2, 3, dtype=torch.float64, requires_grad=True) for a, b in dims]
+    w = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda w, b, *p: parts_linear(p, w, b), (w, b, *parts))
+    assert torch.autograd.gradcheck(lambda w, *p: parts_linear(p, w, None), (w, *parts))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_modulate_equals_per_group_on_cpu(dtype):
     _check_modulate(DIMS, 16, dtype, "cpu", exact=False)
@@ -102,6 +194,19 @@ def test_packed_gated_add_compiled_on_gpu(aligned):
                        gated_dy_into=compile_region(gated_dy_into, opts), gate_grad=fns.gate_grad)
     for dims in (DIMS, [(2, 40), (5, 8)], [(1, 40), (1, 8), (3, 3)]):
         _check_gated_add(dims, 1536, torch.bfloat16, "cuda", fns, tol=1e-2)
+
+
+@pytest.mark.cuda
+def test_packed_rope_and_parts_linear_compiled_on_gpu():
+    """RoPE's gradient into dq and dk through the compiled region (assume_aligned_inputs) and the output projection
+    from strided parts with cuBLAS, in bf16, against per-group steps and F.linear on the cat."""
+    from ds_adaptiveload.model.compile import region_fns
+
+    torch._dynamo.reset()
+    fns = region_fns()[0]
+    for dims in (DIMS, [(2, 40), (5, 8)], [(1, 40), (1, 8), (3, 3)]):
+        _check_rope(dims, 12, 128, torch.bfloat16, "cuda", fns, tol=1e-2)
+        _check_parts_linear(dims, 1536, torch.bfloat16, "cuda", True, 2 ** -7, transposed=True)
 
 
 @pytest.mark.cuda

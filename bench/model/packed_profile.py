@@ -3,13 +3,14 @@ by kind (GEMM, attention, compiled elementwise, copies, other) and the kernels w
 profiled fwd+bwd of each after a warm-up (bench/model/packed_model.py's model, samples and runs; 1.3B, bf16,
 every block checkpointed, compiled regions).
 
-    python bench/model/packed_profile.py --out OUT [--mix mixed|image-heavy] [--packed-variants default,previous]
+    python bench/model/packed_profile.py --out OUT [--mix mixed|image-heavy] [--packed-variants default,merges]
 
---packed-variants previous: the packed run again with the gated add's into-regions as compile_regions made them
-until 2026-12-02 (ninth session), for an A/B in one run: compiled without inductor's assume_aligned_inputs, and
-the backward's y-gradient store and gate-gradient sum in one graph. (aligned: the same, with the option; the
-eighth session's A/B.)
+--packed-variants merges: the packed run again with the attention's ends as they were until 2026-12-02 (tenth
+session), for an A/B in one run: RoPE per group on views of q and k, whose gradients autograd concatenates, and
+the groups' attention outputs merged into one tensor before the output projection. (The ninth session's A/B of
+the gated add's regions, --packed-variants previous, is in this file at commit 4b33636.)
 """
+import contextlib
 import argparse
 import json
 import os
@@ -63,24 +64,22 @@ def summarise(run: dict) -> dict:
             "kernels": sum(run["calls"].values()), "by_kind_ms": {k: round(v, 1) for k, v in sorted(by_kind.items())}}
 
 
-def previous_fns(fns, aligned=False):
-    """fns (BlockFns) with the into-regions of before 2026-12-02 (ninth session): the y-gradient store and the
-    gate's gradient in one compiled graph (run from gate_grad, once gated_dy_into has handed it gate and dy)."""
-    import dataclasses
+@contextlib.contextmanager
+def merges():
+    """Layout.rope_qk and Layout.rows as before 2026-12-02 (tenth session), for the duration."""
+    from ds_adaptiveload.model import wan
 
-    from ds_adaptiveload.model.compile import CompileOptions, compile_region
-    from ds_adaptiveload.model.wan import gated_add_into
+    def rope_qk(self, q, k):
+        pairs = [self.fns.rope_qk(qg, kg, cos, sin) for qg, kg, (cos, sin) in zip(self.views(q), self.views(k),
+                                                                                    self.rope)]
+        return [a for a, _ in pairs], [b for _, b in pairs]
 
-    def grad_into(dout, y, gate, dy):
-        g = dout.float()
-        dy.copy_((g * gate).to(dy.dtype))
-        return (g * y.float()).sum(1, keepdim=True)
-
-    opts = CompileOptions(inductor={"assume_aligned_inputs": True} if aligned else None)
-    fused, pending = compile_region(grad_into, opts), []
-    return dataclasses.replace(fns, gated_add_into=compile_region(gated_add_into, opts),
-                               gated_dy_into=lambda dout, gate, dy: pending.append((gate, dy)),
-                               gate_grad=lambda dout, y: fused(dout, y, *pending.pop()))
+    saved = wan.Layout.rope_qk, wan.Layout.rows
+    wan.Layout.rope_qk, wan.Layout.rows = rope_qk, lambda self, parts: wan.merge(parts).flatten(1)
+    try:
+        yield
+    finally:
+        wan.Layout.rope_qk, wan.Layout.rows = saved
 
 
 def main(argv=None):
@@ -91,7 +90,7 @@ def main(argv=None):
     p.add_argument("--profile", default="configs/profiles/h200-wan1.3b-calibrated.yaml")
     p.add_argument("--compile", default="regions", choices=("none", "regions"))
     p.add_argument("--packed-variants", default="default",
-                   help="comma list of default, previous, aligned (module docstring)")
+                   help="comma list of default, merges (module docstring)")
     args = p.parse_args(argv)
     args.reps, args.heavy_reps, args.budget_s = 1, 1, 1e9
     b = pm.Bench(args)
@@ -99,16 +98,11 @@ def main(argv=None):
     spec = (pm.MIXED if args.mix == "mixed" else pm.IMAGE_MIX)[True]
     smp = b.samples(spec)
     runs = {}
-    fns = b.model._block_fns
     for variant in args.packed_variants.split(","):
-        if variant in ("previous", "aligned"):
-            b.model.set_block_fns(previous_fns(fns, aligned=variant == "aligned"))
-        elif variant == "default":
-            b.model.set_block_fns(fns)
-        else:
+        if variant not in ("default", "merges"):
             raise SystemExit(f"error: --packed-variants: unknown {variant!r}")
-        runs["packed" if variant == "default" else f"packed-{variant}"] = profile_once(b, b.packed_fn(smp))
-    b.model.set_block_fns(fns)
+        with merges() if variant == "merges" else contextlib.nullcontext():
+            runs["packed" if variant == "default" else f"packed-{variant}"] = profile_once(b, b.packed_fn(smp))
     runs["separate"] = profile_once(b, b.separate_fn(smp))
     if "packed" not in runs:
         runs["packed"] = runs[next(iter(runs))]

@@ -1,14 +1,19 @@
-"""The per-sample elementwise steps of a packed micro-batch (modulation, gated residual add) over its whole
-[T, dim] token tensor, each group's result written straight into its rows of one output.
+"""The per-group steps of a packed micro-batch over its whole [T, dim] token tensor: modulation and the gated
+residual add write each group's result straight into its rows of one output; RoPE hands the attention its groups'
+queries and keys and writes their gradients into the rows of dq and dk; the attention's output projection reads
+the groups' outputs where they lie and writes each GEMM into its rows.
 
 Per group through Packing.map, each step would cost two [T, dim] copies that one-shape micro-batches do not
 make: the merge of the groups' results in forward, and the cat of the split's per-group gradients in backward
 (both run again in a checkpointed block's recompute). Here each autograd Function takes the whole tensors,
 runs the group's kernel on its rows' views and writes into the rows of one preallocated output, in forward and
-in backward. The gated add hands its gradient through to x unchanged (d out / d x is the identity).
+in backward. The gated add hands its gradient through to x unchanged (d out / d x is the identity). The same
+copies sit at the attention's two ends: the per-group attention outputs were merged into [T, heads, head_dim] for
+the output projection, and the per-group query and key gradients concatenated for their projections (on the H200
+36 and 39 ms of a 16.4 s mixed pack: docs/benchmarks.md); _PackedRope and _PartsLinear remove them.
 
-Used for micro-batches of two or more groups outside torch.compile tracing (model/wan.Layout); one group
-needs no merge, and a compiled whole block fuses the merges itself.
+Used for micro-batches of two or more groups outside torch.compile tracing (model/wan.Layout.whole); one
+group needs no merge, and a compiled whole block fuses the merges itself.
 """
 import torch
 
@@ -95,6 +100,91 @@ class _PackedGatedAdd(torch.autograd.Function):
             ctx.fns.gated_dy_into(dg, gg, dyg)
             dgate.append(ctx.fns.gate_grad(dg, yg))
         return dout, dy, torch.cat(dgate), None, None
+
+
+class _PackedRope(torch.autograd.Function):
+    """RoPE of q and k [T, heads, head_dim] per group -> the groups' rotated queries, then keys, each
+    [n_g, local, heads, head_dim] (new tensors, as per-group RoPE makes them). RoPE is a rotation per channel pair,
+    so its gradient is the rotation by minus the angle: backward runs fns.rope_grad_into per group, into the
+    group's rows of dq and dk."""
+
+    @staticmethod
+    def forward(ctx, q, k, rope, dims, fns):
+        qs, ks = [], []
+        for qg, kg, (cos, sin) in zip(split_rows(q, dims), split_rows(k, dims), rope):
+            a, b = fns.rope_qk(qg, kg, cos, sin)
+            qs.append(a)
+            ks.append(b)
+        ctx.rope, ctx.dims, ctx.fns = rope, dims, fns
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in (q, k)]
+        return (*qs, *ks)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = len(ctx.dims)
+        out = []
+        for (shape, dtype, device), gs, need in zip(ctx.meta, (grads[:n], grads[n:]), ctx.needs_input_grad[:2]):
+            if not need:
+                out.append(None)
+                continue
+            d = torch.empty(shape, dtype=dtype, device=device)
+            for g, rows, (cos, sin) in zip(gs, split_rows(d, ctx.dims), ctx.rope):
+                if g is None:
+                    rows.zero_()
+                else:
+                    ctx.fns.rope_grad_into(g, cos, sin, rows)
+            out.append(d)
+        return (*out, None, None, None)
+
+
+class _PartsLinear(torch.autograd.Function):
+    """linear over the rows of several parts [n_g, local, ..., in] (the groups' attention outputs) -> [T, out], each
+    part's GEMM written into its rows of the output, where a merge would first copy the parts into one [T, in]
+    tensor. Backward: each part's input gradient by its own GEMM; the weight gradient summed over the parts in
+    fp32 (each part's GEMM rounded once, as one GEMM over all rows rounds once)."""
+
+    @staticmethod
+    def forward(ctx, weight, bias, *parts):
+        flat = [p.reshape(-1, weight.shape[1]) for p in parts]
+        rows = [f.shape[0] for f in flat]
+        out = flat[0].new_empty(sum(rows), weight.shape[0])
+        for f, o in zip(flat, out.split(rows)):
+            if bias is None:
+                torch.mm(f, weight.t(), out=o)
+            else:
+                torch.addmm(bias, f, weight.t(), out=o)
+        ctx.save_for_backward(weight, *parts)
+        ctx.rows, ctx.has_bias = rows, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        weight, *parts = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        douts = dout.contiguous().split(ctx.rows)
+        dw = db = None
+        if needs[0]:
+            acc = None
+            for d, p in zip(douts, parts):
+                part = (d.t() @ p.reshape(-1, weight.shape[1])).float()
+                acc = part if acc is None else acc.add_(part)
+            dw = acc.to(weight.dtype)
+        if ctx.has_bias and needs[1]:
+            db = dout.sum(0)
+        dparts = [(d @ weight).view(p.shape) if need else None for d, p, need in zip(douts, parts, needs[2:])]
+        return (dw, db, *dparts)
+
+
+def packed_rope(q, k, rope, dims, fns):
+    """_PackedRope: q, k [T, heads, head_dim] rows of the groups `dims`; rope: (cos, sin) per group; fns: BlockFns.
+    Returns (per-group rotated queries, per-group rotated keys)."""
+    out = _PackedRope.apply(q, k, tuple(rope), tuple(dims), fns)
+    return out[:len(dims)], out[len(dims):]
+
+
+def parts_linear(parts, weight, bias):
+    """_PartsLinear: linear(concatenated rows of `parts`, weight, bias) without concatenating them."""
+    return _PartsLinear.apply(weight, bias, *parts)
 
 
 def packed_modulate(x, scale, shift, dims, eps):

@@ -74,8 +74,12 @@ class Packing:
             sizes=None):
         """fn(*group views of `rows`, *group rows of `samples`) per group, results merged into [T, ...] (cast
         to dtype in the merge's copy if given; sizes: as views)."""
+        return merge(self.each(fn, rows, samples, sizes), dtype)
+
+    def each(self, fn: Callable, rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = (), sizes=None):
+        """fn per group as map() calls it, the results [n_g, ...] as a list (not merged)."""
         cols = [self.views(r, sizes) for r in rows] + [self.sample_views(s, sizes) for s in samples]
-        return merge([fn(*args) for args in zip(*cols)], dtype)
+        return [fn(*args) for args in zip(*cols)]
 
     def dims(self, sizes=None) -> list:
         """(n_g, local) per group: from the size tensors' shapes when given (symbolic under compile), else ints."""

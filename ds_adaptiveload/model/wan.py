@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.config import WanConfig
-from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate
+from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate, packed_rope, parts_linear
 from ds_adaptiveload.model.packing import Packing, merge, plan_packing
 from ds_adaptiveload.ops import ln_modulate
 
@@ -104,6 +104,12 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
+def rope_grad_into(dy, cos, sin, out) -> None:
+    """RoPE's input gradient for one group (the rotation by minus the angle, in fp32), written into `out` (the
+    group's rows of dq or dk: model/packed_ops._PackedRope)."""
+    out.copy_(apply_rope(dy, cos, -sin))
+
+
 def gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Residual add with a per-sample gate, in fp32, rounded to x's dtype (one group: [n_g, S_g, dim] rows,
     gate [n_g, 1, dim])."""
@@ -132,6 +138,7 @@ class BlockFns:
     one by one by model/compile.compile_regions (then the graphs do not depend on how many groups a
     micro-batch holds)."""
     rope_qk: Callable = rope_qk
+    rope_grad_into: Callable = rope_grad_into
     gated_add: Callable = gated_add
     gated_add_into: Callable = gated_add_into
     gated_dy_into: Callable = gated_dy_into
@@ -154,11 +161,35 @@ class Layout:
     fns: BlockFns = BlockFns()
     """The per-group elementwise steps (WanModel.set_block_fns)."""
 
+    @property
+    def whole(self) -> bool:
+        """Run the per-group steps over whole tensors (_whole)."""
+        return _whole(self.packing)
+
     def views(self, h):
         return self.packing.views(h, self.sizes)
 
     def map(self, fn, rows, samples=(), dtype=None):
         return self.packing.map(fn, rows, samples, dtype, self.sizes)
+
+    def each(self, fn, rows, samples=()):
+        """fn per group (as map), the results as a list."""
+        return self.packing.each(fn, rows, samples, self.sizes)
+
+    def rope_qk(self, q, k):
+        """RoPE of q and k [T, heads, head_dim] -> per group the rotated [n_g, local, heads, head_dim] queries, and
+        keys; over whole tensors (packed_ops._PackedRope) when the micro-batch holds several groups, so that their
+        gradients are written into the rows of dq and dk instead of concatenated."""
+        if self.whole:
+            return packed_rope(q, k, self.rope, self.packing.dims(self.sizes), self.fns)
+        pairs = [self.fns.rope_qk(qg, kg, cos, sin) for qg, kg, (cos, sin) in zip(self.views(q), self.views(k),
+                                                                                    self.rope)]
+        return [a for a, _ in pairs], [b for _, b in pairs]
+
+    def rows(self, parts):
+        """Per-group attention outputs [n_g, local, heads, head_dim] as the input of RowsLinear: the list itself
+        over several groups (the projection writes each into its rows), else merged into [T, dim]."""
+        return list(parts) if self.whole else merge(parts).flatten(1)
 
     def modulate(self, x, scale, shift, eps):
         """LN(x) * (1 + scale) + shift per sample: x [T, dim], scale/shift [n, 1, dim] fp32."""
@@ -197,22 +228,37 @@ class PatchEmbed(nn.Conv3d):
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
+class RowsLinear(nn.Linear):
+    """nn.Linear that also takes a list of parts [n_g, local, ..., in_features] (a packed micro-batch's per-group
+    attention outputs) as the rows of one input, in order, and writes each part's GEMM into its rows of the one
+    output (packed_ops._PartsLinear), without merging the parts first. One module call and one output tensor
+    either way, as ZeRO-3's hooks need (PatchEmbed). Under autocast the parts are merged and F.linear runs."""
+
+    def forward(self, x):
+        if not isinstance(x, (list, tuple)):
+            return F.linear(x, self.weight, self.bias)
+        if torch.is_autocast_enabled(x[0].device.type):
+            return F.linear(merge(x).flatten(1), self.weight, self.bias)
+        return parts_linear(x, self.weight, self.bias)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: WanConfig):
         super().__init__()
         d = cfg.dim
         self.num_heads = cfg.num_heads
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.q, self.k, self.v = (nn.Linear(d, d) for _ in range(3))
+        self.o = RowsLinear(d, d)
         self.norm_q = RMSNorm(d, cfg.eps) if cfg.qk_norm else nn.Identity()
         self.norm_k = RMSNorm(d, cfg.eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, lay: Layout):
         """x [T, dim] -> [T, dim]: projections over all tokens, RoPE and the core per group."""
         heads = (self.num_heads, -1)
-        q, k, v = (lay.views(t.unflatten(-1, heads)) for t in (self.norm_q(self.q(x)), self.norm_k(self.k(x)), self.v(x)))
-        out = [lay.attn_fn(*lay.fns.rope_qk(qg, kg, cos, sin), vg, **kw)
-               for qg, kg, vg, (cos, sin), kw in zip(q, k, v, lay.rope, lay.attn_kwargs)]
-        return self.o(merge(out).flatten(1))
+        qs, ks = lay.rope_qk(self.norm_q(self.q(x)).unflatten(-1, heads), self.norm_k(self.k(x)).unflatten(-1, heads))
+        vs = lay.views(self.v(x).unflatten(-1, heads))
+        out = [lay.attn_fn(qg, kg, vg, **kw) for qg, kg, vg, kw in zip(qs, ks, vs, lay.attn_kwargs)]
+        return self.o(lay.rows(out))
 
 
 class CrossAttention(SelfAttention):
@@ -224,7 +270,7 @@ class CrossAttention(SelfAttention):
         q = self.norm_q(self.q(x)).unflatten(-1, heads)
         k = self.norm_k(self.k(context)).unflatten(-1, heads)
         v = self.v(context).unflatten(-1, heads)
-        return self.o(lay.map(sdpa_attention, (q,), (k, v)).flatten(1))
+        return self.o(lay.rows(lay.each(sdpa_attention, (q,), (k, v))))
 
 
 # The attention kernels' forward ops (their outputs and logsumexp are what the backward needs): kept by the
