@@ -741,3 +741,43 @@ def test_fixed_bytes_rescale_only_what_the_zero_stage_shards(tmp_path, monkeypat
     assert note["zero_bytes_per_param"] == sharded == cal.ZERO_SHARDED_BYTES[stage]
     params = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_1_3b.yaml")).num_params()
     assert prof.memory["fixed_bytes"] == pytest.approx(note["fixed_bytes_measured"] - sharded * params * 3 / 4, abs=2)
+
+
+def test_compile_blocks_compiles_the_model_before_the_engine(monkeypatch):
+    """--compile-blocks KIND: calibration measures the blocks training runs (compiled regions, say), applied before
+    deepspeed.initialize as the trainer applies them; the profile's meta says which. The engine is faked here."""
+    import argparse
+    import types
+
+    import torch
+
+    from ds_adaptiveload.calibrate import cli, engine
+    from ds_adaptiveload.calibrate.result import run_meta
+    from ds_adaptiveload.model import WanConfig
+    from ds_adaptiveload.model.compile import uncompile_blocks
+    from ds_adaptiveload.model.wan import RMSNorm
+    from ds_adaptiveload.train import engine as eng
+
+    seen = {}
+
+    def build(model, ds, mpu, compile=False):
+        seen["norm_forwards"] = ["forward" in m.__dict__ for m in model.modules() if type(m) is RMSNorm]
+        uncompile_blocks(model)
+        return types.SimpleNamespace(bfloat16_enabled=lambda: False, fp16_enabled=lambda: False)
+
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", "29678")):  # init_engine's single_process_env sets what is unset: restored after
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(eng, "init_distributed", lambda: (types.SimpleNamespace(device_name=lambda: "cpu"), 0, 1))
+    monkeypatch.setattr(eng, "pick_device", lambda accel, rank, threads=True: torch.device("cpu"))
+    monkeypatch.setattr(eng, "build_engine", build)
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    cfg = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_tiny.yaml"))
+    for argv, compiled in (([], False), (["--compile-blocks", "regions"], True), (["--compile-blocks"], True)):
+        args = ap.parse_args(["--model-config", "configs/wan_tiny.yaml", "--deepspeed_config", "x.json",
+                              "--out", "p.yaml", *argv])
+        engine.init_engine(cfg, {"zero_optimization": {"stage": 2}}, args)
+        assert seen["norm_forwards"] and all(f == compiled for f in seen["norm_forwards"]), argv
+        assert run_meta(cfg, {}, args, 1, 1)["compile_blocks"] == ("regions" if argv[1:] else "auto" if argv
+                                                                    else "none")

@@ -24,6 +24,9 @@ def add_arguments(p):
     p.add_argument("--safety", type=float, default=0.9, help="fraction of device memory the budget may use")
     p.add_argument("--checkpoint-blocks", action=argparse.BooleanOptionalAction, default=True,
                    help="per-block activation checkpointing, as the trainer's --checkpoint-blocks (default on)")
+    p.add_argument("--compile-blocks", nargs="?", const="auto", default=None, metavar="KIND",
+                   help="compile the blocks as the trainer's --compile-blocks KIND does (auto, block or regions), "
+                        "so that time and memory are measured for the code training runs (default: eager)")
     p.add_argument("--train-world-size", type=int, default=None,
                    help="GPUs of the training run the budget is for (ZeRO-3 shards scale with 1/N); "
                         "default: this run's world size, at least sequence_parallel_size (--estimate: at least 2)")

@@ -32,6 +32,10 @@ def init_engine(cfg, ds, args):
     with torch.no_grad():  # the zero-initialised head would make every other gradient zero
         model.head.head.weight.normal_(std=0.02)
     seq_shard = tsp.apply_ulysses(model, mpu, cfg.num_heads)
+    if getattr(args, "compile_blocks", None):  # as the trainer does, before deepspeed.initialize
+        from ds_adaptiveload.model.compile import apply_compile, compile_kind
+
+        apply_compile(model, compile_kind(args.compile_blocks))
     engine = eng.build_engine(model, ds, mpu)
     return engine, dims, seq_shard, device, eng.compute_dtype(engine)
 
