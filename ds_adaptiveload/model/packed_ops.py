@@ -16,8 +16,10 @@ Used for micro-batches of two or more groups outside torch.compile tracing (mode
 group needs no merge, and a compiled whole block fuses the merges itself.
 """
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from ds_adaptiveload.model.packing import split_rows, split_samples
+from ds_adaptiveload.model.packing import merge, split_rows, split_samples
 from ds_adaptiveload.ops.layernorm_modulate import _bwd_impl, _fwd_impl, kernel_plan, ln_modulate_reference
 
 
@@ -185,6 +187,20 @@ def packed_rope(q, k, rope, dims, fns):
 def parts_linear(parts, weight, bias):
     """_PartsLinear: linear(concatenated rows of `parts`, weight, bias) without concatenating them."""
     return _PartsLinear.apply(weight, bias, *parts)
+
+
+class RowsLinear(nn.Linear):
+    """nn.Linear that also takes a list of parts [n_g, local, ..., in_features] (a packed micro-batch's per-group
+    attention outputs) as the rows of one input, in order, and writes each part's GEMM into its rows of the one
+    output (_PartsLinear), without merging the parts first. One module call and one output tensor either way, as
+    ZeRO-3's hooks need (model/wan.PatchEmbed). Under autocast the parts are merged and F.linear runs."""
+
+    def forward(self, x):
+        if not isinstance(x, (list, tuple)):
+            return F.linear(x, self.weight, self.bias)
+        if torch.is_autocast_enabled(x[0].device.type):
+            return F.linear(merge(x).flatten(1), self.weight, self.bias)
+        return parts_linear(x, self.weight, self.bias)
 
 
 def packed_modulate(x, scale, shift, dims, eps):

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.config import WanConfig
-from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate, packed_rope, parts_linear
+from ds_adaptiveload.model.packed_ops import RowsLinear, packed_gated_add, packed_modulate, packed_rope
 from ds_adaptiveload.model.packing import Packing, merge, plan_packing
 from ds_adaptiveload.ops import ln_modulate
 
@@ -226,20 +226,6 @@ class PatchEmbed(nn.Conv3d):
         rows = [F.conv3d(x.to(self.weight.dtype), self.weight, self.bias, self.stride).flatten(2).transpose(1, 2)
                 .reshape(-1, self.out_channels) for x in xs]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
-
-
-class RowsLinear(nn.Linear):
-    """nn.Linear that also takes a list of parts [n_g, local, ..., in_features] (a packed micro-batch's per-group
-    attention outputs) as the rows of one input, in order, and writes each part's GEMM into its rows of the one
-    output (packed_ops._PartsLinear), without merging the parts first. One module call and one output tensor
-    either way, as ZeRO-3's hooks need (PatchEmbed). Under autocast the parts are merged and F.linear runs."""
-
-    def forward(self, x):
-        if not isinstance(x, (list, tuple)):
-            return F.linear(x, self.weight, self.bias)
-        if torch.is_autocast_enabled(x[0].device.type):
-            return F.linear(merge(x).flatten(1), self.weight, self.bias)
-        return parts_linear(x, self.weight, self.bias)
 
 
 class SelfAttention(nn.Module):
