@@ -774,10 +774,10 @@ def test_compile_blocks_compiles_the_model_before_the_engine(monkeypatch):
     ap = argparse.ArgumentParser()
     cli.add_arguments(ap)
     cfg = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_tiny.yaml"))
-    for argv, compiled in (([], False), (["--compile-blocks", "regions"], True), (["--compile-blocks"], True)):
+    for argv, meta in (([], "none"), (["--compile-blocks", "regions"], "regions"), (["--compile-blocks"], "auto")):
         args = ap.parse_args(["--model-config", "configs/wan_tiny.yaml", "--deepspeed_config", "x.json",
                               "--out", "p.yaml", *argv])
         engine.init_engine(cfg, {"zero_optimization": {"stage": 2}}, args)
+        compiled = meta != "none"
         assert seen["norm_forwards"] and all(f == compiled for f in seen["norm_forwards"]), argv
-        assert run_meta(cfg, {}, args, 1, 1)["compile_blocks"] == ("regions" if argv[1:] else "auto" if argv
-                                                                    else "none")
+        assert run_meta(cfg, {}, args, 1, 1)["compile_blocks"] == meta

@@ -3,7 +3,6 @@ equal the same steps run per group (outputs and every gradient) on CPU, and on t
 writing into the groups' rows (bit for bit against the kernel per group) and with inductor-compiled regions."""
 import pytest
 import torch
-
 import torch.nn.functional as F
 
 from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate, packed_rope, parts_linear
@@ -89,12 +88,13 @@ def _check_rope(dims, heads, hd, dtype, device, fns, tol, drop_k=False):
            for qg, kg, d, (cos, sin) in zip(q0.split(sizes), k0.split(sizes), dims, rope)]
     q1, k1 = _leaves(q, k)
     qs, ks = packed_rope(q1, k1, rope, dims, fns)
-    pairs = [tuple(r) for r in ref]
-    loss_ref = sum((a * douts[2 * i]).sum() + (0 if drop_k else (b * douts[2 * i + 1]).sum())
+
+    def loss_of(pairs):
+        return sum((a * douts[2 * i]).sum() + (0 if drop_k else (b * douts[2 * i + 1]).sum())
                    for i, (a, b) in enumerate(pairs))
-    loss = sum((a * douts[2 * i]).sum() + (0 if drop_k else (b * douts[2 * i + 1]).sum())
-               for i, (a, b) in enumerate(zip(qs, ks)))
-    for (a, b), x, y in zip(pairs, qs, ks):  # compiled, RoPE without autograd is a graph of its own (1 ulp apart)
+
+    loss_ref, loss = loss_of(ref), loss_of(zip(qs, ks))
+    for (a, b), x, y in zip(ref, qs, ks):  # compiled, RoPE without autograd is a graph of its own (1 ulp apart)
         assert x.shape == a.shape and x.dtype == a.dtype
         torch.testing.assert_close(x.float(), a.float(), rtol=tol, atol=tol)
         torch.testing.assert_close(y.float(), b.float(), rtol=tol, atol=tol)

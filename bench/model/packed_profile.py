@@ -10,8 +10,8 @@ session), for an A/B in one run: RoPE per group on views of q and k, whose gradi
 the groups' attention outputs merged into one tensor before the output projection. (The ninth session's A/B of
 the gated add's regions, --packed-variants previous, is in this file at commit 4b33636.)
 """
-import contextlib
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -69,13 +69,8 @@ def merges():
     """Layout.rope_qk and Layout.rows as before 2026-12-02 (tenth session), for the duration."""
     from ds_adaptiveload.model import wan
 
-    def rope_qk(self, q, k):
-        pairs = [self.fns.rope_qk(qg, kg, cos, sin) for qg, kg, (cos, sin) in zip(self.views(q), self.views(k),
-                                                                                    self.rope)]
-        return [a for a, _ in pairs], [b for _, b in pairs]
-
     saved = wan.Layout.rope_qk, wan.Layout.rows
-    wan.Layout.rope_qk, wan.Layout.rows = rope_qk, lambda self, parts: wan.merge(parts).flatten(1)
+    wan.Layout.rope_qk, wan.Layout.rows = wan.Layout.rope_per_group, lambda self, parts: wan.merge(parts).flatten(1)
     try:
         yield
     finally:

@@ -182,6 +182,10 @@ class Layout:
         gradients are written into the rows of dq and dk instead of concatenated."""
         if self.whole:
             return packed_rope(q, k, self.rope, self.packing.dims(self.sizes), self.fns)
+        return self.rope_per_group(q, k)
+
+    def rope_per_group(self, q, k):
+        """rope_qk on each group's views of q and k (autograd concatenates their gradients)."""
         pairs = [self.fns.rope_qk(qg, kg, cos, sin) for qg, kg, (cos, sin) in zip(self.views(q), self.views(k),
                                                                                     self.rope)]
         return [a for a, _ in pairs], [b for _, b in pairs]
