@@ -198,6 +198,7 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
     # ZeRO-2/3 synchronise ranks at every micro-batch: plan rounds, not totals (as train_wan).
     plan_cfg = PlanConfig(policy=al.policy, world_size=dims.world, sp=dims.sp, grad_accum=G, seed=al.seed,
                           on_oversize=al.on_oversize, window=al.window, fill=al.fill, replicate=al.replicate,
+                          pack_tokens=al.pack_tokens,
                           lockstep=engine.zero_optimization_stage() >= 2)
     sampler = AdaptiveSampler(samples, profile, plan_cfg, dims.dp_rank)
     lr = lr_scaling.install(engine, al.lr_scaling_method, al.lr_reference_batch_size)

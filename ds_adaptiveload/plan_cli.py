@@ -27,6 +27,10 @@ def add_arguments(p):
     p.add_argument("--replicate", default="auto", choices=["auto", "on", "off"],
                    help="packed: light samples in runs of R of one shape, so that a round's micro-batches are "
                         "copies (auto: when a micro-batch holds fewer than about 10 samples)")
+    p.add_argument("--pack-tokens", default=None, metavar="N|auto",
+                   help="packed: the memory a micro-batch may fill, in tokens (default: the profile's budget); auto: "
+                        "the cap with the least predicted time per token (with --checkpoint auto, smaller "
+                        "micro-batches skip recompute)")
     p.add_argument("--lockstep", action="store_true",
                    help="ranks synchronise at every micro-batch (ZeRO-2/3; the trainer sets this from the "
                         "DeepSpeed config): plan and predict per micro-batch round")
@@ -69,7 +73,8 @@ def run(args):
     cfg = PlanConfig(policy=args.policy, world_size=args.world_size, sp=args.sp, grad_accum=args.grad_accum,
                      seed=args.seed, on_oversize=args.on_oversize, lockstep=args.lockstep,
                      checkpoint=args.checkpoint, checkpoint_policy=args.checkpoint_policy,
-                     replicate={"auto": None, "on": True, "off": False}[args.replicate], **extra)
+                     replicate={"auto": None, "on": True, "off": False}[args.replicate],
+                     pack_tokens=pack_tokens_arg(args.pack_tokens), **extra)
     profile = run_profile(profile, args.zero_stage, args.world_size, args.profile)  # after cfg checked --world-size
     if args.checkpoint != "all" and RecomputeCost.of(profile, args.checkpoint_policy) is None:
         print(f"{args.profile}: no time_ms.recompute_frac, memory.block_bytes_per_token, capacity_bytes or "
@@ -89,6 +94,16 @@ def run(args):
     else:
         print_table(summary)
     return 0
+
+
+def pack_tokens_arg(v):
+    """--pack-tokens: None, "auto" or an int (PlanConfig checks it is positive)."""
+    if v is None or v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise UserError(f"--pack-tokens must be a positive integer or auto, got {v!r}") from None
 
 
 def run_profile(profile, stage, world, source):
@@ -148,6 +163,8 @@ def print_table(summary):
             ("step composition mix_tv", f"{summary['mix_tv']:.3f}"),
             ("predicted wall time", f"{summary['predicted_wall_s']:.1f} s"),
             ("planning time", f"{summary['plan_seconds']:.2f} s")]
+    if summary.get("pack_tokens") is not None:
+        rows.insert(5, ("micro-batch memory (pack_tokens)", f"{summary['pack_tokens']} tokens"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -21,6 +21,7 @@ Pure Python, no torch: a function of (samples, profile, config, epoch), like the
 """
 import heapq
 import math
+import random
 from array import array
 from collections import deque
 from itertools import accumulate
@@ -46,6 +47,14 @@ EVEN_TOL = 1e-3
 # 0.17-0.38% -> 0.00-0.17% at 8 and 64 ranks, and the wall time with it; with 20 or more a slot the sand
 # evens slots out already and runs only coarsen the steps' mix (docs/benchmarks.md, eighth session).
 REPLICA_BELOW = 10
+# pack_tokens "auto": the caps tried, as fractions of the memory budget, and the samples (a seeded subset) they
+# are costed on. Under --checkpoint-blocks auto a full micro-batch checkpoints every block and pays its
+# recompute; one of a third of the budget leaves most blocks open (docs/scheduler.md, "pack_tokens").
+CAP_FRACS = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.13)
+CAP_SAMPLES = 4096
+# ... and the largest cap predicted within this fraction of the fastest is taken: fuller micro-batches mix more
+# shapes, and the time model is not finer than that.
+CAP_TOL = 0.01
 
 
 @dataclass
@@ -61,8 +70,47 @@ class PackedCtx(_Ctx):
         p = self.dual[0] if self.dual else 1.0
         self.comp = array("d", (g ** p for g in self.gpu)) if self.dual else None
 
+        self.budget = self.profile.budget_tokens  # a micro-batch's memory, in tokens: pack_cap may lower it
+
     def base_ms(self, mb):
         return self.profile.packed_ms(map(self.gpu.__getitem__, mb))
+
+
+def pack_cap(keep, ctx: PackedCtx, seed) -> int:
+    """The memory a micro-batch may fill, in tokens (PlanConfig.pack_tokens): the profile's budget, the given cap
+    (at most the budget), or for "auto" the cap of CAP_FRACS with the least predicted time per token (_cap_ms).
+    A sample over the cap still runs, alone. A function of the samples, profile and config, not the epoch, so
+    every epoch and every resume packs to the same cap."""
+    budget, want = ctx.profile.budget_tokens, ctx.cfg.pack_tokens
+    if want is None or (want == "auto" and not keep):
+        return budget
+    if want != "auto":
+        return min(int(want), budget)
+    rng = random.Random(f"{seed}/pack_tokens")
+    order = rng.sample(keep, min(len(keep), CAP_SAMPLES))
+    fill = ctx.cfg.fill or PACK_FILL
+    caps = sorted({int(f * budget) for f in CAP_FRACS}, reverse=True)
+    per_token = [_cap_ms(order, ctx, fill * c) for c in caps]
+    best = min(per_token)
+    return next(c for c, t in zip(caps, per_token) if t <= best * (1 + CAP_TOL))
+
+
+def _cap_ms(order, ctx, limit):
+    """Predicted ms per token of `order`'s samples packed in turn into micro-batches of at most `limit` memory
+    tokens (a sample over it alone), each costed as the planner costs it (profile time less the recompute its
+    checkpointing skips), plus a step's fixed cost per G micro-batches."""
+    total, mb, used = 0.0, [], 0.0
+    n_mb = 0
+    for i in order:
+        if mb and used + ctx.mem[i] > limit:
+            total += ctx.mb_ms(mb)
+            n_mb += 1
+            mb, used = [], 0.0
+        mb.append(i)
+        used += ctx.mem[i]
+    total += ctx.mb_ms(mb)
+    total += ctx.profile.step_fixed_ms * (n_mb + 1) / ctx.cfg.grad_accum
+    return total / max(1, sum(map(ctx.gpu.__getitem__, order)))
 
 
 def pack_cost(profile, shapes, sp: int = 1) -> tuple:
@@ -110,7 +158,7 @@ def _target(keep, ctx, fill):
     for _ in range(2):  # T over all samples, then over the light ones at that T
         light = [i for i in keep if not heavy[i]] or keep
         c = sum(cost[i] for i in light)
-        t = fill * ctx.profile.budget_tokens * c / max(sum(mem[i] for i in light), 1e-12)
+        t = fill * ctx.budget * c / max(sum(mem[i] for i in light), 1e-12)
         if ctx.dual:
             t = min(t, fill * ctx.dual[1] * c / max(sum(ctx.comp[i] for i in light), 1e-12))
         for i in keep:
@@ -121,7 +169,7 @@ def _target(keep, ctx, fill):
 def _scales(ctx, target, fill):
     """Divisors turning a step's sums (cost, memory, compute) into slots; without a compute cap the third
     column repeats memory."""
-    mem = fill * ctx.profile.budget_tokens
+    mem = fill * ctx.budget
     return [target, mem, fill * ctx.dual[1] if ctx.dual else mem]
 
 
@@ -316,7 +364,7 @@ class _Slots:
 
     def __init__(self, ctx, n):
         self.cost, self.mem, self.comp = _cols(ctx)
-        self.limit = ctx.profile.budget_tokens
+        self.limit = ctx.budget
         self.limit_c = ctx.dual[1] * (1 + 1e-9) if ctx.dual else self.limit
         self.samples = [[] for _ in range(n)]
         self.load, self.used, self.used_c = [0.0] * n, [0.0] * n, [0.0] * n

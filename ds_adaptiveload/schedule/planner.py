@@ -70,6 +70,10 @@ class PlanConfig:
     auto costs micro-batches with schedule/memory.RecomputeCost, when the profile can say (else as all)."""
     checkpoint_policy: str = "full"
     """full | attention (--checkpoint-policy): with auto, what a checkpointed block keeps (RecomputeCost)."""
+    pack_tokens: object = None
+    """packed: the memory a micro-batch may fill, in tokens: None (the profile's budget) | an int (at most the
+    budget; a sample over it runs alone) | "auto" (the cap with the least predicted time per token, packed.pack_cap:
+    with checkpoint auto, smaller micro-batches leave blocks open and skip their recompute)."""
 
     def __post_init__(self):
         def positive(name):
@@ -96,10 +100,20 @@ class PlanConfig:
             raise UserError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}")
         if self.checkpoint_policy not in ("full", "attention"):
             raise UserError(f"checkpoint-policy must be full or attention, got {self.checkpoint_policy!r}")
+        check_pack_tokens(self.pack_tokens, "pack-tokens")
+        if self.pack_tokens is not None and self.policy != "packed":
+            raise UserError(f"pack-tokens applies to the packed policy only (policy is {self.policy!r})")
 
     @property
     def dp_size(self) -> int:
         return self.world_size // self.sp
+
+
+def check_pack_tokens(v, name) -> None:
+    """None, "auto" or a positive int, else a UserError naming `name`."""
+    if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+        return
+    raise UserError(f"{name} must be a positive integer, \"auto\" or null, got {v!r}")
 
 
 @dataclass
@@ -122,6 +136,8 @@ class Plan:
     pred_wall_ms: list = None
     """pred_wall_ms[step] -> predicted wall ms of the step: the slowest rank's pred_ms, or under lockstep
     the sum over micro-batch rounds of the slowest rank's micro-batch (>= the slowest rank's total)."""
+    pack_tokens: int = None
+    """packed: the memory a micro-batch was filled to, in tokens (PlanConfig.pack_tokens resolved)."""
 
     def summary(self) -> dict:
         cfg = self.config
@@ -139,6 +155,7 @@ class Plan:
             "idle_fraction": max(0.0, 1 - sum_mean / sum_max) if sum_max else 0.0,
             "mix_tv": mix_tv(self),
             "predicted_wall_s": sum_max / 1000,
+            "pack_tokens": self.pack_tokens,
         }
 
 
@@ -191,6 +208,7 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
 
     if cfg.policy == "packed":
         ctx = packed.PackedCtx(profile, cfg, full, gpu, shape, cap)
+        ctx.budget = packed.pack_cap(keep, ctx, cfg.seed)
     else:
         ctx = _Ctx(profile, cfg, full, gpu, shape, cap)
     if not keep:
@@ -203,7 +221,8 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
         steps = balanced.balanced_steps(keep, ctx, rng)
     pad = _finish_tail(steps, ctx, keep)
     pred, wall = zip(*(ctx.step_pred(step) for step in steps)) if steps else ((), ())
-    return Plan(steps, list(pred), pad, skipped, full, cfg, epoch, dual, list(wall))
+    return Plan(steps, list(pred), pad, skipped, full, cfg, epoch, dual, list(wall),
+                ctx.budget if cfg.policy == "packed" else None)
 
 
 @dataclass

@@ -56,6 +56,11 @@ class AdaptiveLoadConfig:
     """packed: light samples in runs of R of one shape, so that the micro-batches of a round are copies and
     cost the same (None: when a micro-batch holds fewer than about 10 samples, as with memory for one long
     clip; schedule/packed.py)."""
+    pack_tokens: object = None
+    """packed: the memory a micro-batch may fill, in tokens: null (the profile's budget), an integer (at most the
+    budget), or "auto": the cap with the least predicted time per token (schedule/packed.pack_cap). With
+    --checkpoint-blocks auto and a profile with time_ms.recompute_frac, smaller micro-batches leave blocks open and
+    skip their recompute; steps then hold fewer samples (G micro-batches each)."""
     on_bad_sample: str = "error"
     """error | skip: a sample that cannot be read (missing or truncated shard, missing tensor, shape or
     dtype not matching the manifest, NaN/Inf values) or a non-finite loss. skip drops samples found
@@ -94,6 +99,9 @@ class AdaptiveLoadConfig:
                 raise UserError(f"{source}: adaptive_load.{key} must be one of {', '.join(choices)}, got {d[key]!r}")
         if d.get("replicate") not in (None, True, False):
             raise UserError(f"{source}: adaptive_load.replicate must be true, false or null, got {d['replicate']!r}")
+        from ds_adaptiveload.schedule.planner import check_pack_tokens
+
+        check_pack_tokens(d.get("pack_tokens"), f"{source}: adaptive_load.pack_tokens")
         ref = d.get("lr_reference_batch_size")
         if ref is not None and (not isinstance(ref, int) or isinstance(ref, bool) or ref < 1):
             raise UserError(f"{source}: adaptive_load.lr_reference_batch_size must be a positive integer, got {ref!r}")

@@ -122,6 +122,7 @@ def prepare_data(args, manifest, c, world, rank):
     ckpt = plan_checkpoint(args, stage)
     plan_cfg = PlanConfig(policy=al.policy, world_size=world, sp=c.dims.sp, grad_accum=c.G, seed=al.seed,
                           on_oversize=al.on_oversize, window=al.window, fill=al.fill, replicate=al.replicate,
+                          pack_tokens=al.pack_tokens,
                           lockstep=stage >= 2, **ckpt)
     sampler = AdaptiveSampler(samples, c.profile, plan_cfg, c.dims.dp_rank)
     # Bad samples found while reading come back as data ("bad"), so the loop can agree on them across ranks.
@@ -132,6 +133,8 @@ def prepare_data(args, manifest, c, world, rank):
     # change the order of samples either (checkpoints from before these keys existed keep loading).
     plan_keys = {k: v for k, v in al.to_dict().items()
                  if k not in ("on_bad_sample", "on_oom", "loss_weighting", "lr_scaling_method", "lr_reference_batch_size")}
+    if plan_keys.get("pack_tokens") is None:
+        plan_keys.pop("pack_tokens", None)  # as before the key existed: older checkpoints resume
     layout = {"world": world, "sp": c.dims.sp, "grad_accum": c.G, "adaptive_load": plan_keys,
               "manifest_samples": len(samples)}
     if ckpt["checkpoint"] != "all" and RecomputeCost.of(c.profile, ckpt["checkpoint_policy"]):
