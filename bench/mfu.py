@@ -42,7 +42,7 @@ E2E_RESERVE_S = 200  # of --time-budget kept for e2e when both parts run
 PROBES = ((1, 6, 60, 104), (1, 14, 60, 104))
 SAMPLE_PROBE = (6, 1, 60, 104)  # 6 images, 9,360 tokens: the per-sample bytes beside that line
 
-from mfu_e2e import (E2E, ESTIMATED_MEMORY, MODES, TRAINER_E2E, e2e_memory, e2e_summary,  # noqa: E402,F401
+from mfu_e2e import (E2E, ESTIMATED_MEMORY, MODES, TRAINER_E2E, TRAINER_KEYS, e2e_memory, e2e_summary,  # noqa: E402,F401
                      e2e_variant, epoch_steps, part_e2e, split, write_trainer_profile)
 
 
@@ -74,6 +74,10 @@ def parse_args(argv=None):
                         "--e2e-steps, so that the variants train the same samples")
     p.add_argument("--e2e-warmup", type=int, default=3, help="steps left out of e2e_mfu (start-up, compiles)")
     p.add_argument("--memory-json", help="proposed profile fields from an earlier run (for e2e without shapes)")
+    p.add_argument("--e2e-recompute", type=recompute_pair, default=None, metavar="FULL,ATTN",
+                   help="train-* variants: time_ms.recompute_frac and attention_recompute_frac in the trainer's profile "
+                        "(the H200's compiled 720p 81f clip: 0.22,0.16, docs/calibration.md), so that the planner "
+                        "costs what open blocks skip; needed by train-regions-attn-packed-cap's pack_tokens auto")
     p.add_argument("--z3-config", default="configs/ds_zero3_bf16.json", help="z3 part: its ZeRO-3 JSON")
     p.add_argument("--z3-layers", type=int, default=4, help="z3 part: blocks of the 14B-shaped model")
     p.add_argument("--z3-model-config", default="configs/wan_14b.yaml")
@@ -275,6 +279,17 @@ def run_mode(bench, doc, mode, shapes, ckpts, profile_memory, deadline):
             doc.save()
     proposed["time_ms"] = {"recompute_frac": recompute_frac(doc.doc["rows"], mode, L)}
     return proposed
+
+
+def recompute_pair(text):
+    """--e2e-recompute FULL,ATTN -> (float, float), each in [0, 1)."""
+    try:
+        full, attn = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FULL,ATTN (two fractions), got {text!r}") from None
+    if not (0 <= attn <= full < 1):
+        raise argparse.ArgumentTypeError(f"need 0 <= ATTN <= FULL < 1, got {text!r}")
+    return full, attn
 
 
 def recompute_frac(rows, mode, L):

@@ -36,7 +36,10 @@ TRAINER_FLAGS = ["--checkpoint-blocks", "auto", "--checkpoint-policy", "attentio
 # packed micro-batch), with the memory fields of mode regions-attn.
 TRAINER_E2E = {"train-compile-attn": "balanced", "train-compile-attn-packed": "packed",
                "train-regions-attn": "balanced", "train-regions-attn-packed": "packed",
-               "train-regions-attn-equal": "equal-tokens"}
+               "train-regions-attn-equal": "equal-tokens", "train-regions-attn-packed-cap": "packed"}
+# Further adaptive_load keys per variant: "-cap" fills micro-batches to packed.pack_cap's choice (pack_tokens auto),
+# which with the profile's recompute fractions (--e2e-recompute) leaves blocks open instead of checkpointing them.
+TRAINER_KEYS = {"train-regions-attn-packed-cap": {"pack_tokens": "auto"}}
 E2E.update({name: (None, "regions" if "regions" in name else True,
                    [*TRAINER_FLAGS, "regions" if "regions" in name else "block"], "attention") for name in TRAINER_E2E})
 
@@ -73,9 +76,11 @@ def _wall_weighted_mfu(recs):
     return sum(r["mfu"] * r["step_ms"] for r in recs) / sum(r["step_ms"] for r in recs)
 
 
-def write_trainer_profile(path, base_ds, memory):
+def write_trainer_profile(path, base_ds, memory, recompute=None):
     """The base DeepSpeed JSON's profile with its memory section's checkpoint fields (fixed, per-token,
-    per-block, attention bytes; safety) from `memory`, for --checkpoint-blocks auto in the trainer."""
+    per-block, attention bytes; safety) from `memory`, for --checkpoint-blocks auto in the trainer; with `recompute`
+    (recompute_frac, attention_recompute_frac) its time_ms fields too, so that the planner costs what the open
+    blocks skip."""
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.train.config import read_json_object, zero_stage
 
@@ -87,19 +92,26 @@ def write_trainer_profile(path, base_ds, memory):
     prof.memory.update({k: memory[k] for k in keys if memory.get(k) is not None})
     if memory.get("fixed_bytes") is not None:  # measured here, on one GPU under base_ds's stage: nothing to move
         prof.meta = {**prof.meta, "zero_stage": zero_stage(ds), "train_world_size": 1}  # (schedule/zero.for_run)
+    if recompute:
+        prof.recompute_frac, prof.attention_recompute_frac = recompute
     prof.to_yaml(path)
 
 
-def epoch_steps(profile_path, manifest, policy, grad_accum, stage=2) -> int:
-    """Steps in epoch 0 of the plan the trainer makes for this variant on one GPU under ZeRO `stage` (lockstep, as
-    under ZeRO-2; the profile's memory moved to that run, as the trainer moves it)."""
+def epoch_plan(profile_path, manifest, policy, grad_accum, stage=2, **plan):
+    """Epoch 0 of the plan the trainer makes for this variant on one GPU under ZeRO `stage` (lockstep, as under
+    ZeRO-2; the profile's memory moved to that run, as the trainer moves it); plan: further PlanConfig keys."""
     from ds_adaptiveload.schedule.manifest import load_manifest
     from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.schedule.zero import for_run
 
-    cfg = PlanConfig(policy=policy, grad_accum=grad_accum, lockstep=True)
-    return len(make_plan(load_manifest(manifest), for_run(CostProfile.load(profile_path), stage, 1)[0], cfg).steps)
+    cfg = PlanConfig(policy=policy, grad_accum=grad_accum, lockstep=True, **plan)
+    return make_plan(load_manifest(manifest), for_run(CostProfile.load(profile_path), stage, 1)[0], cfg)
+
+
+def epoch_steps(profile_path, manifest, policy, grad_accum, stage=2, **plan) -> int:
+    """Steps in epoch 0 of epoch_plan."""
+    return len(epoch_plan(profile_path, manifest, policy, grad_accum, stage, **plan).steps)
 
 
 def e2e_variant(args, name, manifest, memory, deadline):
@@ -120,9 +132,9 @@ def e2e_variant(args, name, manifest, memory, deadline):
     with open(os.path.join(ROOT, args.config)) as f:
         grad_accum = json.load(f).get("gradient_accumulation_steps", 1)
     if name in TRAINER_E2E:
-        write_trainer_profile(f"{run}/profile.yaml", args.config, memory[mode])
+        write_trainer_profile(f"{run}/profile.yaml", args.config, memory[mode], args.e2e_recompute)
         write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), f"{run}/profile.yaml", TRAINER_E2E[name],
-                      grad_accum=grad_accum)
+                      grad_accum=grad_accum, **TRAINER_KEYS.get(name, {}))
     else:
         write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), grad_accum=grad_accum)
     env = {"MFU_STATS": f"{run}/mfu_stats.json"}
@@ -139,13 +151,20 @@ def e2e_variant(args, name, manifest, memory, deadline):
     os.environ.update(env)
     gpu_csv = os.path.join(args.out, f"e2e_{name}_gpu.csv")
     monitor = gpu_monitor(gpu_csv)
+    planned = None
     try:
         steps = args.e2e_steps
         if name in TRAINER_E2E and args.e2e_epochs:
             with open(f"{run}/ds.json") as f:
                 stage = zero_stage(json.load(f))
-            steps = args.e2e_epochs * epoch_steps(f"{run}/profile.yaml", manifest, TRAINER_E2E[name], grad_accum,
-                                                  stage)
+            # as train_wan plans it: --checkpoint-blocks auto with the attention policy (TRAINER_FLAGS)
+            plan = {"checkpoint": "auto-step" if stage == 3 else "auto", "checkpoint_policy": "attention",
+                    **TRAINER_KEYS.get(name, {})}
+            ep = epoch_plan(f"{run}/profile.yaml", manifest, TRAINER_E2E[name], grad_accum, stage, **plan)
+            steps = args.e2e_epochs * len(ep.steps)
+            planned = {"steps_per_epoch": len(ep.steps), "pack_tokens": ep.pack_tokens,
+                       "micro_batch_tokens": [sum(ep.tokens[i] for i in mb) for mbs in ep.steps[0] for mb in mbs],
+                       "predicted_epoch_s": round(sum(ep.pred_wall_ms) / 1e3, 2), "recompute": args.e2e_recompute}
         rc = launch(f"{run}/ds.json", manifest, steps, run, log, "--num_gpus 1", flags, args.model_config,
                     timeout=max(deadline - time.monotonic(), 10), script="bench/mfu_train.py" if ckpt else None)
     finally:
@@ -155,7 +174,7 @@ def e2e_variant(args, name, manifest, memory, deadline):
             monitor.terminate()
     steps_path = f"{run}/steps.rank0.jsonl"
     recs = read_steps(steps_path) if os.path.exists(steps_path) else []
-    out = {"variant": name, "rc": rc, "env": env, "steps_asked": steps,
+    out = {"variant": name, "rc": rc, "env": env, "steps_asked": steps, "plan": planned,
            **e2e_summary(recs, args.e2e_warmup, args.peak_tflops),
            "gpu_per_step": gpu_per_step(gpu_csv, recs)}
     if os.path.exists(env["MFU_STATS"]):

@@ -224,6 +224,7 @@ def test_trainer_e2e_variants_launch_what_train_wan_accepts(tmp_path, monkeypatc
     import train_steps
 
     from ds_adaptiveload.schedule.mixes import make_mix
+    from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.train.setup import read_config
 
     spec = importlib.util.spec_from_file_location("train_wan", os.path.join(ROOT, "launch", "train_wan.py"))
@@ -234,7 +235,8 @@ def test_trainer_e2e_variants_launch_what_train_wan_accepts(tmp_path, monkeypatc
                         calls.append((ds, manifest, steps, flags)) or 0)
     manifest = train_steps.write_data(str(tmp_path / "data"), make_mix("video-heavy", 6, seed=0), text_dim=8,
                                       text_len=4)
-    args = mfu.parse_args(["--parts", "e2e", "--e2e-epochs", "2", "--out", str(tmp_path), "--work", str(tmp_path)])
+    args = mfu.parse_args(["--parts", "e2e", "--e2e-epochs", "2", "--out", str(tmp_path), "--work", str(tmp_path),
+                           "--e2e-recompute", "0.22,0.16"])
     memory = mfu.e2e_memory(args, SimpleNamespace(doc={}))
     for name in mfu.TRAINER_E2E:
         out = mfu.e2e_variant(args, name, manifest, memory, deadline=1e12)
@@ -245,7 +247,16 @@ def test_trainer_e2e_variants_launch_what_train_wan_accepts(tmp_path, monkeypatc
         assert a.compile_blocks == ("regions" if "regions" in name else "block")
         read_config(a, 1, 0)  # no UserError
         run = os.path.dirname(ds)
-        assert steps == 2 * mfu.epoch_steps(f"{run}/profile.yaml", manifest, mfu.TRAINER_E2E[name], 4)
+        keys = mfu.TRAINER_KEYS.get(name, {})
+        assert read_config(a, 1, 0).al.pack_tokens == keys.get("pack_tokens")
+        prof = CostProfile.load(f"{run}/profile.yaml")
+        assert (prof.recompute_frac, prof.attention_recompute_frac) == (0.22, 0.16)
+        assert steps == 2 * out["plan"]["steps_per_epoch"] == 2 * mfu.epoch_steps(
+            f"{run}/profile.yaml", manifest, mfu.TRAINER_E2E[name], 4, checkpoint="auto", checkpoint_policy="attention",
+            **keys)
+        assert out["plan"]["recompute"] == (0.22, 0.16)
+        if mfu.TRAINER_E2E[name] == "packed":
+            assert out["plan"]["pack_tokens"] <= prof.budget_tokens
 
 
 def test_e2e_memory_warns_when_a_mode_and_its_attn_mode_come_from_different_sources(tmp_path):
