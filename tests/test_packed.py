@@ -282,8 +282,8 @@ def test_packed_bench_smoke(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PACKED_SMOKE="1", PYTHONPATH=root)
-    subprocess.run([sys.executable, "bench/model/packed_model.py", "--out", str(tmp_path), "--reps", "1"], cwd=root,
-                   env=env, check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "bench/model/packed_model.py", "--out", str(tmp_path), "--reps", "1", "--pairs", "3"],
+                   cwd=root, env=env, check=True, capture_output=True, timeout=300)
     (path,) = tmp_path.glob("packed-model-*.json")
     res = json.loads(path.read_text())
     assert {"date", "device", "torch"} <= set(res)
@@ -293,6 +293,10 @@ def test_packed_bench_smoke(tmp_path):
     assert all(c["status"] == "ok" for c in res["cases"]), res["cases"]
     for s in res["summary"]:
         assert {"mixed_packed_ms", "mixed_separate_ms", "image_heavy_vs_best"} <= set(s), s
+        assert s["mixed_paired_speed"] > 0 and s["image_heavy_paired_vs_best"] > 0, s
+    assert len(res["paired"]) == 4 and all(len(p["pairs"]) == 3 for p in res["paired"])  # 2 modes x 2 targets
+    for p in res["paired"]:  # ABBA: the ratio is tokens/s of a over b from the same pair's times
+        assert p["ratio_median"] == sorted(x["ratio"] for x in p["pairs"])[1]
 
 
 def test_checkpointing_the_first_k_blocks_keeps_outputs_and_gradients(monkeypatch):

@@ -67,6 +67,10 @@ def parse_args(argv=None):
                    help=f"timed runs of cases over {HEAVY_TOKENS:,} tokens (one packed mixed run is ~17 s on an H200; "
                         "2 or 3 tell a 1-2%% difference from run-to-run noise)")
     p.add_argument("--budget-s", type=float, default=240.0, help="cases not started after this many seconds are skipped")
+    p.add_argument("--pairs", type=int, default=0,
+                   help="after the cases, time packed against its comparison this many times in ABBA order (the mixed "
+                        "pack against its separate micro-batches, the image-heavy pack against the best one-shape "
+                        "batch), so that a GPU's clock drift falls on both alike; 0: off")
     p.add_argument("--compile", choices=("none", "regions"), default="none",
                    help="regions: the blocks' elementwise steps compiled (model/compile.compile_regions) for every case, "
                         "packed and separate alike; a case's warm-up run compiles what it needs")
@@ -184,6 +188,29 @@ class Bench:
         self.save()
         return rec
 
+    def paired(self, name, mode, a, b, tokens_a, tokens_b):
+        """--pairs: a and b (loss + backward functions, warmed by their cases) timed alternately A B B A ...; the
+        median over pairs of tokens/s(a) / tokens/s(b): above 1, a is faster."""
+        rec = {"name": name, "mode": mode, "pairs": []}
+        for i in range(self.args.pairs):
+            if time.perf_counter() - self.t0 > self.args.budget_s:
+                rec["status"] = "cut: time budget"
+                break
+            ms = {}
+            for key, fn in ((("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))):
+                t = time.perf_counter()
+                fn()
+                self.sync()
+                ms[key] = (time.perf_counter() - t) * 1000
+            rec["pairs"].append({"a_ms": round(ms["a"], 2), "b_ms": round(ms["b"], 2),
+                                 "ratio": round(tokens_a / ms["a"] / (tokens_b / ms["b"]), 5)})
+        if rec["pairs"]:
+            rec["ratio_median"] = statistics.median(p["ratio"] for p in rec["pairs"])
+        print(json.dumps(rec), flush=True)
+        self.res.setdefault("paired", []).append(rec)
+        self.save()
+        return rec
+
     def packed_fn(self, smp):
         x0s, ctxs, idx = zip(*smp)
         eps, t = flow.draw_noise_packed(x0s, idx, seed=0, epoch=0, shift=5.0)
@@ -285,6 +312,8 @@ def run_mode(b: Bench, mode: str) -> dict:
     ok = [r for r in sweep if r["status"] == "ok"]
     best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
     summary = {"mode": mode}
+    if b.args.pairs:
+        summary.update(paired_ratios(b, mode, mixed, heavy, best))
     if all(r["status"] == "ok" for r in mixed):
         summary.update(mixed_packed_ms=mixed[0]["ms"], mixed_separate_ms=mixed[1]["ms"],
                        mixed_saved_ms=round(mixed[1]["ms"] - mixed[0]["ms"], 1),
@@ -295,6 +324,23 @@ def run_mode(b: Bench, mode: str) -> dict:
                        image_heavy_vs_best=round(heavy[0]["tokens_per_s"] / best["tokens_per_s"], 3),
                        image_heavy_mem_err=heavy[0]["mem_err"])
     return summary
+
+
+def paired_ratios(b: Bench, mode: str, mixed, heavy, best) -> dict:
+    """--pairs: the two targets measured in ABBA pairs (Bench.paired); each function's inputs are made anew, so
+    the memory of one case's inputs is held only while its pair runs."""
+    ck, out = mode == "ckpt", {}
+    b.model.checkpoint_blocks = ck
+    if all(r["status"] == "ok" for r in mixed):
+        tok = mixed[0]["tokens"]
+        rec = b.paired("mixed: packed / separate", mode, b.packed_fn(b.samples(MIXED[ck])),
+                       b.separate_fn(b.samples(MIXED[ck])), tok, tok)
+        out["mixed_paired_speed"] = rec.get("ratio_median")
+    if heavy[0]["status"] == "ok" and best:
+        rec = b.paired(f"image-heavy packed / {best['name']}", mode, b.packed_fn(b.samples(IMAGE_MIX[ck])),
+                       b.separate_fn(b.samples(best["spec"])), heavy[0]["tokens"], best["tokens"])
+        out["image_heavy_paired_vs_best"] = rec.get("ratio_median")
+    return out
 
 
 def main(argv=None):
