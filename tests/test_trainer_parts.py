@@ -315,3 +315,35 @@ def test_single_process_env_takes_a_free_port_outside_the_fixed_ones(monkeypatch
     monkeypatch.setenv("MASTER_PORT", "29999")
     single_process_env()
     assert os.environ["MASTER_PORT"] == "29999"  # what the user or a launcher set stays
+
+
+def test_prepare_data_passes_pack_tokens_to_the_plan_and_the_layout(tmp_path):
+    """adaptive_load.pack_tokens reaches the sampler's plan (its micro-batches within the cap) and the resume layout;
+    unset, the layout has no such key, as checkpoints written before it existed."""
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.data import latents
+    from ds_adaptiveload.model import WanConfig
+    from ds_adaptiveload.schedule.mixes import make_mix
+    from ds_adaptiveload.train.setup import prepare_data, read_config
+
+    model = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_tiny.yaml"))
+    manifest = latents.write_synthetic(str(tmp_path / "d"), make_mix("tiny", 24, 0), text_dim=model.text_dim,
+                                       max_text_len=model.text_len, dtype="fp32")
+    for cap in (None, 100):
+        ds = json.load(open(TINY_JSON))
+        ds["adaptive_load"].update(profile=os.path.join(ROOT, ds["adaptive_load"]["profile"]), pack_tokens=cap)
+        (tmp_path / "ds.json").write_text(json.dumps(ds))
+        args = SimpleNamespace(deepspeed_config=str(tmp_path / "ds.json"), model_config="configs/wan_tiny.yaml",
+                               fault=None, checkpoint_blocks=False, checkpoint_policy="full", compile_blocks=False,
+                               compile_cache=None, resume=None)
+        c = read_config(args, 1, 0)
+        d = prepare_data(args, manifest, c, 1, 0)
+        plan = d.sampler.plan
+        assert plan.pack_tokens == (c.profile.budget_tokens if cap is None else min(cap, c.profile.budget_tokens))
+        assert ("pack_tokens" in d.layout["adaptive_load"]) == (cap is not None)
+        if cap is not None:
+            assert plan.pack_tokens < c.profile.budget_tokens, "the tiny profile's budget must be above the cap"
+            mem = c.profile.mem_tokens
+            assert all(sum(mem(plan.tokens[i]) for i in mb) <= cap for st in plan.steps for mbs in st for mb in mbs
+                       if len(mb) > 1)
