@@ -49,7 +49,7 @@ EVEN_TOL = 1e-3
 REPLICA_BELOW = 10
 # pack_tokens "auto": the caps tried, as fractions of the memory budget, and the samples (a seeded subset) they
 # are costed on. Under --checkpoint-blocks auto a full micro-batch checkpoints every block and pays its
-# recompute; one of a third of the budget leaves most blocks open (docs/scheduler.md, "pack_tokens").
+# recompute; a smaller one leaves blocks open (docs/scheduler.md, "Micro-batch cap").
 CAP_FRACS = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.13)
 CAP_SAMPLES = 4096
 # ... and the largest cap predicted within this fraction of the fastest is taken: fuller micro-batches mix more
@@ -69,7 +69,6 @@ class PackedCtx(_Ctx):
         self.dual = (prof.dual_p, prof.dual_m_comp) if prof.dual_p is not None else None
         p = self.dual[0] if self.dual else 1.0
         self.comp = array("d", (g ** p for g in self.gpu)) if self.dual else None
-
         self.budget = self.profile.budget_tokens  # a micro-batch's memory, in tokens: pack_cap may lower it
 
     def base_ms(self, mb):
