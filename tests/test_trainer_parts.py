@@ -197,6 +197,49 @@ def test_the_launchers_sigterms_during_a_peer_failure_leave_one_line(pause, duri
     assert all(x.startswith(("error:", "note:")) for x in lines if "error:" in x or "note:" in x), proc.stderr[-3000:]
 
 
+_DEAD_WORKER_HOLDS_LOCK = """
+import faulthandler, multiprocessing as mp, os, signal, sys
+import torch
+sys.path.insert(0, {root!r})
+from ds_adaptiveload.train.setup import end_loop
+
+class Items(torch.utils.data.Dataset):
+    def __len__(self):
+        return 100
+    def __getitem__(self, i):
+        return i
+
+it = iter(torch.utils.data.DataLoader(Items(), num_workers=2))
+next(it)
+done = it._workers_done_event
+def die_holding_it():  # a worker the launcher's SIGTERM ends inside done_event.is_set()
+    done._cond.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+p = mp.Process(target=die_holding_it)
+p.start()
+p.join()
+faulthandler.dump_traceback_later(30, exit=True)  # a hang prints where, and fails the test
+try:
+    try:
+        raise RuntimeError("the collective failed")
+    finally:
+        end_loop(it)
+except RuntimeError as e:
+    print("left with:", e, [w.is_alive() for w in it._workers])
+"""
+
+
+def test_a_failing_rank_leaves_its_loader_when_a_dead_worker_holds_a_lock():
+    """The hang of one suite run: a DataLoader worker ended inside its done event's lock leaves that lock held, and
+    the iterator's own shutdown (which sets the event) waited forever. A failing rank kills its workers instead."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _DEAD_WORKER_HOLDS_LOCK.format(root=ROOT)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "left with: the collective failed [False, False]" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_a_failed_collective_with_every_peer_alive_says_what_failed():
     """A peer failure while every rank still runs (nothing to name): the error line as before, and a note with the
     collective's own first line from each rank, so a flaky start-up says what broke."""

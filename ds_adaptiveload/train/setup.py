@@ -190,13 +190,37 @@ def end_loop(batches, *closers) -> None:
         hold_signals()
     for close in closers:
         close()
+    if failing:
+        kill_workers(batches)
+        return
     shutdown = getattr(batches, "_shutdown_workers", None)
-    try:
-        if shutdown is not None:
-            shutdown()
-    except Exception:
-        if not failing:
-            raise
+    if shutdown is not None:
+        shutdown()
+
+
+def kill_workers(batches) -> None:
+    """A failing rank's DataLoader workers: SIGKILLed and reaped, their index queues closed, without the iterator's
+    own shutdown. That shutdown first sets a multiprocessing.Event whose lock the workers take for every index; a
+    worker the launcher's SIGTERM ended inside it leaves the lock held for good, and the rank hung there (one run of
+    test_the_launchers_sigterms_during_a_peer_failure_leave_one_line in 433). The workers' results are not wanted."""
+    workers = getattr(batches, "_workers", None)
+    if workers is None or getattr(batches, "_shutdown", True):
+        return
+    batches._shutdown = True  # the iterator's __del__ does not shut down again
+    for w in workers:
+        try:
+            w.kill()
+            w.join(timeout=5)
+        except Exception:  # already reaped, or never started
+            pass
+    for q in getattr(batches, "_index_queues", ()):
+        q.cancel_join_thread()  # nothing waits at exit for a pipe no worker reads
+        q.close()
+    if getattr(batches, "_worker_pids_set", False):
+        from torch.utils.data._utils import signal_handling
+
+        signal_handling._remove_worker_pids(id(batches))
+        batches._worker_pids_set = False
 
 
 def write_summary(out_dir, start, end, bad_upfront, skipped) -> None:
