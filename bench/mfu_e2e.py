@@ -5,6 +5,7 @@ import json
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,6 +122,7 @@ def e2e_variant(args, name, manifest, memory, deadline):
     from train_steps import launch
 
     from ds_adaptiveload.train.config import zero_stage
+    from ds_adaptiveload.train.setup import plan_checkpoint
 
     ckpt, compiled, flags, policy = E2E[name]
     mode = {True: "compile", "regions": "regions"}.get(compiled, "eager") + ("-attn" if policy == "attention" else "")
@@ -157,8 +159,8 @@ def e2e_variant(args, name, manifest, memory, deadline):
         if name in TRAINER_E2E and args.e2e_epochs:
             with open(f"{run}/ds.json") as f:
                 stage = zero_stage(json.load(f))
-            # as train_wan plans it: --checkpoint-blocks auto with the attention policy (TRAINER_FLAGS)
-            plan = {"checkpoint": "auto-step" if stage == 3 else "auto", "checkpoint_policy": "attention",
+            # as train_wan plans it: TRAINER_FLAGS' --checkpoint-blocks auto with the variant's policy
+            plan = {**plan_checkpoint(SimpleNamespace(checkpoint_blocks="auto", checkpoint_policy=policy), stage),
                     **TRAINER_KEYS.get(name, {})}
             ep = epoch_plan(f"{run}/profile.yaml", manifest, TRAINER_E2E[name], grad_accum, stage, **plan)
             steps = args.e2e_epochs * len(ep.steps)

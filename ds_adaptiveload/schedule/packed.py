@@ -84,7 +84,7 @@ def pack_cap(keep, ctx: PackedCtx, seed) -> int:
     if want is None or (want == "auto" and not keep):
         return budget
     if want != "auto":
-        return min(int(want), budget)
+        return min(want, budget)
     rng = random.Random(f"{seed}/pack_tokens")
     order = rng.sample(keep, min(len(keep), CAP_SAMPLES))
     fill = ctx.cfg.fill or PACK_FILL

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
+from ds_adaptiveload.schedule.planner import check_pack_tokens
 from ds_adaptiveload.train.lr_scaling import METHODS as LR_SCALING_METHODS
 
 
@@ -99,8 +100,6 @@ class AdaptiveLoadConfig:
                 raise UserError(f"{source}: adaptive_load.{key} must be one of {', '.join(choices)}, got {d[key]!r}")
         if d.get("replicate") not in (None, True, False):
             raise UserError(f"{source}: adaptive_load.replicate must be true, false or null, got {d['replicate']!r}")
-        from ds_adaptiveload.schedule.planner import check_pack_tokens
-
         check_pack_tokens(d.get("pack_tokens"), f"{source}: adaptive_load.pack_tokens")
         ref = d.get("lr_reference_batch_size")
         if ref is not None and (not isinstance(ref, int) or isinstance(ref, bool) or ref < 1):
