@@ -74,6 +74,10 @@ def parse_args(argv=None):
                         "--e2e-steps, so that the variants train the same samples")
     p.add_argument("--e2e-warmup", type=int, default=3, help="steps left out of e2e_mfu (start-up, compiles)")
     p.add_argument("--memory-json", help="proposed profile fields from an earlier run (for e2e without shapes)")
+    p.add_argument("--e2e-profile", choices=["probed", "config"], default="probed",
+                   help="train-* variants: the trainer's profile is --config's own with the memory fields probed here "
+                        "(or --memory-json's) and --e2e-recompute (probed), or --config's profile unchanged, as a "
+                        "user's run of that JSON plans (config)")
     p.add_argument("--e2e-recompute", type=recompute_pair, default=None, metavar="FULL,ATTN",
                    help="train-* variants: time_ms.recompute_frac and attention_recompute_frac in the trainer's profile "
                         "(the H200's compiled 720p 81f clip: 0.22,0.16, docs/calibration.md), so that the planner "

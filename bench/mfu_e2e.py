@@ -98,6 +98,17 @@ def write_trainer_profile(path, base_ds, memory, recompute=None):
     prof.to_yaml(path)
 
 
+def copy_config_profile(path, base_ds):
+    """--e2e-profile config: the base DeepSpeed JSON's own profile, unchanged (memory, block fields, recompute), as
+    a user's run of that JSON plans with it."""
+    import shutil
+
+    from ds_adaptiveload.train.config import read_json_object
+
+    ds = read_json_object(os.path.join(ROOT, base_ds), "DeepSpeed config")
+    shutil.copyfile(os.path.join(ROOT, ds["adaptive_load"]["profile"]), path)
+
+
 def epoch_plan(profile_path, manifest, policy, grad_accum, stage=2, **plan):
     """Epoch 0 of the plan the trainer makes for this variant on one GPU under ZeRO `stage` (lockstep, as under
     ZeRO-2; the profile's memory moved to that run, as the trainer moves it); plan: further PlanConfig keys."""
@@ -133,7 +144,11 @@ def e2e_variant(args, name, manifest, memory, deadline):
             os.remove(os.path.join(run, f))
     with open(os.path.join(ROOT, args.config)) as f:
         grad_accum = json.load(f).get("gradient_accumulation_steps", 1)
-    if name in TRAINER_E2E:
+    if name in TRAINER_E2E and args.e2e_profile == "config":
+        copy_config_profile(f"{run}/profile.yaml", args.config)
+        write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), f"{run}/profile.yaml", TRAINER_E2E[name],
+                      grad_accum=grad_accum, **TRAINER_KEYS.get(name, {}))
+    elif name in TRAINER_E2E:
         write_trainer_profile(f"{run}/profile.yaml", args.config, memory[mode], args.e2e_recompute)
         write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), f"{run}/profile.yaml", TRAINER_E2E[name],
                       grad_accum=grad_accum, **TRAINER_KEYS.get(name, {}))
@@ -166,7 +181,8 @@ def e2e_variant(args, name, manifest, memory, deadline):
             steps = args.e2e_epochs * len(ep.steps)
             planned = {"steps_per_epoch": len(ep.steps), "pack_tokens": ep.pack_tokens,
                        "micro_batch_tokens": [sum(ep.tokens[i] for i in mb) for mbs in ep.steps[0] for mb in mbs],
-                       "predicted_epoch_s": round(sum(ep.pred_wall_ms) / 1e3, 2), "recompute": args.e2e_recompute}
+                       "predicted_epoch_s": round(sum(ep.pred_wall_ms) / 1e3, 2),
+                       "recompute": args.e2e_recompute if args.e2e_profile == "probed" else "profile"}
         rc = launch(f"{run}/ds.json", manifest, steps, run, log, "--num_gpus 1", flags, args.model_config,
                     timeout=max(deadline - time.monotonic(), 10), script="bench/mfu_train.py" if ckpt else None)
     finally:

@@ -259,6 +259,33 @@ def test_trainer_e2e_variants_launch_what_train_wan_accepts(tmp_path, monkeypatc
             assert out["plan"]["pack_tokens"] <= prof.budget_tokens
 
 
+def test_e2e_profile_config_trains_with_the_configs_own_profile(tmp_path, monkeypatch):
+    """--e2e-profile config: the trainer's profile is the JSON's own, byte for byte (no probed memory fields, no
+    --e2e-recompute), as a user's run of the shipped config plans."""
+    from types import SimpleNamespace
+
+    import train_steps
+
+    from ds_adaptiveload.schedule.mixes import make_mix
+
+    calls = []
+    monkeypatch.setattr(train_steps, "launch", lambda ds, manifest, steps, run, log, la, flags, model_cfg, **kw:
+                        calls.append(ds) or 0)
+    manifest = train_steps.write_data(str(tmp_path / "data"), make_mix("video-heavy", 6, seed=0), text_dim=8,
+                                      text_len=4)
+    args = mfu.parse_args(["--parts", "e2e", "--e2e-epochs", "1", "--out", str(tmp_path), "--work", str(tmp_path),
+                           "--e2e-profile", "config", "--e2e-recompute", "0.22,0.16"])
+    out = mfu.e2e_variant(args, "train-regions-attn-packed", manifest, mfu.e2e_memory(args, SimpleNamespace(doc={})),
+                          deadline=1e12)
+    with open(calls[-1]) as f:
+        used = json.load(f)["adaptive_load"]["profile"]
+    with open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json")) as f:
+        shipped = os.path.join(ROOT, json.load(f)["adaptive_load"]["profile"])
+    with open(used, "rb") as a, open(shipped, "rb") as b:
+        assert a.read() == b.read()
+    assert out["rc"] == 0 and out["plan"]["recompute"] == "profile"
+
+
 def test_e2e_memory_warns_when_a_mode_and_its_attn_mode_come_from_different_sources(tmp_path):
     """A --memory-json that measured regions-attn but not regions: the -attn plan takes regions' (estimated) base, so
     the doc and stdout say so (the fifth session's call 2 planned k with the eager estimate this way)."""
