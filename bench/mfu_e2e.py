@@ -144,12 +144,11 @@ def e2e_variant(args, name, manifest, memory, deadline):
             os.remove(os.path.join(run, f))
     with open(os.path.join(ROOT, args.config)) as f:
         grad_accum = json.load(f).get("gradient_accumulation_steps", 1)
-    if name in TRAINER_E2E and args.e2e_profile == "config":
-        copy_config_profile(f"{run}/profile.yaml", args.config)
-        write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), f"{run}/profile.yaml", TRAINER_E2E[name],
-                      grad_accum=grad_accum, **TRAINER_KEYS.get(name, {}))
-    elif name in TRAINER_E2E:
-        write_trainer_profile(f"{run}/profile.yaml", args.config, memory[mode], args.e2e_recompute)
+    if name in TRAINER_E2E:
+        if args.e2e_profile == "config":
+            copy_config_profile(f"{run}/profile.yaml", args.config)
+        else:
+            write_trainer_profile(f"{run}/profile.yaml", args.config, memory[mode], args.e2e_recompute)
         write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), f"{run}/profile.yaml", TRAINER_E2E[name],
                       grad_accum=grad_accum, **TRAINER_KEYS.get(name, {}))
     else:
