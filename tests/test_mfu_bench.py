@@ -183,7 +183,8 @@ def test_trainer_profile_takes_the_probed_memory_fields(tmp_path):
            "block_bytes_per_token": 79506.0, "attention_bytes_per_token": 5068.0}
     mfu.write_trainer_profile(tmp_path / "p.yaml", "configs/ds_zero2_bf16.json", mem)
     prof = CostProfile.load(tmp_path / "p.yaml")
-    base = CostProfile.load(os.path.join(ROOT, "configs/profiles/h200-wan1.3b-calibrated.yaml"))
+    with open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json")) as f:
+        base = CostProfile.load(os.path.join(ROOT, json.load(f)["adaptive_load"]["profile"]))
     assert (prof.budget_tokens, prof.per_token_ms, prof.floor_ms) == (base.budget_tokens, base.per_token_ms, base.floor_ms)
     assert {k: prof.memory[k] for k in mem if k != "capacity_bytes"} == {k: v for k, v in mem.items()
                                                                         if k != "capacity_bytes"}

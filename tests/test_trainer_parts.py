@@ -274,8 +274,8 @@ def test_compile_cache_argument_is_checked_before_training(tmp_path):
 
 
 def test_profile_for_run_moves_memory_to_the_run_and_warns_on_sp_or_stage():
-    """The shipped ZeRO-2 config plans with the ZeRO-3 2-rank calibrated profile: on one rank its memory is moved to
-    ZeRO-2 there (a smaller budget) and rank 0 is told, with a warning that the time terms are ZeRO-3's; another sp
+    """A ZeRO-2 run planning with the ZeRO-3 2-rank calibrated profile: on one rank its memory is moved to ZeRO-2
+    there (a smaller budget) and rank 0 is told, with a warning that the time terms are ZeRO-3's; another sp
     is warned of; a matching run, or a profile that cannot say what it was calibrated for, is left alone."""
     from types import SimpleNamespace
 
@@ -390,3 +390,25 @@ def test_prepare_data_passes_pack_tokens_to_the_plan_and_the_layout(tmp_path):
             mem = c.profile.mem_tokens
             assert all(sum(mem(plan.tokens[i]) for i in mb) <= cap for st in plan.steps for mbs in st for mb in mbs
                        if len(mb) > 1)
+
+
+def test_trainer_warns_when_the_profile_was_calibrated_with_other_compiled_blocks():
+    """The shipped ZeRO-2 profile was calibrated with compiled regions: a run without --compile-blocks (or with
+    block) is told; auto (= regions) and a profile that does not record it are left alone."""
+    from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.train.setup import compile_mismatch
+
+    with open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json")) as f:
+        path = os.path.join(ROOT, json.load(f)["adaptive_load"]["profile"])
+    z2 = CostProfile.load(path)
+    assert z2.meta["compile_blocks"] == "regions"
+    assert compile_mismatch(z2, "regions") == compile_mismatch(z2, "auto") == []
+    (line,) = compile_mismatch(z2, None, path)
+    assert line.startswith(f"warning: {path} was calibrated with --compile-blocks regions, this run has no "
+                           f"--compile-blocks")
+    assert "this run has --compile-blocks block" in compile_mismatch(z2, "block")[0]
+    eager = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml"))
+    assert "compile_blocks" not in eager.meta and compile_mismatch(eager, "regions") == []
+    eager.meta = {**eager.meta, "compile_blocks": "none"}
+    assert compile_mismatch(eager, None) == [] and "calibrated with no --compile-blocks" in compile_mismatch(
+        eager, "auto")[0]

@@ -37,6 +37,7 @@ def read_config(args, world, rank):
     model_cfg = WanConfig.from_yaml(args.model_config)
     path = al.resolve_profile(args.deepspeed_config)
     profile, lines = profile_for_run(CostProfile.load(path), stage, dims, path)  # every rank: the same plan
+    lines += compile_mismatch(profile, getattr(args, "compile_blocks", None), path)
     fault = faults.Faults(args.fault, rank)
     for line in lines if rank == 0 else ():
         print(f"[train_wan] {line}", file=sys.stderr)
@@ -61,6 +62,25 @@ def profile_for_run(profile, stage: int, dims, source: str = "profile"):
                      f"balance will be off (measured: -33% on the 1.3B model); calibrate with this config or derive "
                      f"one (bench/plan/sp_profile_check.py)")
     return profile, lines
+
+
+def _compile_kind(k) -> str:
+    """--compile-blocks' value (or meta.compile_blocks) -> none, block or regions (auto takes regions, as
+    model/compile.compile_kind does; not imported here, since it imports torch)."""
+    return "none" if k in (None, False, "none") else "regions" if k in (True, "auto") else str(k)
+
+
+def compile_mismatch(profile, compile_blocks, source: str = "profile") -> list:
+    """A warning line where the profile's meta.compile_blocks (what calibrate ran) differs from this run's
+    --compile-blocks: compiled blocks run faster and keep other activations than eager ones, so the plan's times
+    and its checkpointing are off. A profile that does not record it is left alone."""
+    calibrated = profile.meta.get("compile_blocks")
+    if calibrated is None or _compile_kind(calibrated) == _compile_kind(compile_blocks):
+        return []
+    want, have = (f"--compile-blocks {k}" if k != "none" else "no --compile-blocks"
+                  for k in (_compile_kind(calibrated), _compile_kind(compile_blocks)))
+    return [f"warning: {source} was calibrated with {want}, this run has {have}: its predicted times and memory "
+            f"are for the other; run with {want}, or calibrate with this run's flags"]
 
 
 def check_compile_cache(args) -> None:
