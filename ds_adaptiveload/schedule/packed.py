@@ -37,9 +37,15 @@ PACK_FILL = 0.92
 HEAVY_FRAC = 0.75
 # Slots the LPT tries (cheapest first) before it defers a sample that fits none of them to the next step.
 TRIES = 8
-# How far ahead in the stream (at least; 2 R*G at scale) a round's cheaper slots look for light samples to
+# How far ahead in the stream (at least) a round's cheaper slots look for light samples to
 # fill their gap (few samples per slot, i.e. small budgets, leave gaps that moves and swaps cannot close).
 SAND_WINDOW = 256
+# ... and at least this many steps' slots: with one clip per micro-batch a slot beside a long clip needs many
+# light samples, and 2 R*G ran dry (video-heavy, 1024 ranks, G = 1: idle 0.315% -> 0.22% at 32).
+SAND_SLOTS = 32
+# A heavy shape's last, shorter run is placed in the stream no later than this fraction of the epoch: in the last
+# steps few light samples are left to fill the slots beside it (the same case: 0.22% -> 0.15%).
+REMAINDER_BEFORE = 0.9
 # A slot this close (relative) to its round's mean (evening) or costliest slot (gap filling) is left alone.
 EVEN_TOL = 1e-3
 # replicate=None: light samples come in runs of R when a slot holds fewer than this many on average. At
@@ -216,6 +222,9 @@ def _stream(keep, ctx, rng, heavy, run, replicate=False):
         starts = range(n) if n == len(group) else accumulate(sizes, initial=0)
         items += group
         keys.extend([(j + rnd()) / n for j, _ in zip(starts, group)])
+        for p, it in enumerate(group, len(items) - len(group)):  # a heavy shape's shorter, last run
+            if isinstance(it, list) and heavy[it[0]] and len(it) < run:
+                keys[p] = min(keys[p], REMAINDER_BEFORE)
     order, runs, cont = array("q"), {}, bytearray()
     # keys ascend within a class, so the sort merges a few sorted runs
     for p in sorted(range(len(items)), key=keys.__getitem__):
@@ -254,10 +263,10 @@ class _Drawer:
 
     def sand(self, gap, sl, k):
         """Pull forward a light sample of the costliest shape that costs at most `gap` and fits slot k
-        (memory, compute cap), from the next max(SAND_WINDOW, 2 R*G) of the stream, or None. Counted as drawn
-        now, skipped when reached. Per shape, a queue of its positions ahead: O(shapes) a call."""
+        (memory, compute cap), from the next max(SAND_WINDOW, SAND_SLOTS R*G) of the stream, or None. Counted as
+        drawn now, skipped when reached. Per shape, a queue of its positions ahead: O(shapes) a call."""
         stream, ahead, pos = self.stream, self.ahead, self.pos
-        end = min(len(stream), pos + max(SAND_WINDOW, 2 * self.slots))
+        end = min(len(stream), pos + max(SAND_WINDOW, SAND_SLOTS * self.slots))
         while self.horizon < end:
             p = self.horizon
             if not self.heavy[stream[p]]:
