@@ -4,6 +4,7 @@ comes back packed in at most 6 files."""
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tarfile
 
@@ -78,3 +79,17 @@ def test_stage_table_parses_and_adds_the_build():
         for cmd in st.cmds:
             scripts = [a for a in cmd if a.endswith(".py") and "/" in a]
             assert st.needs_file or all(os.path.exists(os.path.join(ROOT, s)) for s in scripts), cmd
+
+
+def test_accum_memory_runs_one_process_per_grad_accum(tmp_path):
+    """bench/e2e/accum_memory.py on CPU (tiny model, no peak statistics there): one child per G, each running its
+    steps of G micro-batches through training's micro_step and engine.step, and the JSON the device stage keeps."""
+    out = tmp_path / "accum"
+    p = subprocess.run([sys.executable, "bench/e2e/accum_memory.py", "--out", str(out), "--config",
+                        "configs/ds_tiny_cpu.json", "--model-config", "configs/wan_tiny.yaml", "--shape", "1x32x32",
+                        "--steps", "2", "--ga", "1,2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    doc = json.loads((out / "accum-memory.json").read_text())
+    assert [r["grad_accum"] for r in doc["runs"]] == [1, 2]
+    assert [len(s["micro_peak_bytes"]) for r in doc["runs"] for s in r["steps"]] == [1, 1, 2, 2]
+    assert doc["runs"][0]["params"] == doc["runs"][1]["params"] > 0 and set(doc["extra_peak_bytes"]) == {"1", "2"}
