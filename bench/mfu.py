@@ -100,6 +100,8 @@ class Doc:
                     "rows": [], "per_shape": [], "e2e": [], "skipped": []}
 
     def save(self):
+        import torch  # noqa: F401 - so that the environment names the GPU (the e2e part alone imports none here)
+
         env = harness.environment()
         self.doc.update(env=env, device=env.get("device"), torch=env.get("torch"), deepspeed=env.get("deepspeed"))
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
