@@ -544,10 +544,17 @@ class FakeStepFn:
     def __init__(self, *args):
         self.reserved, self.before_exit = None, None
 
+    FLOOR = 30.8e9  # the optimizer step's peak, above a small micro-batch's fwd+bwd
+
     def __call__(self, p):
-        peak = int(max(30.8e9, 23e9 + 2.24e5 * p.tokens * (1 + 0.1 * max(0, p.tokens - 80_000) / 4e5) + 2.07e7 * p.B))
+        self.fwd_bwd_peak = int(self.activations(p))
+        peak = int(max(self.FLOOR, self.fwd_bwd_peak))
         self.reserved = peak + 2**30
         return max(1500.0, model_ms(p)), 130.0, peak
+
+    @staticmethod
+    def activations(p):
+        return 23e9 + 2.24e5 * p.tokens * (1 + 0.1 * max(0, p.tokens - 80_000) / 4e5) + 2.07e7 * p.B
 
 
 def test_calibration_stages_with_a_fake_engine(tmp_path, monkeypatch):

@@ -33,7 +33,10 @@ class OpenFakeStepFn(FakeStepFn):
         self.calls.append((p.role, self.blocks, self.policy))
         ckpt = L if self.blocks is True else self.blocks
         kept = ckpt if self.policy == "attention" else 0
-        peak += kept * ATTN_PER_TOKEN * p.tokens + (L - ckpt) * (OPEN_PER_TOKEN * p.tokens + OPEN_PER_SAMPLE * p.B)
+        # what open blocks and kept attention add is activation memory: on the fwd+bwd peak, not on the floor
+        extra = kept * ATTN_PER_TOKEN * p.tokens + (L - ckpt) * (OPEN_PER_TOKEN * p.tokens + OPEN_PER_SAMPLE * p.B)
+        self.fwd_bwd_peak = int(self.activations(p) + extra)
+        peak = max(peak, self.fwd_bwd_peak)
         return ms * (1 - RECOMPUTE * (L - ckpt) / L - ATTN_RECOMPUTE * kept / L), step_ms, int(peak)
 
 
@@ -99,6 +102,8 @@ def test_calibration_writes_the_open_block_fields(tmp_path, monkeypatch):
     """ZeRO-2: both open runs and the attention run; the profile written and read back carries the fields, and
     the model is back to every block checkpointed after them."""
     prof, fn = calibration(tmp_path, monkeypatch, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}})
+    # both chosen points' checkpointed steps peak at the fake's floor: the extras count from their fwd+bwd peaks
+    assert [r["ckpt_peak_bytes"] for r in prof.fit["open_blocks"]] == [int(FakeStepFn.FLOOR)] * 3
     assert prof.memory["block_bytes_per_token"] == pytest.approx(OPEN_PER_TOKEN, rel=1e-3)
     assert prof.memory["block_bytes_per_sample"] == pytest.approx(OPEN_PER_SAMPLE, rel=1e-3)
     assert prof.memory["attention_bytes_per_token"] == pytest.approx(ATTN_PER_TOKEN, rel=1e-3)
@@ -182,3 +187,50 @@ def test_open_block_runs_on_a_real_zero2_engine(tmp_path):
     assert prof.memory["attention_bytes_per_token"] == pytest.approx(20, rel=1e-3)
     assert prof.recompute_frac == pytest.approx(1 - 1 / 1.3, abs=1e-3)  # the synthetic time: 0.3 more per block
     assert prof.attention_recompute_frac == pytest.approx(0.1, abs=1e-3)  # and 10% less keeping every attention
+
+
+def test_derive_differences_against_the_fwd_bwd_peak_not_the_optimizer_floor():
+    """A checkpointed point whose step peak is the floor (the optimizer step's, above its fwd+bwd): the extra bytes of
+    the open and attention runs count from the fitted line's fwd+bwd peak (ckpt_peak). Against the floor they came
+    out 2,716 instead of ~5,300 bytes per token for attention on the H200 (docs/benchmarks.md, thirteenth session)."""
+    fixed, per_token, per_sample, floor = 23e9, 172_500.0, 22.6e6, 31.3e9
+    mem = (fixed, per_token, floor, per_sample)
+    clip, images = point(1, 32760, floor), point(16, 1560, floor * 1.001)  # both steps peak at the floor
+    line = {id(c): fixed + per_token * c.tokens + per_sample * c.B for c in (clip, images)}
+    opened = [blocks.open_point(clip), blocks.open_point(images)]
+    for o, c in zip(opened, (clip, images)):
+        o.status, o.ms = "ok", [700.0]
+        o.peak_bytes = line[id(c)] + L * (OPEN_PER_TOKEN * c.tokens + OPEN_PER_SAMPLE * c.B)
+    attn = blocks.open_point(clip, "attention")
+    attn.status, attn.ms, attn.peak_bytes = "ok", [900.0], line[id(clip)] + L * ATTN_PER_TOKEN * clip.tokens
+    out = blocks.derive([(clip, opened[0]), (images, opened[1])], L, (clip, attn), mem)["memory"]
+    assert out["block_bytes_per_token"] == pytest.approx(OPEN_PER_TOKEN, rel=1e-4)
+    assert out["block_bytes_per_sample"] == pytest.approx(OPEN_PER_SAMPLE, rel=1e-3)
+    assert out["attention_bytes_per_token"] == pytest.approx(ATTN_PER_TOKEN, rel=1e-3)
+    low = blocks.derive([(clip, opened[0]), (images, opened[1])], L, (clip, attn))["memory"]  # against the floor
+    assert low["attention_bytes_per_token"] < 0.8 * ATTN_PER_TOKEN
+    above = point(1, 32760, floor * 1.5)  # above the floor: the measured peak is the fwd+bwd peak
+    assert blocks.ckpt_peak(above, mem) == above.peak_bytes and blocks.ckpt_peak(clip, None) == clip.peak_bytes
+
+
+def test_shipped_zero2_profile_fields_are_derive_of_its_stored_runs():
+    """configs/profiles/h200-wan1.3b-zero2.yaml's open-block fields are what blocks.derive makes of the runs stored
+    in its fit.open_blocks, with its fitted memory line."""
+    from types import SimpleNamespace as NS
+
+    prof = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero2.yaml"))
+    m, fit = prof.memory, prof.fit
+
+    def run(r, peak, ms, role):
+        return NS(role=role, B=r["B"], shape=r["shape"], tokens=r["tokens"], status="ok", peak_bytes=r[peak],
+                  median_ms=r[ms], note="")
+
+    pairs = [(run(r, "ckpt_peak_bytes", "ckpt_ms", "fit"), run(r, "peak_bytes", "ms", r["role"]))
+             for r in fit["open_blocks"]]
+    mem = (m["fixed_bytes"], m["bytes_per_token"], fit["memory"]["floor_bytes_measured"], m["bytes_per_sample"])
+    out = blocks.derive([p for p in pairs if p[1].role == "open"], prof.meta["model"]["num_layers"],
+                        next(p for p in pairs if p[1].role == "attention"), mem)
+    assert out["memory"] == {k: m[k] for k in ("block_bytes_per_token", "block_bytes_per_sample",
+                                               "attention_bytes_per_token")}
+    assert out["time_ms"] == {"recompute_frac": prof.recompute_frac, "attention_recompute_frac":
+                              prof.attention_recompute_frac}

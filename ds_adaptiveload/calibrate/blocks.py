@@ -10,6 +10,8 @@ fields. Two points, one clip (B = 1) and one of several samples, separate the pe
 """
 from dataclasses import replace
 
+from ds_adaptiveload.calibrate.fit import FLOOR_MARGIN
+
 # An open model's peak per token and per sample is taken to be at most this many times the checkpointed one's when
 # choosing points that fit with every block open (the 1.3B model on an H200: 10x per token, 8x per sample).
 OPEN_GROWTH = 16.0
@@ -46,12 +48,35 @@ def open_point(p, role="open"):
     return replace(p, role=role, status="pending", ms=[], step_ms=[], peak_bytes=None, reserved_bytes=None, note="")
 
 
-def derive(pairs, num_layers, attention=None) -> dict:
+def ckpt_peak(c, mem) -> float:
+    """The checkpointed point's fwd+bwd peak: as measured before its optimizer step (grid.Point.fwd_bwd_peak_bytes),
+    else its step peak, or, where that is the floor (the optimizer step's peak, higher than a small micro-batch's
+    fwd+bwd), the fitted line without the floor. Against the floor the open and attention runs' extra bytes came out
+    too small: on the H200 (1.3B model, ZeRO-2) the clip's step peaked at the 31.29 GB floor where its fwd+bwd line
+    gives 28.76 GB, which put attention_bytes_per_token at 2,716 instead of about 5,300 and end-to-end peaks
+    10-12 GiB above the model (docs/benchmarks.md, 2026-12-03)."""
+    if getattr(c, "fwd_bwd_peak_bytes", None):
+        return c.fwd_bwd_peak_bytes
+    if mem is None:
+        return c.peak_bytes
+    fixed, per_token, floor, per_sample = mem
+    if c.peak_bytes > floor * FLOOR_MARGIN:
+        return c.peak_bytes
+    return min(c.peak_bytes, fixed + per_token * c.tokens + per_sample * c.B)
+
+
+def _fwd_bwd(o) -> float:
+    """An open or attention run's fwd+bwd peak where measured, else its step peak (far above the floor there)."""
+    return getattr(o, "fwd_bwd_peak_bytes", None) or o.peak_bytes
+
+
+def derive(pairs, num_layers, attention=None, mem=None) -> dict:
     """The profile fields from (checkpointed point, the same point open) pairs and, optionally, (checkpointed,
-    attention-policy) for one point. Per open block: (open peak - checkpointed peak) / L = per_token * tokens
-    + per_sample * B, solved non-negatively (fit.nnls; one pair: per_sample 0). recompute_frac = 1 - open ms /
-    checkpointed ms of the pair with the most tokens; attention_recompute_frac = 1 - attention-policy ms /
-    checkpointed ms (at most recompute_frac). Returns {"memory": {...}, "time_ms": {...}, "points": [...]}."""
+    attention-policy) for one point. Per open block: (open - checkpointed fwd+bwd peak) / L = per_token *
+    tokens + per_sample * B, solved non-negatively (fit.nnls; one pair: per_sample 0); mem: fit.fit_memory's
+    (fixed, per token, floor, per sample), for ckpt_peak. recompute_frac = 1 - open ms / checkpointed ms of the pair
+    with the most tokens; attention_recompute_frac = 1 - attention-policy ms / checkpointed ms (at most
+    recompute_frac). Returns {"memory": {...}, "time_ms": {...}, "points": [...]}."""
     from ds_adaptiveload.calibrate.fit import nnls
 
     L = num_layers
@@ -60,7 +85,7 @@ def derive(pairs, num_layers, attention=None) -> dict:
     if not ran:
         return out
     rows = [[c.tokens, c.B] if len(ran) > 1 else [c.tokens] for c, _ in ran]
-    y = [max(0.0, o.peak_bytes - c.peak_bytes) / L for c, o in ran]
+    y = [max(0.0, _fwd_bwd(o) - ckpt_peak(c, mem)) / L for c, o in ran]
     coef = nnls(rows, y, [1.0 / max(v, 1.0) for v in y])  # relative: the clip's and the images' errors alike
     out["memory"]["block_bytes_per_token"] = round(float(coef[0]))
     out["memory"]["block_bytes_per_sample"] = round(float(coef[1])) if len(coef) > 1 else 0
@@ -71,7 +96,8 @@ def derive(pairs, num_layers, attention=None) -> dict:
         c, a = attention
         out["points"].append(_row(c, a))
         if a.status == "ok" and a.peak_bytes and c.peak_bytes:
-            out["memory"]["attention_bytes_per_token"] = round(max(0.0, a.peak_bytes - c.peak_bytes) / (L * c.tokens))
+            extra = max(0.0, _fwd_bwd(a) - ckpt_peak(c, mem))
+            out["memory"]["attention_bytes_per_token"] = round(extra / (L * c.tokens))
         if a.status == "ok" and c.median_ms and a.median_ms:
             # every block kept its attention: what that saved is attention's share of the recompute (at most all of it)
             saved = max(0.0, 1.0 - a.median_ms / c.median_ms)
@@ -84,4 +110,6 @@ def _row(c, o) -> dict:
     """One report row: the point, both peaks and times, and the status of the second run."""
     return {"role": o.role, "B": c.B, "shape": list(c.shape), "tokens": c.tokens, "status": o.status,
             "ckpt_peak_bytes": c.peak_bytes, "peak_bytes": o.peak_bytes, "ckpt_ms": c.median_ms, "ms": o.median_ms,
+            **({"ckpt_fwd_bwd_peak_bytes": c.fwd_bwd_peak_bytes} if getattr(c, "fwd_bwd_peak_bytes", None) else {}),
+            **({"fwd_bwd_peak_bytes": o.fwd_bwd_peak_bytes} if getattr(o, "fwd_bwd_peak_bytes", None) else {}),
             **({"note": o.note} if o.note else {})}

@@ -60,6 +60,7 @@ class StepFn:
         self.accel = get_accelerator()
         self.calls = 0
         self.reserved = None  # max_memory_reserved of the last step (max over ranks), read by grid.measure_point
+        self.fwd_bwd_peak = None  # max_memory_allocated before the optimizer step (max over ranks), likewise
         self.before_exit = None  # several ranks: called with the point before an out-of-memory exit
 
     def __call__(self, p):
@@ -82,6 +83,7 @@ class StepFn:
                            epoch=epoch, shift=5.0, seq_shard=self.seq_shard)
             self.accel.synchronize()
             t1 = time.perf_counter()
+            fwd_bwd = torch.cuda.max_memory_allocated(self.device) if cuda else None
             self.engine.step()
             self.accel.synchronize()
             t2 = time.perf_counter()
@@ -103,11 +105,13 @@ class StepFn:
         if self.world > 1:
             import torch.distributed as dist
 
-            v = torch.tensor([ms[0], ms[1], float(peak or 0), float(self.reserved or 0)], dtype=torch.float64,
-                             device=self.device)
+            v = torch.tensor([ms[0], ms[1], float(peak or 0), float(self.reserved or 0), float(fwd_bwd or 0)],
+                             dtype=torch.float64, device=self.device)
             dist.all_reduce(v, op=dist.ReduceOp.MAX)
             ms = (float(v[0]), float(v[1]), int(v[2]) if peak is not None else None)
             self.reserved = int(v[3]) if self.reserved is not None else None
+            fwd_bwd = int(v[4]) if fwd_bwd is not None else None
+        self.fwd_bwd_peak = fwd_bwd
         return ms
 
     def set_checkpointing(self, blocks, policy="full"):

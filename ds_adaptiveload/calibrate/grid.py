@@ -62,6 +62,9 @@ class Point:
     reserved_bytes: int = None
     """torch.cuda.max_memory_reserved over the point's steps: the allocator's footprint (allocated plus
     cached and fragmented blocks), reported beside the peak; not fitted."""
+    fwd_bwd_peak_bytes: int = None
+    """The peak of forward and backward alone, before the optimizer step (whose own peak is the floor of
+    peak_bytes for small micro-batches): what open blocks and kept attention outputs add to (blocks.py)."""
     note: str = ""
 
     @property
@@ -167,13 +170,13 @@ def measure_point(p, step_fn, clock, oom_types, repeats, big_s, warmup=1):
     """`warmup` untimed steps, then `repeats` timed ones (one when a warm-up took over big_s): p's times,
     peak and reserved bytes, status ok; an exception in `oom_types` makes it oom (step_fn cleaned up)."""
     try:
-        peaks = []
+        peaks, reserved, fwd_bwd = [], [], []
         t0 = clock()
-        reserved = []
         for _ in range(warmup):  # allocator, kernels' first use, Adam state on the first step
             t0 = clock()
             peaks.append(step_fn(p)[2])
             reserved.append(getattr(step_fn, "reserved", None))
+            fwd_bwd.append(getattr(step_fn, "fwd_bwd_peak", None))
         n = 1 if warmup and clock() - t0 > big_s else repeats
         for _ in range(n):
             fb, st, peak = step_fn(p)
@@ -181,9 +184,11 @@ def measure_point(p, step_fn, clock, oom_types, repeats, big_s, warmup=1):
             p.step_ms.append(st)
             peaks.append(peak)
             reserved.append(getattr(step_fn, "reserved", None))
-        peaks, reserved = [v for v in peaks if v], [v for v in reserved if v]
+            fwd_bwd.append(getattr(step_fn, "fwd_bwd_peak", None))
+        peaks, reserved, fwd_bwd = ([v for v in vs if v] for vs in (peaks, reserved, fwd_bwd))
         p.peak_bytes = max(peaks) if peaks else None
         p.reserved_bytes = max(reserved) if reserved else None
+        p.fwd_bwd_peak_bytes = max(fwd_bwd) if fwd_bwd else None
         p.status = "ok"
     except oom_types as e:
         # The allocator's message says how much was allocated and how much reserved but free (fragmentation).

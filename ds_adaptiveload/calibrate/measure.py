@@ -201,7 +201,8 @@ class Calibration:
             finally:
                 self.step_fn.set_checkpointing(args.checkpoint_blocks)
         attention = [(c, o) for c, o, _, policy in runs if policy == "attention"]
-        return derive([(c, o) for c, o, _, policy in runs if policy == "full"], L, attention[0] if attention else None)
+        return derive([(c, o) for c, o, _, policy in runs if policy == "full"], L, attention[0] if attention else None,
+                      self.mem)
 
     def _before_probe(self, probe):
         """Several ranks: an OOM in the probe stops the run (StepFn), so the profile is written first."""
