@@ -116,13 +116,10 @@ def test_zero2_config_matches_the_zero3_one_but_for_zero():
         assert z2[key] == z3[key], key
     assert set(al2.to_dict()) == set(al3.to_dict()) and al2.policy == al3.policy
     assert os.path.exists(os.path.join(ROOT, al2.profile))
-    # its own ZeRO-2 profile, with the hand-set safety's budget: (capacity * safety - fixed) / bytes per token
     from ds_adaptiveload.schedule.profile import CostProfile
 
-    prof = CostProfile.load(os.path.join(ROOT, al2.profile))
-    m = prof.memory
-    assert prof.meta["zero_stage"] == 2 and m["safety"] < prof.meta["safety_calibrated"]
-    assert prof.budget_tokens == int((m["capacity_bytes"] * m["safety"] - m["fixed_bytes"]) // m["bytes_per_token"])
+    prof = CostProfile.load(os.path.join(ROOT, al2.profile))  # its own ZeRO-2 profile, with the open-block fields
+    assert prof.meta["zero_stage"] == 2 and prof.memory["block_bytes_per_token"] > 0
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     assert DeepSpeedZeroConfig(**zo).stage == 2  # DeepSpeed's own schema accepts every key
