@@ -49,18 +49,8 @@ def child(args) -> dict:
     point = argparse.Namespace(B=args.batch, shape=tuple(int(v) for v in args.shape.split("x")), role="fit")
     out = {"grad_accum": g, "params": params, "steps": []}
     for s in range(args.steps):
-        peaks = []
-        for _ in range(g):
-            batch = fn._inputs(point)
-            fn.calls += 1
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            eng.micro_step(engine, batch, 1.0 / (g * args.batch), device=device, dtype=fn.dtype, seed=0, epoch=s,
-                           shift=5.0)
-            engine.step()  # an optimizer update at the G-th micro-batch only
-            if cuda:
-                torch.cuda.synchronize(device)
-            peaks.append(torch.cuda.max_memory_allocated(device) if cuda else 0)
+        # calibrate's own step (micro_step, then engine.step, which updates at the G-th micro-batch only): its peak
+        peaks = [fn(point)[2] or 0 for _ in range(g)]
         out["steps"].append({"step": s + 1, "micro_peak_bytes": peaks,
                              "allocated_after_bytes": torch.cuda.memory_allocated(device) if cuda else 0})
     return out

@@ -45,7 +45,8 @@ def choose_points(points, mem, limit) -> list:
 
 def open_point(p, role="open"):
     """A copy of fitted point p to measure again (no times or peak yet), with `role` (open | attention)."""
-    return replace(p, role=role, status="pending", ms=[], step_ms=[], peak_bytes=None, reserved_bytes=None, note="")
+    return replace(p, role=role, status="pending", ms=[], step_ms=[], peak_bytes=None, reserved_bytes=None,
+                   fwd_bwd_peak_bytes=None, note="")
 
 
 def ckpt_peak(c, mem) -> float:

@@ -226,7 +226,7 @@ def _stream(keep, ctx, rng, heavy, run, replicate=False):
             if isinstance(it, list) and heavy[it[0]] and len(it) < run:
                 keys[p] = min(keys[p], REMAINDER_BEFORE)
     order, runs, cont = array("q"), {}, bytearray()
-    # keys ascend within a class, so the sort merges a few sorted runs
+    # keys ascend within a class (but for the shorter runs moved up), so the sort merges a few sorted runs
     for p in sorted(range(len(items)), key=keys.__getitem__):
         it = items[p]
         if not isinstance(it, list):
