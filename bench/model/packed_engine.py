@@ -1,0 +1,151 @@
+"""Packed micro-batches through the DeepSpeed engine (issue #19, item 5): forward+backward of one packed micro-batch
+against the same samples as one-shape micro-batches, each a micro-step of the shipped config's engine, as training
+runs them. bench/model/packed_model.py times the bare model, where nothing is paid per micro-batch but kernels; here
+every micro-batch also pays DeepSpeed's per-micro-batch work (ZeRO's gradient reduction hooks and epilogue, ZeRO-3's
+parameter gathers), which packing is meant to save.
+
+    python3 bench/model/packed_engine.py --out OUT [--configs configs/ds_zero2_bf16.json,configs/ds_zero3_bf16.json]
+    PACKED_SMOKE=1 python3 bench/model/packed_engine.py --out /tmp/pe     # CPU: tiny model and shapes
+
+One process per config builds the engine as calibrate does (calibrate/engine.py: training's own pieces, every
+block checkpointed, the blocks compiled as `--compile-blocks` compiles them) and runs calibrate's StepFn: training's
+micro_step, timed apart from the optimizer step that follows it. After one warm-up of each case (which compiles its
+shapes), packed and its comparison are timed alternately A B B A (--pairs), so clock drift falls on both alike:
+- the mixed pack (1 x 720p 81f, 2 x 480p 81f, 40 images) against its three one-shape micro-batches, summed;
+- the image-heavy pack (112 images of 5 shapes) against 128 images of one shape (the best one-shape image batch of
+  packed_model.py's sweep), in tokens/s.
+Writes OUT/packed-engine-<config>.json per config (every timing, fwd+bwd and step ms apart, peaks)."""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+
+def micro_batches(spec, packed):
+    """calibrate's StepFn inputs for a [(count, frames, height, width)] spec: one packed micro-batch (samples of a
+    shape contiguous), or one tensor micro-batch per shape."""
+    if packed:
+        shapes = [tuple(s) for c, *s in spec for _ in range(c)]
+        return [argparse.Namespace(shapes=shapes, B=len(shapes), role="packed")]
+    return [argparse.Namespace(B=c, shape=tuple(s), role="fit") for c, *s in spec]
+
+
+def run_case(fn, mbs):
+    """One case: every micro-batch's micro-step and optimizer step; (fwd+bwd ms summed, step ms summed, peak)."""
+    fb, st, peak = 0.0, 0.0, 0
+    for mb in mbs:
+        a, b, p = fn(mb)
+        fb, st, peak = fb + a, st + b, max(peak, p or 0)
+    return fb, st, peak
+
+
+def child(args) -> dict:
+    """One engine of args.child's config: warm-up and ABBA pairs of both comparisons."""
+    import packed_model as pm  # its module import sets the allocator the profiles were calibrated under
+
+    from ds_adaptiveload.calibrate.engine import StepFn, init_engine
+    from ds_adaptiveload.model import WanConfig
+    from ds_adaptiveload.schedule.profile import CostProfile
+
+    t0 = time.perf_counter()
+    cfg = WanConfig.from_yaml(os.path.join(ROOT, args.model_config))
+    with open(os.path.join(ROOT, args.child)) as f:
+        ds = json.load(f)
+    geo = CostProfile.load(os.path.join(ROOT, ds["adaptive_load"]["profile"])).geometry
+    opts = argparse.Namespace(seed=0, checkpoint_blocks=True, compile_blocks=args.compile_blocks or None)
+    engine, dims, seq_shard, device, dtype = init_engine(cfg, ds, opts)
+    fn = StepFn(engine, cfg, geo, seq_shard, device, dtype, seed=0, dims=dims)
+    best = (pm.SWEEP[True][-1], *pm.IMAGE)
+    tokens = {k: sum(c * geo.tokens(f, h, w) for c, f, h, w in spec)
+              for k, spec in (("mixed", pm.MIXED[True]), ("image-heavy", pm.IMAGE_MIX[True]), ("best", [best]))}
+    pairs = [("mixed: packed / separate", micro_batches(pm.MIXED[True], True), micro_batches(pm.MIXED[True], False),
+              tokens["mixed"], tokens["mixed"]),
+             (f"image-heavy packed / images-B{best[0]}", micro_batches(pm.IMAGE_MIX[True], True),
+              micro_batches([best], False), tokens["image-heavy"], tokens["best"])]
+    out = {"config": args.child, "compile_blocks": args.compile_blocks, "world": dims.world,
+           "engine_s": round(time.perf_counter() - t0, 1), "comparisons": []}
+    for name, a, b, tok_a, tok_b in pairs:
+        warm = [run_case(fn, a), run_case(fn, b)]  # compiles the shapes; not counted
+        rec = {"name": name, "tokens_a": tok_a, "tokens_b": tok_b, "micro_batches_b": len(b),
+               "warmup_ms": [round(w[0], 1) for w in warm], "pairs": []}
+        for i in range(args.pairs):
+            if time.perf_counter() - t0 > args.budget_s:
+                rec["status"] = "cut: time budget"
+                break
+            got = {}
+            for key, mbs in ((("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))):
+                got[key] = run_case(fn, mbs)
+            (fa, sa, pa), (fb, sb, pb) = got["a"], got["b"]
+            rec["pairs"].append({"a_fwd_bwd_ms": round(fa, 1), "b_fwd_bwd_ms": round(fb, 1), "a_step_ms": round(sa, 1),
+                                 "b_step_ms": round(sb, 1), "a_peak_gib": round(pa / 2**30, 2),
+                                 "b_peak_gib": round(pb / 2**30, 2), "ratio": round(tok_a / fa / (tok_b / fb), 5)})
+        if rec["pairs"]:
+            # above 1: packed trains its tokens faster (fwd+bwd) than its comparison
+            rec["ratio_median"] = round(statistics.median(p["ratio"] for p in rec["pairs"]), 5)
+            rec["saved_ms_median"] = round(statistics.median(
+                p["b_fwd_bwd_ms"] * tok_a / tok_b - p["a_fwd_bwd_ms"] for p in rec["pairs"]), 1)
+        print("PAIR " + json.dumps(rec), flush=True)
+        out["comparisons"].append(rec)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def main(argv=None):
+    smoke = os.environ.get("PACKED_SMOKE") == "1"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="configs/ds_zero2_bf16.json", help="DeepSpeed JSONs, comma-separated")
+    ap.add_argument("--model-config", default="configs/wan_tiny.yaml" if smoke else "configs/wan_1_3b.yaml")
+    ap.add_argument("--compile-blocks", default="" if smoke else "regions",
+                    help="as training's --compile-blocks ('' for eager blocks)")
+    ap.add_argument("--pairs", type=int, default=4, help="ABBA pairs per comparison")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="no pair starts after this many seconds (all configs)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    t0, rc = time.perf_counter(), 0
+    for config in args.configs.split(","):
+        left = args.budget_s - (time.perf_counter() - t0)
+        cmd = [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]), "--child", config,
+               "--budget-s", str(max(left, 0.0))]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        res = json.loads(lines[-1][7:]) if lines else {"config": config, "rc": p.returncode}
+        res.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **versions())
+        if not lines:
+            res["stderr_tail"] = p.stderr[-4000:]
+            rc = 1
+        name = os.path.splitext(os.path.basename(config))[0]
+        with open(os.path.join(args.out, f"packed-engine-{name}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        for c in res.get("comparisons", []):
+            print(f"[packed_engine] {name}: {c['name']}: ratio {c.get('ratio_median')}, saved "
+                  f"{c.get('saved_ms_median')} ms (pairs {len(c['pairs'])})", flush=True)
+    return rc
+
+
+def versions() -> dict:
+    import torch
+
+    try:
+        import deepspeed
+        ds = deepspeed.__version__
+    except ImportError:
+        ds = None
+    return {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "deepspeed": ds}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
