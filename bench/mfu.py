@@ -13,7 +13,8 @@ counts with all / no blocks checkpointed give the per-token activation bytes, wr
 fields memory.block_bytes_per_token and time_ms.recompute_frac (= 1 - ms(none) / ms(all) of 480p 81f).
 e2e: launch/train_wan.py under the deepspeed launcher on the video-heavy synthetic mix (bench/mfu_train.py
 applies the levers from outside); e2e_mfu = model FLOPs / (step wall x peak) over the steps after warm-up,
-data loading, optimizer and idle included, with each step's peak memory against the device's.
+data loading, optimizer and idle included, with each step's peak memory against the device's; steady_mfu the same
+from the first step at the GPU's steady power state (bench/mfu_e2e.steady_summary: at an H200's 700 W cap).
 Writes OUT/mfu-<date>-h200.json (+ .md), saved after every measurement so a cut run keeps what it measured.
 """
 import argparse
@@ -115,9 +116,9 @@ def tables(doc) -> str:
     cols = ["shape", "B", "tokens", "mode", "ckpt", "k", "ms", "mfu", "peak_gib", "pred_peak_gib", "status"]
     fmt = {"ms": ".0f", "mfu": ".3f", "peak_gib": ".1f", "pred_peak_gib": ".1f"}
     out = "## Per micro-batch\n\n" + harness.markdown_table(doc["rows"], cols, fmt=fmt)
-    ecols = ["variant", "e2e_mfu", "steps", "step_ms_median", "tokens_per_s", "mem_peak_gib_max", "mem_capacity_gib",
+    ecols = ["variant", "e2e_mfu", "steady_mfu", "steps", "step_ms_median", "tokens_per_s", "mem_peak_gib_max", "mem_capacity_gib",
              "block_graphs", "rc"]
-    efmt = {"e2e_mfu": ".3f", "step_ms_median": ".0f", "tokens_per_s": ".0f", "mem_peak_gib_max": ".1f",
+    efmt = {"e2e_mfu": ".3f", "steady_mfu": ".3f", "step_ms_median": ".0f", "tokens_per_s": ".0f", "mem_peak_gib_max": ".1f",
             "mem_capacity_gib": ".1f"}
     return out + "\n## End to end\n\n" + harness.markdown_table(doc["e2e"], ecols, fmt=efmt)
 

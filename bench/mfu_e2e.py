@@ -72,6 +72,27 @@ def e2e_summary(recs, warmup, peak_tflops):
     return out
 
 
+# A step runs at the GPU's steady power state when its mean board power is within this fraction of the run's highest
+# step mean: an H200 runs its first 2-3 minutes at ~1,850-1,940 MHz, then ~1,660-1,720 MHz at its 700 W cap.
+STEADY_POWER = 0.95
+
+
+def steady_summary(per_step, gpu) -> dict:
+    """steady_mfu: e2e_mfu over the steps after the first one at the steady power state (gpu_per_step's mean power
+    >= STEADY_POWER x the highest step's), which is what a long run sees; {} without GPU samples."""
+    power = {g["step"]: g["power_w"] for g in gpu}
+    if not power:
+        return {}
+    level = STEADY_POWER * max(power.values())
+    first = min((s for s, w in power.items() if w >= level and s > 1), default=None)
+    steady = [r for r in per_step if first is not None and r["step"] >= first and r.get("mfu") is not None]
+    if not steady:
+        return {}
+    wall = sum(r["step_ms"] for r in steady)
+    return {"steady_steps": [steady[0]["step"], steady[-1]["step"]], "steady_mfu": _wall_weighted_mfu(steady),
+            "steady_tokens_per_s": sum(r["tokens"] for r in steady) / (wall / 1e3)}
+
+
 def _wall_weighted_mfu(recs):
     """Model FLOPs over wall x peak for these steps together (not a mean of per-step MFUs)."""
     return sum(r["mfu"] * r["step_ms"] for r in recs) / sum(r["step_ms"] for r in recs)
@@ -194,6 +215,7 @@ def e2e_variant(args, name, manifest, memory, deadline):
     out = {"variant": name, "rc": rc, "env": env, "steps_asked": steps, "plan": planned,
            **e2e_summary(recs, args.e2e_warmup, args.peak_tflops),
            "gpu_per_step": gpu_per_step(gpu_csv, recs)}
+    out.update(steady_summary(out["per_step"], out["gpu_per_step"]))
     if os.path.exists(env["MFU_STATS"]):
         with open(env["MFU_STATS"]) as f:
             out.update(json.load(f))

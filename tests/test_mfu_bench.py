@@ -331,6 +331,21 @@ def test_memory_fields_recover_the_per_token_and_per_sample_terms():
     assert probe["bytes_per_sample_all"] == pytest.approx(c, rel=1e-6)
 
 
+def test_steady_summary_starts_at_the_first_step_at_the_power_state():
+    """bench/mfu_e2e.steady_summary: steps 2-3 at 636 W (full clock), then 686-691 W at the cap: the steady MFU is over
+    steps 4 on, wall-weighted; step 1 never counts; no GPU samples, no figure."""
+    from mfu_e2e import steady_summary
+
+    recs = [{"step": i, "tokens": 100, "step_ms": ms, "mfu": u}
+            for i, (ms, u) in enumerate([(80000, 0.3), (50000, 0.48), (50000, 0.48), (55000, 0.44), (60000, 0.43)], 1)]
+    gpu = [{"step": i, "power_w": w} for i, w in enumerate([690.0, 636.0, 637.0, 686.0, 691.0], 1)]
+    out = steady_summary(recs, gpu)
+    assert out["steady_steps"] == [4, 5]
+    assert out["steady_mfu"] == pytest.approx((0.44 * 55000 + 0.43 * 60000) / 115000)
+    assert out["steady_tokens_per_s"] == pytest.approx(200 / 115.0)
+    assert steady_summary(recs, []) == {}
+
+
 def test_gpu_per_step_joins_nvidia_smi_samples_with_the_step_log(tmp_path):
     """bench/mfu_e2e.gpu_per_step: the samples inside each step's [end_time - step_ms, end_time] (nvidia-smi's CSV as
     the fifth session's H200 run wrote it), their mean SM clock and power, and the power-cap throttle bit."""
