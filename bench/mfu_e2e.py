@@ -62,11 +62,10 @@ def e2e_summary(recs, warmup, peak_tflops):
     if warm:
         out.update(warm_steps=len(warm), warm_mfu=_wall_weighted_mfu(warm))
     if body:
-        wall = sum(r["step_ms"] for r in body)
         out.update(e2e_mfu=_wall_weighted_mfu(body),
                    step_ms_median=statistics.median(r["step_ms"] for r in body),
-                   tokens_per_s=sum(r["tokens"] for r in body) / (wall / 1e3),
-                   samples_per_s=sum(r["samples"] for r in body) / (wall / 1e3),
+                   tokens_per_s=_per_s(body, "tokens"),
+                   samples_per_s=_per_s(body, "samples"),
                    mem_peak_gib_max=max(r.get("mem_peak_gib", 0) for r in body),
                    mem_capacity_gib=body[-1].get("mem_capacity_gib"))
     return out
@@ -81,16 +80,20 @@ def steady_summary(per_step, gpu) -> dict:
     """steady_mfu: e2e_mfu over the steps after the first one at the steady power state (gpu_per_step's mean power
     >= STEADY_POWER x the highest step's), which is what a long run sees; {} without GPU samples."""
     power = {g["step"]: g["power_w"] for g in gpu}
-    if not power:
-        return {}
-    level = STEADY_POWER * max(power.values())
+    level = STEADY_POWER * max(power.values(), default=0.0)
     first = min((s for s, w in power.items() if w >= level and s > 1), default=None)
-    steady = [r for r in per_step if first is not None and r["step"] >= first and r.get("mfu") is not None]
+    if first is None:
+        return {}
+    steady = [r for r in per_step if r["step"] >= first and r.get("mfu") is not None]
     if not steady:
         return {}
-    wall = sum(r["step_ms"] for r in steady)
     return {"steady_steps": [steady[0]["step"], steady[-1]["step"]], "steady_mfu": _wall_weighted_mfu(steady),
-            "steady_tokens_per_s": sum(r["tokens"] for r in steady) / (wall / 1e3)}
+            "steady_tokens_per_s": _per_s(steady, "tokens")}
+
+
+def _per_s(recs, key):
+    """recs' `key` (tokens, samples) per second of their summed step wall."""
+    return sum(r[key] for r in recs) / (sum(r["step_ms"] for r in recs) / 1e3)
 
 
 def _wall_weighted_mfu(recs):
