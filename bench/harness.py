@@ -100,6 +100,17 @@ def environment():
     return env
 
 
+def run_child(argv, prefix):
+    """[python, *argv] from the repo root as a job of its own: its single-process group (train/engine.
+    single_process_env) takes a port of its own, not a MASTER_PORT this process inherited or set, whose store a
+    group left alive here may still hold (EADDRINUSE). Returns (the JSON after the last stdout line starting with
+    `prefix`, or None; the CompletedProcess)."""
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, env=env)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(prefix)]
+    return (json.loads(lines[-1][len(prefix):]) if lines else None), p
+
+
 def gpu_query():
     """nvidia-smi's view of the GPUs (name, memory, clocks, temperature), '' where there is none."""
     if not shutil.which("nvidia-smi"):

@@ -93,3 +93,24 @@ def test_accum_memory_runs_one_process_per_grad_accum(tmp_path):
     assert [r["grad_accum"] for r in doc["runs"]] == [1, 2]
     assert [len(s["micro_peak_bytes"]) for r in doc["runs"] for s in r["steps"]] == [1, 1, 2, 2]
     assert doc["runs"][0]["params"] == doc["runs"][1]["params"] > 0 and set(doc["extra_peak_bytes"]) == {"1", "2"}
+
+
+def test_run_child_gives_the_child_a_port_of_its_own(monkeypatch):
+    """bench/harness.run_child: a MASTER_PORT this process set (an in-process engine's single_process_env, left in
+    os.environ with its store still listening) does not reach the child, whose single_process_env then takes a free
+    port; before, accum_memory's children failed with EADDRINUSE after tests/test_mfu_bench.py had run."""
+    import socket
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from harness import run_child
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        code = ("import json, os; from ds_adaptiveload.train.engine import single_process_env; single_process_env(); "
+                "print('PORT ' + json.dumps(int(os.environ['MASTER_PORT'])))")
+        got, p = run_child(["-c", code], "PORT ")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert isinstance(got, int) and got != port

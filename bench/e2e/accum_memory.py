@@ -10,12 +10,13 @@ what the profile's memory model misses at G > 1; OUT/accum-memory.json holds eve
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for harness
+from harness import run_child  # noqa: E402
 
 
 def child(args) -> dict:
@@ -76,11 +77,8 @@ def main(argv=None):
     runs = []
     for g in (int(v) for v in args.ga.split(",")):
         t0 = time.time()
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]), "--child", str(g)],
-                           capture_output=True, text=True, cwd=ROOT)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("ACCUM ")]
-        run = json.loads(lines[-1][6:]) if lines else {"grad_accum": g, "rc": p.returncode,
-                                                       "stderr_tail": p.stderr[-3000:]}
+        run, p = run_child([os.path.abspath(__file__), *(argv or sys.argv[1:]), "--child", str(g)], "ACCUM ")
+        run = run or {"grad_accum": g, "rc": p.returncode, "stderr_tail": p.stderr[-3000:]}
         run["seconds"] = round(time.time() - t0, 1)
         runs.append(run)
         print(json.dumps(run), flush=True)

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -27,6 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # bench/, for harness
+import harness  # noqa: E402
 
 
 def micro_batches(spec, packed):
@@ -116,16 +117,12 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     t0, rc = time.perf_counter(), 0
     for config in args.configs.split(","):
-        left = args.budget_s - (time.perf_counter() - t0)
-        cmd = [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]), "--child", config,
-               "--budget-s", str(max(left, 0.0))]
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        res = json.loads(lines[-1][7:]) if lines else {"config": config, "rc": p.returncode}
-        res.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **versions())
-        if not lines:
-            res["stderr_tail"] = p.stderr[-4000:]
-            rc = 1
+        left = args.budget_s - (time.perf_counter() - t0)  # the child's --budget-s: argparse keeps the last one
+        res, p = harness.run_child([os.path.abspath(__file__), *(argv or sys.argv[1:]), "--child", config, "--budget-s",
+                            str(max(left, 0.0))], "RESULT ")
+        if res is None:
+            res, rc = {"config": config, "rc": p.returncode, "stderr_tail": p.stderr[-4000:]}, 1
+        res["env"] = environment()
         name = os.path.splitext(os.path.basename(config))[0]
         with open(os.path.join(args.out, f"packed-engine-{name}.json"), "w") as f:
             json.dump(res, f, indent=1)
@@ -135,16 +132,12 @@ def main(argv=None):
     return rc
 
 
-def versions() -> dict:
-    import torch
+def environment() -> dict:
+    """harness.environment (date, versions, git commit), with the GPU's name: it names one only where torch is
+    imported, which this parent process otherwise does not do."""
+    import torch  # noqa: F401
 
-    try:
-        import deepspeed
-        ds = deepspeed.__version__
-    except ImportError:
-        ds = None
-    return {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "deepspeed": ds}
+    return harness.environment()
 
 
 if __name__ == "__main__":
