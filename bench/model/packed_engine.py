@@ -5,6 +5,7 @@ every micro-batch also pays DeepSpeed's per-micro-batch work (ZeRO's gradient re
 parameter gathers), which packing is meant to save.
 
     python3 bench/model/packed_engine.py --out OUT [--configs configs/ds_zero2_bf16.json,configs/ds_zero3_bf16.json]
+        [--cases mixed,image-heavy] [--pairs 4] [--budget-s 400]
     PACKED_SMOKE=1 python3 bench/model/packed_engine.py --out /tmp/pe     # CPU: tiny model and shapes
 
 One process per config builds the engine as calibrate does (calibrate/engine.py: training's own pieces, every
@@ -28,6 +29,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # bench/, for harness
 import harness  # noqa: E402
+
+
+CASES = ("mixed", "image-heavy")  # the comparisons, in the order child() runs them
 
 
 def micro_batches(spec, packed):
@@ -71,6 +75,7 @@ def child(args) -> dict:
               tokens["mixed"], tokens["mixed"]),
              (f"image-heavy packed / images-B{best[0]}", micro_batches(pm.IMAGE_MIX[True], True),
               micro_batches([best], False), tokens["image-heavy"], tokens["best"])]
+    pairs = [p for p, case in zip(pairs, CASES) if case in args.cases.split(",")]
     out = {"config": args.child, "compile_blocks": args.compile_blocks, "world": dims.world,
            "engine_s": round(time.perf_counter() - t0, 1), "comparisons": []}
     for name, a, b, tok_a, tok_b in pairs:
@@ -108,16 +113,24 @@ def main(argv=None):
     ap.add_argument("--compile-blocks", default="" if smoke else "regions",
                     help="as training's --compile-blocks ('' for eager blocks)")
     ap.add_argument("--pairs", type=int, default=4, help="ABBA pairs per comparison")
-    ap.add_argument("--budget-s", type=float, default=400.0, help="no pair starts after this many seconds (all configs)")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    ap.add_argument("--budget-s", type=float, default=400.0,
+                    help="no pair starts after this many seconds (each config: an equal share of what is left)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    bad = set(args.cases.split(",")) - set(CASES)
+    if bad:
+        ap.error(f"--cases: unknown {sorted(bad)}; choose from {', '.join(CASES)}")
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0
     os.makedirs(args.out, exist_ok=True)
     t0, rc = time.perf_counter(), 0
-    for config in args.configs.split(","):
-        left = args.budget_s - (time.perf_counter() - t0)  # the child's --budget-s: argparse keeps the last one
+    configs = args.configs.split(",")
+    for i, config in enumerate(configs):
+        # each config an equal share of what is left (the fifteenth session's first config took all but ZeRO-3's
+        # image-heavy pairs); the child's --budget-s: argparse keeps the last one
+        left = (args.budget_s - (time.perf_counter() - t0)) / (len(configs) - i)
         res, p = harness.run_child([os.path.abspath(__file__), *(argv or sys.argv[1:]), "--child", config, "--budget-s",
                             str(max(left, 0.0))], "RESULT ")
         if res is None:
