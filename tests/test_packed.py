@@ -299,6 +299,31 @@ def test_packed_bench_smoke(tmp_path):
         assert p["ratio_median"] == sorted(x["ratio"] for x in p["pairs"])[1]
 
 
+@pytest.mark.slow
+def test_packed_engine_bench_smoke(tmp_path):
+    """bench/model/packed_engine.py on CPU (tiny model, one ZeRO-2 engine): --cases runs only the comparison asked
+    for, in ABBA pairs, and the JSON carries what the GPU run is read from; an unknown case is refused by name."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PACKED_SMOKE="1", PYTHONPATH=root)
+    cmd = [sys.executable, "bench/model/packed_engine.py", "--out", str(tmp_path), "--pairs", "2"]
+    bad = subprocess.run(cmd + ["--cases", "mixed,videos"], cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--cases: unknown ['videos']" in bad.stderr
+    subprocess.run(cmd + ["--cases", "image-heavy"], cwd=root, env=env, check=True, capture_output=True, timeout=300)
+    res = json.loads((tmp_path / "packed-engine-ds_zero2_bf16.json").read_text())
+    assert {"date", "device", "torch", "deepspeed"} <= set(res["env"])
+    (c,) = res["comparisons"]
+    assert c["name"].startswith("image-heavy packed / images-B") and len(c["pairs"]) == 2, c
+    assert c["tokens_a"] > 0 and c["tokens_b"] > 0 and c["micro_batches_b"] == 1
+    for p in c["pairs"]:  # tokens/s of packed over its comparison, from the same pair's times (stored to 0.1 ms)
+        want = c["tokens_a"] / p["a_fwd_bwd_ms"] / (c["tokens_b"] / p["b_fwd_bwd_ms"])
+        assert p["ratio"] == pytest.approx(want, rel=0.01)
+    assert c["ratio_median"] == pytest.approx(sum(p["ratio"] for p in c["pairs"]) / 2, abs=1e-5)
+
+
 def test_checkpointing_the_first_k_blocks_keeps_outputs_and_gradients(monkeypatch):
     """checkpoint_blocks = k checkpoints the first k blocks only; numerics equal no checkpointing."""
     import copy
