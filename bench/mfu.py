@@ -74,6 +74,10 @@ def parse_args(argv=None):
                    help="train-* variants: train this many whole epochs of each variant's own plan instead of "
                         "--e2e-steps, so that the variants train the same samples")
     p.add_argument("--e2e-warmup", type=int, default=3, help="steps left out of e2e_mfu (start-up, compiles)")
+    p.add_argument("--e2e-soak-s", type=float, default=0.0,
+                   help="load the GPU (bench/gpu_soak.py) while each e2e variant starts, until its first step is "
+                        "logged or this many seconds pass, so that its warm steps run at the steady power state; "
+                        "0: off")
     p.add_argument("--memory-json", help="proposed profile fields from an earlier run (for e2e without shapes)")
     p.add_argument("--e2e-profile", choices=["probed", "config"], default="probed",
                    help="train-* variants: the trainer's profile is --config's own with the memory fields probed here "

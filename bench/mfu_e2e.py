@@ -191,6 +191,7 @@ def e2e_variant(args, name, manifest, memory, deadline):
     os.environ.update(env)
     gpu_csv = os.path.join(args.out, f"e2e_{name}_gpu.csv")
     monitor = gpu_monitor(gpu_csv)
+    soak = heat_soak(f"{run}/steps.rank0.jsonl", args.e2e_soak_s)
     planned = None
     try:
         steps = args.e2e_steps
@@ -213,12 +214,15 @@ def e2e_variant(args, name, manifest, memory, deadline):
             os.environ.pop(k, None)
         if monitor is not None:
             monitor.terminate()
+        soaked = end_soak(soak)
     steps_path = f"{run}/steps.rank0.jsonl"
     recs = read_steps(steps_path) if os.path.exists(steps_path) else []
     out = {"variant": name, "rc": rc, "env": env, "steps_asked": steps, "plan": planned,
            **e2e_summary(recs, args.e2e_warmup, args.peak_tflops),
            "gpu_per_step": gpu_per_step(gpu_csv, recs)}
     out.update(steady_summary(out["per_step"], out["gpu_per_step"]))
+    if soaked is not None:
+        out["soak"] = soaked
     if os.path.exists(env["MFU_STATS"]):
         with open(env["MFU_STATS"]) as f:
             out.update(json.load(f))
@@ -246,6 +250,31 @@ def gpu_monitor(path):
         if proc.poll() is None:
             return proc
     return None
+
+
+def heat_soak(steps_path, max_s):
+    """--e2e-soak-s: bench/gpu_soak.py loading the GPU while the variant starts, until its step log (steps_path) has
+    its first line or max_s pass, so that the variant's step 2 on runs at the GPU's steady power state; None: off."""
+    import subprocess
+    import sys
+
+    if not max_s or max_s <= 0:
+        return None
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "gpu_soak.py"), "--until", steps_path,
+                             "--max-s", str(max_s)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def end_soak(proc):
+    """The soak's last JSON line (seconds, GEMMs, why it stopped); one still running (the variant ended before its
+    first step) is killed and says so. None where no soak ran."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.kill()
+    out, _ = proc.communicate()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    rec = json.loads(lines[-1]) if lines else {}
+    return rec if "stopped" in rec else {**rec, "stopped": "killed"}
 
 
 def gpu_per_step(csv_path, recs) -> list:

@@ -237,11 +237,14 @@ def test_trainer_e2e_variants_launch_what_train_wan_accepts(tmp_path, monkeypatc
     manifest = train_steps.write_data(str(tmp_path / "data"), make_mix("video-heavy", 6, seed=0), text_dim=8,
                                       text_len=4)
     args = mfu.parse_args(["--parts", "e2e", "--e2e-epochs", "2", "--out", str(tmp_path), "--work", str(tmp_path),
-                           "--e2e-recompute", "0.22,0.16"])
+                           "--e2e-recompute", "0.22,0.16", "--e2e-soak-s", "30"])
     memory = mfu.e2e_memory(args, SimpleNamespace(doc={}))
     for name in mfu.TRAINER_E2E:
         out = mfu.e2e_variant(args, name, manifest, memory, deadline=1e12)
         assert out["rc"] == 0 and out["steps_asked"] == calls[-1][2] >= 2
+        # the soak ran beside the launch and was ended with it: the mock logs no step, so it is killed (or, on a
+        # CPU, it found no CUDA first)
+        assert out["soak"]["stopped"] in ("killed",) + (() if torch.cuda.is_available() else ("no CUDA",)), out
         ds, _, steps, flags = calls[-1]
         a = train_wan.parse_args(["--deepspeed_config", ds, "--model-config", os.path.join(ROOT, args.model_config),
                                   "--data", manifest, "--max-steps", str(steps), *flags])
@@ -370,3 +373,29 @@ def test_gpu_per_step_joins_nvidia_smi_samples_with_the_step_log(tmp_path):
     assert got == [{"step": 1, "sm_mhz": 1965, "power_w": 622.0, "power_capped": True, "samples": 2},
                    {"step": 2, "sm_mhz": 1675, "power_w": 691.0, "power_capped": True, "samples": 2}]
     assert mfu_e2e.gpu_per_step(str(tmp_path / "missing.csv"), recs) == []
+
+
+def test_gpu_soak_loads_until_the_step_log_has_a_line(tmp_path):
+    """bench/gpu_soak.py (bench/mfu.py --e2e-soak-s): it keeps loading the device while the watched file is absent or
+    empty, stops once the file has a line and says why; asked for CUDA where there is none, it stops at once."""
+    import select
+    import time
+
+    until = tmp_path / "steps.rank0.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu_soak.py"), "--until", str(until), "--max-s", "120"]
+    p = subprocess.Popen(cmd + ["--device", "cpu", "--size", "64"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert select.select([p.stdout], [], [], 120)[0], "the soak never started"
+        assert json.loads(p.stdout.readline()) == {"soaking": "cpu", "size": 64}
+        until.write_text("")  # the trainer opened its step log but logged no step yet
+        time.sleep(1.0)
+        assert p.poll() is None
+        until.write_text('{"step": 1}\n')
+        out, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    rec = json.loads(out.strip().splitlines()[-1])
+    assert rec["stopped"] == "file" and rec["gemms"] > 0 and rec["soak_s"] >= 1.0, rec
+    if not torch.cuda.is_available():
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+        assert json.loads(res.stdout.strip().splitlines()[-1])["stopped"] == "no CUDA"
