@@ -53,7 +53,8 @@ def e2e_summary(recs, warmup, peak_tflops):
     trained = [r for r in recs if "skipped" not in r]
     body = trained[warmup:] if len(trained) > warmup else []
     keys = ("step", "samples", "tokens", "step_ms", "mfu", "mem_peak_gib")
-    optional = ("pred_mem_gib", "block_graphs", "ckpt_k")
+    # compute_ms / data_ms (per rank): what of the step wall is forward+backward and what waits for data
+    optional = ("pred_mem_gib", "block_graphs", "ckpt_k", "compute_ms", "data_ms")
     out = {"steps": len(body), "steps_logged": len(recs), "skipped_steps": len(recs) - len(trained),
            "per_step": [{**{k: r.get(k) for k in keys}, **{k: r[k] for k in optional if k in r}} for r in recs]}
     graphs = [r.get("block_graphs") for r in recs]

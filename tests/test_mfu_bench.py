@@ -77,6 +77,9 @@ def test_e2e_summary_weights_steps_by_their_wall_and_skips_warmup():
     assert out["e2e_mfu"] == pytest.approx((0.5 * 1000 + 0.3 * 3000) / 4000)  # FLOPs over wall, not a mean of MFUs
     assert out["tokens_per_s"] == pytest.approx(200 / 4.0) and out["mem_peak_gib_max"] == 12.0
     assert "e2e_mfu" not in mfu.e2e_summary(recs[:1], warmup=1, peak_tflops=989)
+    recs[1].update(compute_ms=[950.0], data_ms=[3.0])  # the step log's per-rank times come through where logged
+    per_step = mfu.e2e_summary(recs, warmup=1, peak_tflops=989)["per_step"]
+    assert per_step[1]["compute_ms"] == [950.0] and per_step[1]["data_ms"] == [3.0] and "data_ms" not in per_step[2]
 
 
 def test_recompute_frac_and_best_per_shape():
