@@ -6,8 +6,8 @@ already at its steady power state (an H200 holds ~1,850-1,940 MHz for its first 
 
 bench/mfu.py --e2e-soak-s runs it beside each e2e variant until the variant's step log has its first line: the
 trainer's start-up and step 1 (compiles; never counted) overlap the soak, and step 2 on runs at the cap. Prints a
-JSON line when the load starts, and one when it stops: seconds run, GEMMs done, and why. Without CUDA (and --device
-cuda) it stops at once."""
+line "SOAK <JSON>" when the load starts, and one when it stops: seconds run, GEMMs done, and why. Without CUDA (and
+--device cuda) it stops at once."""
 import argparse
 import json
 import os
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
 
     t0, gemms = time.monotonic(), 0
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(json.dumps({"soak_s": 0.0, "gemms": 0, "stopped": "no CUDA"}), flush=True)
+        print("SOAK " + json.dumps({"soak_s": 0.0, "gemms": 0, "stopped": "no CUDA"}), flush=True)
         return 0
     n = args.size or (8192 if args.device == "cuda" else 256)
     # bf16 on the GPU, as training runs; fp32 on CPU, where bf16 GEMMs are slow and only the stop logic is tested
@@ -41,14 +41,14 @@ def main(argv=None) -> int:
     a = torch.randn(n, n, device=args.device, dtype=dtype)
     b = torch.randn(n, n, device=args.device, dtype=dtype)
     out = torch.empty_like(a)
-    print(json.dumps({"soaking": args.device, "size": n}), flush=True)
+    print("SOAK " + json.dumps({"soaking": args.device, "size": n}), flush=True)
     while (why := stop_reason(args.until, t0, args.max_s)) is None:
         for _ in range(20):  # ~20 x 1.1 TFLOP: about 40 ms per check on an H200
             torch.matmul(a, b, out=out)
         if args.device == "cuda":
             torch.cuda.synchronize()
         gemms += 20
-    print(json.dumps({"soak_s": round(time.monotonic() - t0, 1), "gemms": gemms, "stopped": why}), flush=True)
+    print("SOAK " + json.dumps({"soak_s": round(time.monotonic() - t0, 1), "gemms": gemms, "stopped": why}), flush=True)
     return 0
 
 

@@ -107,8 +107,13 @@ def run_child(argv, prefix):
     `prefix`, or None; the CompletedProcess)."""
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
     p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, env=env)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(prefix)]
-    return (json.loads(lines[-1][len(prefix):]) if lines else None), p
+    return last_json(p.stdout, prefix), p
+
+
+def last_json(text, prefix):
+    """The JSON after `prefix` on the last line of `text` that starts with it (how a bench child reports), or None."""
+    lines = [ln for ln in text.splitlines() if ln.startswith(prefix)]
+    return json.loads(lines[-1][len(prefix):]) if lines else None
 
 
 def gpu_query():

@@ -120,10 +120,10 @@ def tables(doc) -> str:
     cols = ["shape", "B", "tokens", "mode", "ckpt", "k", "ms", "mfu", "peak_gib", "pred_peak_gib", "status"]
     fmt = {"ms": ".0f", "mfu": ".3f", "peak_gib": ".1f", "pred_peak_gib": ".1f"}
     out = "## Per micro-batch\n\n" + harness.markdown_table(doc["rows"], cols, fmt=fmt)
-    ecols = ["variant", "e2e_mfu", "steady_mfu", "steps", "step_ms_median", "tokens_per_s", "mem_peak_gib_max", "mem_capacity_gib",
-             "block_graphs", "rc"]
-    efmt = {"e2e_mfu": ".3f", "steady_mfu": ".3f", "step_ms_median": ".0f", "tokens_per_s": ".0f", "mem_peak_gib_max": ".1f",
-            "mem_capacity_gib": ".1f"}
+    ecols = ["variant", "e2e_mfu", "steady_mfu", "steps", "step_ms_median", "tokens_per_s", "mem_peak_gib_max",
+             "mem_capacity_gib", "block_graphs", "rc"]
+    efmt = {"e2e_mfu": ".3f", "steady_mfu": ".3f", "step_ms_median": ".0f", "tokens_per_s": ".0f",
+            "mem_peak_gib_max": ".1f", "mem_capacity_gib": ".1f"}
     return out + "\n## End to end\n\n" + harness.markdown_table(doc["e2e"], ecols, fmt=efmt)
 
 

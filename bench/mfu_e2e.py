@@ -272,9 +272,9 @@ def end_soak(proc):
         return None
     if proc.poll() is None:
         proc.kill()
-    out, _ = proc.communicate()
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    rec = json.loads(lines[-1]) if lines else {}
+    from harness import last_json
+
+    rec = last_json(proc.communicate()[0], "SOAK ") or {}
     return rec if "stopped" in rec else {**rec, "stopped": "killed"}
 
 

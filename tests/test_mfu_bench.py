@@ -384,12 +384,14 @@ def test_gpu_soak_loads_until_the_step_log_has_a_line(tmp_path):
     import select
     import time
 
+    from harness import last_json
+
     until = tmp_path / "steps.rank0.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu_soak.py"), "--until", str(until), "--max-s", "120"]
     p = subprocess.Popen(cmd + ["--device", "cpu", "--size", "64"], stdout=subprocess.PIPE, text=True)
     try:
         assert select.select([p.stdout], [], [], 120)[0], "the soak never started"
-        assert json.loads(p.stdout.readline()) == {"soaking": "cpu", "size": 64}
+        assert last_json(p.stdout.readline(), "SOAK ") == {"soaking": "cpu", "size": 64}
         until.write_text("")  # the trainer opened its step log but logged no step yet
         time.sleep(1.0)
         assert p.poll() is None
@@ -397,8 +399,8 @@ def test_gpu_soak_loads_until_the_step_log_has_a_line(tmp_path):
         out, _ = p.communicate(timeout=60)
     finally:
         p.kill()
-    rec = json.loads(out.strip().splitlines()[-1])
+    rec = last_json(out, "SOAK ")
     assert rec["stopped"] == "file" and rec["gemms"] > 0 and rec["soak_s"] >= 1.0, rec
     if not torch.cuda.is_available():
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
-        assert json.loads(res.stdout.strip().splitlines()[-1])["stopped"] == "no CUDA"
+        assert last_json(res.stdout, "SOAK ")["stopped"] == "no CUDA"

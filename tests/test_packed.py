@@ -310,7 +310,8 @@ def test_packed_engine_bench_smoke(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PACKED_SMOKE="1", PYTHONPATH=root)
     cmd = [sys.executable, "bench/model/packed_engine.py", "--out", str(tmp_path), "--pairs", "2"]
-    bad = subprocess.run(cmd + ["--cases", "mixed,videos"], cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(cmd + ["--cases", "mixed,videos"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=60)
     assert bad.returncode == 2 and "--cases: unknown ['videos']" in bad.stderr
     subprocess.run(cmd + ["--cases", "image-heavy"], cwd=root, env=env, check=True, capture_output=True, timeout=300)
     res = json.loads((tmp_path / "packed-engine-ds_zero2_bf16.json").read_text())

@@ -71,14 +71,13 @@ def child(args) -> dict:
     best = (pm.SWEEP[True][-1], *pm.IMAGE)
     tokens = {k: sum(c * geo.tokens(f, h, w) for c, f, h, w in spec)
               for k, spec in (("mixed", pm.MIXED[True]), ("image-heavy", pm.IMAGE_MIX[True]), ("best", [best]))}
-    pairs = [("mixed: packed / separate", micro_batches(pm.MIXED[True], True), micro_batches(pm.MIXED[True], False),
-              tokens["mixed"], tokens["mixed"]),
-             (f"image-heavy packed / images-B{best[0]}", micro_batches(pm.IMAGE_MIX[True], True),
-              micro_batches([best], False), tokens["image-heavy"], tokens["best"])]
-    pairs = [p for p, case in zip(pairs, CASES) if case in args.cases.split(",")]
+    pairs = {"mixed": ("mixed: packed / separate", micro_batches(pm.MIXED[True], True),
+                       micro_batches(pm.MIXED[True], False), tokens["mixed"], tokens["mixed"]),
+             "image-heavy": (f"image-heavy packed / images-B{best[0]}", micro_batches(pm.IMAGE_MIX[True], True),
+                             micro_batches([best], False), tokens["image-heavy"], tokens["best"])}
     out = {"config": args.child, "compile_blocks": args.compile_blocks, "world": dims.world,
            "engine_s": round(time.perf_counter() - t0, 1), "comparisons": []}
-    for name, a, b, tok_a, tok_b in pairs:
+    for name, a, b, tok_a, tok_b in (pairs[case] for case in CASES if case in args.cases.split(",")):
         warm = [run_case(fn, a), run_case(fn, b)]  # compiles the shapes; not counted
         rec = {"name": name, "tokens_a": tok_a, "tokens_b": tok_b, "micro_batches_b": len(b),
                "warmup_ms": [round(w[0], 1) for w in warm], "pairs": []}
