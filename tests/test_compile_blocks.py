@@ -112,6 +112,22 @@ def test_packed_micro_batches_compile_once_per_kind():
     assert st["graph_breaks"] == 0, st["graph_break_reasons"]
 
 
+# Runs of equal-token groups (Packing.runs): grids (1, 4, 4), (2, 2, 4) and (2, 4, 2) have 16 tokens, (1, 2, 3) and
+# (1, 3, 2) have 6.
+RUN_PACKS = [[((1, 8, 8), 2), ((2, 4, 8), 1), ((1, 4, 6), 2)],
+             [((2, 8, 4), 3), ((1, 8, 8), 1), ((1, 6, 4), 2), ((1, 4, 6), 1), ((2, 4, 8), 2)]]
+
+
+def test_runs_of_equal_token_groups_compile_whole_and_match_eager():
+    """A whole compiled block concatenates a run's rotated groups in its trace (Layout.rope_per_group)."""
+    torch._dynamo.reset()
+    eager = tiny()
+    comp = copy.deepcopy(eager)
+    compile_blocks(comp, fullgraph=True, backend="aot_eager")
+    check_against_eager(eager, comp, RUN_PACKS)
+    assert compile_stats()["graph_breaks"] == 0
+
+
 def test_static_compile_recompiles_per_shape_and_uncompile_restores_eager():
     torch._dynamo.reset()
     m = tiny()

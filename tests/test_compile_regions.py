@@ -12,7 +12,7 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.compile import (bind_regions, compile_blocks, compile_kind, compile_regions, compile_stats,
                                            region_fns, uncompile_blocks)
 from ds_adaptiveload.model.wan import BlockFns, LayerNorm, RMSNorm
-from tests.test_compile_blocks import PACKS, check_against_eager, run_packed, tiny
+from tests.test_compile_blocks import PACKS, RUN_PACKS, check_against_eager, run_packed, tiny
 
 # PACKS (2 and 3 groups, with and without groups of one sample), then packs of 1, 4 and 5 groups
 MORE = [[((1, 4, 6), 1)], [((1, 8, 8), 5)],
@@ -59,6 +59,18 @@ def test_regions_under_inductor_on_cpu_match_eager():
     # no graph
     graphs = check_against_eager(eager, comp, [PACKS[4], MORE[3], MORE[0], MORE[1], MORE[2], PACKS[2], PACKS[5]])
     assert graphs[3] == graphs[-1] <= MAX_GRAPHS, graphs
+
+
+def test_regions_with_runs_of_equal_token_groups_match_eager():
+    """Runs of several groups: each group's rotation written into its rows of the run (the rope_qk_into region)."""
+    torch._dynamo.reset()
+    eager = tiny(True)
+    eager.checkpoint_policy = "attention"
+    comp = copy.deepcopy(eager)
+    compile_regions(comp, backend="aot_eager")
+    graphs = check_against_eager(eager, comp, RUN_PACKS + RUN_PACKS[::-1])
+    assert graphs[1] == graphs[-1] <= MAX_GRAPHS, graphs
+    assert compile_stats()["graph_breaks"] == 0
 
 
 def test_regions_and_blocks_exclude_each_other_and_uncompile_restores_eager():

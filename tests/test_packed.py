@@ -13,8 +13,9 @@ from ds_adaptiveload.train import flow
 from ds_adaptiveload.train.engine import free_port
 from tests.test_model import inputs, perturbed_model, rel_err, tiny_cfg
 
-# Mixed shapes with repeats that are not adjacent: grouping must reorder and restore the input order.
-SHAPES = [(3, 8, 12), (1, 6, 4), (2, 4, 6), (1, 6, 4), (3, 8, 12), (1, 6, 4)]
+# Mixed shapes with repeats that are not adjacent: grouping must reorder and restore the input order. Grids
+# (1, 3, 2) and (1, 2, 3) have 6 tokens, (2, 2, 3) and (2, 3, 2) 12: each pair forms one run (Packing.runs).
+SHAPES = [(3, 8, 12), (1, 6, 4), (2, 4, 6), (1, 4, 6), (1, 6, 4), (3, 8, 12), (2, 6, 4), (1, 6, 4)]
 
 
 def packed_inputs(cfg, shapes=SHAPES, seed=2):
@@ -42,6 +43,19 @@ def test_plan_packing_groups_stably():
     assert p.order == (0, 2, 1, 3)
     assert [(g.first, g.local, g.offset) for g in p.groups] == [(0, 2, 0), (2, 3, 4), (3, 1, 7)]
     assert p.rows == 8
+    assert p.runs == ((0, 1), (1, 2), (2, 3)) and p.run_dims() == [(2, 2), (1, 3), (1, 1)]
+
+
+def test_plan_packing_puts_equal_token_groups_in_one_run():
+    """Grids of equal token count are placed next to each other (first appearance of the count, then of the
+    grid), so attention and modulation run once over them."""
+    p = plan_packing([(1, 2, 4), (1, 3, 3), (1, 4, 2), (1, 2, 4), (2, 2, 2), (1, 1, 9)])
+    assert [g.grid for g in p.groups] == [(1, 2, 4), (1, 4, 2), (2, 2, 2), (1, 3, 3), (1, 1, 9)]
+    assert p.order == (0, 3, 2, 4, 1, 5)
+    assert p.runs == ((0, 3), (3, 5)) and p.run_dims() == [(4, 8), (2, 9)]
+    assert plan_packing([(1, 2, 4), (1, 4, 2), (1, 3, 3)]).is_identity  # already in that order: no reordering
+    sizes = p.size_tensors("cpu")
+    assert p.run_dims(sizes) == p.run_dims()
 
 
 def test_packed_equals_each_sample_alone():
@@ -90,7 +104,7 @@ def test_one_shape_list_is_the_tensor_form():
         assert torch.equal(torch.stack(ys), m(x, t, ctx))
 
 
-def test_attention_runs_once_per_group():
+def test_attention_runs_once_per_run():
     cfg = tiny_cfg()
     m = perturbed_model(cfg)
     calls = []
@@ -103,7 +117,8 @@ def test_attention_runs_once_per_group():
     xs, t, ctxs = packed_inputs(cfg)
     with torch.no_grad():
         m(xs, t, ctxs)
-    per_block = [(2, 3 * 4 * 6, 2, 64), (3, 3 * 2, 2, 64), (1, 2 * 2 * 3, 2, 64)]
+    # runs: 2 samples of grid (3, 4, 6); 4 of 6 tokens (3 of grid (1, 3, 2), 1 of (1, 2, 3)); 2 of 12 tokens
+    per_block = [(2, 3 * 4 * 6, 2, 64), (4, 6, 2, 64), (2, 12, 2, 64)]
     assert calls == per_block * cfg.num_layers
 
 
@@ -210,8 +225,9 @@ def _packed_sp_regions_worker(rank, world, port, result_path):
     _packed_sp_worker(rank, world, port, result_path, regions=True)
 
 
-# Odd token counts (45, 3, 15) need per-group padding to a multiple of 2.
-SP_SHAPES = [(3, 6, 10), (1, 2, 6), (3, 6, 10), (3, 2, 10), (1, 2, 6)]
+# Odd token counts (45, 3, 15) need per-group padding to a multiple of 2; grids (3, 3, 5) and (3, 5, 3), and
+# (1, 1, 3) and (1, 3, 1), are runs of two groups each, padded alike.
+SP_SHAPES = [(3, 6, 10), (1, 2, 6), (3, 10, 6), (3, 6, 10), (3, 2, 10), (1, 6, 2), (1, 2, 6)]
 
 
 @pytest.mark.slow

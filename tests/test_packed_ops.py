@@ -11,6 +11,9 @@ from ds_adaptiveload.ops.layernorm_modulate import ln_modulate
 
 # (n_g, local rows per sample) per group: groups of one sample, at the front and behind, and of several
 DIMS = [(1, 7), (3, 5), (2, 9), (1, 4)]
+# Groups with runs of equal rows (model/packing.Packing.runs): a run of two groups, one of one, one of three.
+RUN_DIMS = [(2, 5), (1, 5), (3, 9), (1, 4), (2, 4), (1, 4)]
+RUNS = [(0, 2), (2, 3), (3, 6)]
 
 
 def _inputs(dims, D, dtype, device, seed=0):
@@ -75,8 +78,9 @@ def _rope_tables(dims, hd, device, seed):
     return [(a.cos().float().to(device), a.sin().float().to(device)) for a in ang]
 
 
-def _check_rope(dims, heads, hd, dtype, device, fns, tol, drop_k=False):
-    """packed_rope against rope_qk per group on split views; drop_k: the keys unused (their gradient None)."""
+def _check_rope(dims, heads, hd, dtype, device, fns, tol, drop_k=False, runs=None):
+    """packed_rope against rope_qk per group on split views (concatenated per run when `runs` are given); drop_k:
+    the keys unused (their gradient None)."""
     g = torch.Generator().manual_seed(2)
     T = sum(a * b for a, b in dims)
     q, k = (torch.randn(T, heads, hd, generator=g).to(device, dtype) for _ in range(2))
@@ -86,8 +90,11 @@ def _check_rope(dims, heads, hd, dtype, device, fns, tol, drop_k=False):
     q0, k0 = _leaves(q, k)
     ref = [rope_qk(qg.unflatten(0, d), kg.unflatten(0, d), cos, sin)
            for qg, kg, d, (cos, sin) in zip(q0.split(sizes), k0.split(sizes), dims, rope)]
+    if runs is not None:  # the reference per run: its groups' results concatenated
+        ref = [(torch.cat([a for a, _ in ref[i:j]]), torch.cat([b for _, b in ref[i:j]])) for i, j in runs]
+        douts = [torch.cat([douts[2 * g + h] for g in range(i, j)]) for i, j in runs for h in (0, 1)]
     q1, k1 = _leaves(q, k)
-    qs, ks = packed_rope(q1, k1, rope, dims, fns)
+    qs, ks = packed_rope(q1, k1, rope, dims, fns, runs)
 
     def loss_of(pairs):
         return sum((a * douts[2 * i]).sum() + (0 if drop_k else (b * douts[2 * i + 1]).sum())
@@ -140,6 +147,23 @@ def _check_parts_linear(dims, D, dtype, device, bias, tol, transposed):
 @pytest.mark.parametrize("drop_k", [False, True], ids=["q-and-k", "q-only"])
 def test_packed_rope_equals_per_group_on_cpu(dtype, drop_k):
     _check_rope(DIMS, 3, 8, dtype, "cpu", BlockFns(), tol=1e-6 if dtype == torch.float32 else 1e-2, drop_k=drop_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("drop_k", [False, True], ids=["q-and-k", "q-only"])
+def test_packed_rope_of_runs_equals_per_group_on_cpu(dtype, drop_k):
+    """Runs of several groups: each group's rotation written into its rows of the run's one tensor, its gradient
+    taken from them."""
+    _check_rope(RUN_DIMS, 3, 8, dtype, "cpu", BlockFns(), tol=1e-6 if dtype == torch.float32 else 1e-2,
+                drop_k=drop_k, runs=RUNS)
+
+
+def test_packed_modulate_and_gated_add_take_runs_as_groups():
+    """A run is rows of equal length, so the per-sample steps take its (n, local) like a group's."""
+    run_dims = [(sum(RUN_DIMS[g][0] for g in range(i, j)), RUN_DIMS[i][1]) for i, j in RUNS]
+    assert run_dims == [(3, 5), (3, 9), (4, 4)]
+    _check_modulate(run_dims, 16, torch.float32, "cpu", exact=False)
+    _check_gated_add(run_dims, 16, torch.float32, "cpu", BlockFns(), tol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -207,6 +231,7 @@ def test_packed_rope_and_parts_linear_compiled_on_gpu():
     for dims in (DIMS, [(2, 40), (5, 8)], [(1, 40), (1, 8), (3, 3)]):
         _check_rope(dims, 12, 128, torch.bfloat16, "cuda", fns, tol=1e-2)
         _check_parts_linear(dims, 1536, torch.bfloat16, "cuda", True, 2 ** -7, transposed=True)
+    _check_rope(RUN_DIMS, 12, 128, torch.bfloat16, "cuda", fns, tol=1e-2, runs=RUNS)  # rope_qk_into's region
 
 
 @pytest.mark.cuda

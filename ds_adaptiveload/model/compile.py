@@ -25,7 +25,8 @@ import torch
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.wan import (BlockFns, LayerNorm, RMSNorm, WanBlock, WanModel, gate_grad, gated_add,
-                                       gated_add_into, gated_dy_into, rope_grad_into, rope_qk)
+                                       gated_add_into, gated_dy_into, rope_grad_into, rope_qk,
+                                       rope_qk_into)
 
 # WanBlock.forward(x, e0, context, lay): argument position -> dims to mark dynamic.
 # x [T, dim] packed token rows, e0 [n, 6, dim], context [n, text_len, dim]; the Layout's per-group RoPE
@@ -178,7 +179,8 @@ def region_fns(mode: Optional[str] = None, backend: str = "inductor") -> tuple:
     if key not in _REGIONS:
         opts = CompileOptions(mode=mode, backend=backend)
         into = CompileOptions(mode=mode, backend=backend, inductor=INTO_OPTIONS)
-        fns = BlockFns(rope_qk=compile_region(rope_qk, opts), rope_grad_into=compile_region(rope_grad_into, into),
+        fns = BlockFns(rope_qk=compile_region(rope_qk, opts), rope_qk_into=compile_region(rope_qk_into, into),
+                       rope_grad_into=compile_region(rope_grad_into, into),
                        gated_add=compile_region(gated_add, opts),
                        gated_add_into=compile_region(gated_add_into, into),
                        gated_dy_into=compile_region(gated_dy_into, into), gate_grad=compile_region(gate_grad, opts))
@@ -277,7 +279,7 @@ def compile_stats() -> dict:
     unique graphs and graph breaks (by reason)."""
     from torch._dynamo.utils import counters
 
-    codes = (WanBlock.forward, rope_qk, rope_grad_into, gated_add, gated_add_into, gated_dy_into, gate_grad,
+    codes = (WanBlock.forward, rope_qk, rope_qk_into, rope_grad_into, gated_add, gated_add_into, gated_dy_into, gate_grad,
              RMSNorm.forward, LayerNorm.forward)
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list

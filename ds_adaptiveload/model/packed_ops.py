@@ -12,8 +12,8 @@ copies sit at the attention's two ends: the per-group attention outputs were mer
 the output projection, and the per-group query and key gradients concatenated for their projections (on the H200
 36 and 39 ms of a 16.4 s mixed pack: docs/benchmarks.md); _PackedRope and _PartsLinear remove them.
 
-Used for micro-batches of two or more groups outside torch.compile tracing (model/wan.Layout.whole); one
-group needs no merge, and a compiled whole block fuses the merges itself.
+Used for micro-batches of two or more groups or runs (model/packing.Packing.runs) outside torch.compile tracing
+(model/wan._several); one needs no merge, and a compiled whole block fuses the merges itself.
 """
 import torch
 import torch.nn.functional as F
@@ -105,38 +105,50 @@ class _PackedGatedAdd(torch.autograd.Function):
 
 
 class _PackedRope(torch.autograd.Function):
-    """RoPE of q and k [T, heads, head_dim] per group -> the groups' rotated queries, then keys, each
-    [n_g, local, heads, head_dim] (new tensors, as per-group RoPE makes them). RoPE is a rotation per channel pair,
-    so its gradient is the rotation by minus the angle: backward runs fns.rope_grad_into per group, into the
-    group's rows of dq and dk."""
+    """RoPE of q and k [T, heads, head_dim] per group -> each run's rotated queries, then keys, each
+    [n, local, heads, head_dim] (new tensors; a run of several groups gets each group's rotation written into its
+    rows, so attention sees the run as one batch without a cat). RoPE is a rotation per channel pair, so its
+    gradient is the rotation by minus the angle: backward runs fns.rope_grad_into per group, into the group's rows
+    of dq and dk."""
 
     @staticmethod
-    def forward(ctx, q, k, rope, dims, fns):
+    def forward(ctx, q, k, rope, dims, runs, fns):
+        qv, kv = split_rows(q, dims), split_rows(k, dims)
         qs, ks = [], []
-        for qg, kg, (cos, sin) in zip(split_rows(q, dims), split_rows(k, dims), rope):
-            a, b = fns.rope_qk(qg, kg, cos, sin)
-            qs.append(a)
-            ks.append(b)
-        ctx.rope, ctx.dims, ctx.fns = rope, dims, fns
+        for a, b in runs:
+            if b - a == 1:
+                x, y = fns.rope_qk(qv[a], kv[a], *rope[a])
+            else:
+                counts = [dims[i][0] for i in range(a, b)]
+                x = q.new_empty((sum(counts), dims[a][1], *q.shape[1:]))
+                y = k.new_empty((sum(counts), dims[a][1], *k.shape[1:]))
+                for i, xo, yo in zip(range(a, b), x.split(counts), y.split(counts)):
+                    fns.rope_qk_into(qv[i], kv[i], *rope[i], xo, yo)
+            qs.append(x)
+            ks.append(y)
+        ctx.rope, ctx.dims, ctx.runs, ctx.fns = rope, dims, runs, fns
         ctx.meta = [(t.shape, t.dtype, t.device) for t in (q, k)]
         return (*qs, *ks)
 
     @staticmethod
     def backward(ctx, *grads):
-        n = len(ctx.dims)
+        n, dims = len(ctx.runs), ctx.dims
         out = []
         for (shape, dtype, device), gs, need in zip(ctx.meta, (grads[:n], grads[n:]), ctx.needs_input_grad[:2]):
             if not need:
                 out.append(None)
                 continue
+            per_group = []  # each run's gradient split into its groups' rows (views)
+            for (a, b), g in zip(ctx.runs, gs):
+                per_group += [None] * (b - a) if g is None else list(g.split([dims[i][0] for i in range(a, b)]))
             d = torch.empty(shape, dtype=dtype, device=device)
-            for g, rows, (cos, sin) in zip(gs, split_rows(d, ctx.dims), ctx.rope):
+            for g, rows, (cos, sin) in zip(per_group, split_rows(d, dims), ctx.rope):
                 if g is None:
                     rows.zero_()
                 else:
                     ctx.fns.rope_grad_into(g, cos, sin, rows)
             out.append(d)
-        return (*out, None, None, None)
+        return (*out, None, None, None, None)
 
 
 class _PartsLinear(torch.autograd.Function):
@@ -177,11 +189,13 @@ class _PartsLinear(torch.autograd.Function):
         return (dw, db, *dparts)
 
 
-def packed_rope(q, k, rope, dims, fns):
-    """_PackedRope: q, k [T, heads, head_dim] rows of the groups `dims`; rope: (cos, sin) per group; fns: BlockFns.
-    Returns (per-group rotated queries, per-group rotated keys)."""
-    out = _PackedRope.apply(q, k, tuple(rope), tuple(dims), fns)
-    return out[:len(dims)], out[len(dims):]
+def packed_rope(q, k, rope, dims, fns, runs=None):
+    """_PackedRope: q, k [T, heads, head_dim] rows of the groups `dims`; rope: (cos, sin) per group; fns: BlockFns;
+    runs: [start, stop) group ranges (Packing.runs; None: one run per group). Returns (per-run rotated queries,
+    per-run rotated keys)."""
+    runs = tuple((i, i + 1) for i in range(len(dims))) if runs is None else tuple(runs)
+    out = _PackedRope.apply(q, k, tuple(rope), tuple(dims), runs, fns)
+    return out[:len(runs)], out[len(runs):]
 
 
 def parts_linear(parts, weight, bias):

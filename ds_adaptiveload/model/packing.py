@@ -1,12 +1,14 @@
 """Packed micro-batches: how the samples of one forward, of any mix of latent shapes, lie in one token tensor.
 
 The tokens of all samples form one [T, dim] tensor, so every linear layer is one GEMM. Samples are grouped
-by patch grid in order of first appearance (stable within a group); a group's n_g samples of `local` tokens
-each are contiguous rows, so its slice views as [n_g, local, dim] without a copy and attention, modulation,
-RoPE, patch embedding and unpatchify run once per group as dense batched calls (docs/model.md). Per-sample
-tensors (timestep, modulation vectors, text context) are kept in the same packed order, so a group's rows
-of them are the slice [first, first + n_g).
+by patch grid (stable within a group); a group's n_g samples of `local` tokens each are contiguous rows, so its
+slice views as [n_g, local, dim] without a copy. RoPE, patch embedding and unpatchify need the grid and run once
+per group. Attention, modulation and gating only need equal row counts, so they run once per *run*: adjacent
+groups whose samples have the same token count (480x832 and 832x480 images both have 1,560), which the grouping
+places next to each other (docs/model.md). Per-sample tensors (timestep, modulation vectors, text context) are
+kept in the same packed order, so a group's or run's rows of them are one slice.
 """
+from math import prod
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -66,26 +68,28 @@ class Packing:
         torch.compile keeps them symbolic rather than compiling a graph per micro-batch composition."""
         return split_rows(h, self.dims(sizes))
 
-    def sample_views(self, v: torch.Tensor, sizes=None) -> list[torch.Tensor]:
-        """Each group's rows [n_g, ...] of a per-sample tensor [n, ...] in packed order (sizes: as views)."""
-        return split_samples(v, self.dims(sizes))
-
-    def map(self, fn: Callable, rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = (), dtype=None,
-            sizes=None):
-        """fn(*group views of `rows`, *group rows of `samples`) per group, results merged into [T, ...] (cast
-        to dtype in the merge's copy if given; sizes: as views)."""
-        return merge(self.each(fn, rows, samples, sizes), dtype)
-
-    def each(self, fn: Callable, rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = (), sizes=None):
-        """fn per group as map() calls it, the results [n_g, ...] as a list (not merged)."""
-        cols = [self.views(r, sizes) for r in rows] + [self.sample_views(s, sizes) for s in samples]
-        return [fn(*args) for args in zip(*cols)]
-
     def dims(self, sizes=None) -> list:
         """(n_g, local) per group: from the size tensors' shapes when given (symbolic under compile), else ints."""
         if sizes is not None:
             return [(s.shape[0], s.shape[1]) for s in sizes]
         return [(g.n, g.local) for g in self.groups]
+
+    @property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """[start, stop) group ranges of adjacent groups whose samples have the same token count, hence the same
+        local rows and SP padding: their rows view as one [n, local, ...] batch."""
+        out, start = [], 0
+        for i in range(1, len(self.groups) + 1):
+            if i == len(self.groups) or self.groups[i].tokens != self.groups[start].tokens:
+                out.append((start, i))
+                start = i
+        return tuple(out)
+
+    def run_dims(self, sizes=None, runs=None) -> list:
+        """(n, local) per run (runs: as self.runs, given where a compiled block must not read the grids):
+        its groups' sample counts summed, symbolic under compile when sizes are given."""
+        dims = self.dims(sizes)
+        return [(sum(dims[i][0] for i in range(a, b)), dims[a][1]) for a, b in (self.runs if runs is None else runs)]
 
     def size_tensors(self, device) -> tuple[torch.Tensor, ...]:
         """Per group an empty tensor [n_g, local, 0] that carries the group's sizes in its shape (views)."""
@@ -138,6 +142,13 @@ class _Merge(torch.autograd.Function):
         return (None, *(x.reshape(s).to(dt) for x, s, dt in zip(g.split(rows), ctx.shapes, ctx.dtypes)))
 
 
+def each_rows(fn: Callable, dims: Sequence[tuple], rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = ()):
+    """fn(*views of `rows` [n, local, ...], *rows of the per-sample `samples` [n, ...]) for each of `dims`' groups or
+    runs ((n, local) each), the results as a list."""
+    cols = [split_rows(r, dims) for r in rows] + [split_samples(s, dims) for s in samples]
+    return [fn(*args) for args in zip(*cols)]
+
+
 def merge(parts: Sequence[torch.Tensor], dtype=None) -> torch.Tensor:
     """Per-group [n_g, local, ...] results -> one [T, ...] tensor (a view for a single contiguous group),
     cast to dtype if given."""
@@ -147,13 +158,18 @@ def merge(parts: Sequence[torch.Tensor], dtype=None) -> torch.Tensor:
 
 
 def plan_packing(grids: Sequence[tuple[int, int, int]], world: int = 1) -> Packing:
-    """Group samples by patch grid (first-appearance order, stable within a group). world > 1: each sample's
-    tokens are padded to a multiple of `world` and one rank holds ceil(S / world) of them."""
+    """Group samples by patch grid, stable within a group. Groups are ordered by the first appearance of their
+    token count, then of their grid, so groups of equal token count are adjacent and form one run; samples that
+    arrive in that order (one group, or equal-token groups contiguous) keep the identity order. world > 1: each
+    sample's tokens are padded to a multiple of `world` and one rank holds ceil(S / world) of them."""
     members: dict[tuple, list[int]] = {}
     for i, grid in enumerate(grids):
         members.setdefault(tuple(grid), []).append(i)
+    rank: dict[int, int] = {}
+    for grid in members:
+        rank.setdefault(prod(grid), len(rank))
     groups, first, offset = [], 0, 0
-    for grid, index in members.items():
+    for grid, index in sorted(members.items(), key=lambda kv: rank[prod(kv[0])]):  # stable: grid order kept
         local = -(-(grid[0] * grid[1] * grid[2]) // world)
         g = Group(grid, tuple(index), first, local, offset)
         groups.append(g)

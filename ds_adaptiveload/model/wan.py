@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.config import WanConfig
 from ds_adaptiveload.model.packed_ops import RowsLinear, packed_gated_add, packed_modulate, packed_rope
-from ds_adaptiveload.model.packing import Packing, merge, plan_packing
+from ds_adaptiveload.model.packing import Packing, each_rows, merge, plan_packing, split_rows
 from ds_adaptiveload.ops import ln_modulate
 
 ROPE_THETA = 10000.0
@@ -104,6 +104,12 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
+def rope_qk_into(q, k, cos, sin, q_out, k_out) -> None:
+    """rope_qk of one group written into its rows of its run's rotated queries and keys (model/packed_ops.py)."""
+    q_out.copy_(apply_rope(q, cos, sin))
+    k_out.copy_(apply_rope(k, cos, sin))
+
+
 def rope_grad_into(dy, cos, sin, out) -> None:
     """RoPE's input gradient for one group (the rotation by minus the angle, in fp32), written into `out` (the
     group's rows of dq or dk: model/packed_ops._PackedRope)."""
@@ -138,6 +144,7 @@ class BlockFns:
     one by one by model/compile.compile_regions (then the graphs do not depend on how many groups a
     micro-batch holds)."""
     rope_qk: Callable = rope_qk
+    rope_qk_into: Callable = rope_qk_into
     rope_grad_into: Callable = rope_grad_into
     gated_add: Callable = gated_add
     gated_add_into: Callable = gated_add_into
@@ -147,76 +154,89 @@ class BlockFns:
 
 @dataclass(frozen=True)
 class Layout:
-    """What the blocks need about one forward's samples: their packing, each group's RoPE table and
-    self-attention keywords (valid_len under SP padding), and the self-attention core."""
+    """What the blocks need about one forward's samples: their packing, each group's RoPE table, each run's
+    self-attention keywords (valid_len under SP padding), and the self-attention core. RoPE runs per group (it
+    needs the grid); everything else per run of equal-token groups (Packing.runs)."""
     packing: Packing
     rope: tuple
     """(cos, sin) per group, for the group's local token positions."""
     attn_kwargs: tuple
-    """Keyword arguments of the self-attention core per group."""
+    """Keyword arguments of the self-attention core per run."""
     attn_fn: AttentionFn
     sizes: tuple = None
     """Packing.size_tensors(): the group sizes as tensor shapes. The blocks read sizes only from these (and the
     RoPE tables), never from the packing's ints, so a compiled block is not specialised on them."""
     fns: BlockFns = BlockFns()
     """The per-group elementwise steps (WanModel.set_block_fns)."""
+    runs: tuple = None
+    """Packing.runs, computed outside the blocks: a compiled block reading it from the packing would guard on the
+    grids and compile a graph per micro-batch composition (None: taken from the packing)."""
 
     @property
-    def whole(self) -> bool:
-        """Run the per-group steps over whole tensors (_whole)."""
-        return _whole(self.packing)
+    def run_ranges(self) -> tuple:
+        return self.packing.runs if self.runs is None else self.runs
+
+    @property
+    def dims(self) -> list:
+        """(n, local) per run."""
+        return self.packing.run_dims(self.sizes, self.run_ranges)
 
     def views(self, h):
-        return self.packing.views(h, self.sizes)
-
-    def map(self, fn, rows, samples=(), dtype=None):
-        return self.packing.map(fn, rows, samples, dtype, self.sizes)
+        """Each run's rows of h [T, ...] as [n, local, ...] views."""
+        return split_rows(h, self.dims)
 
     def each(self, fn, rows, samples=()):
-        """fn per group (as map), the results as a list."""
-        return self.packing.each(fn, rows, samples, self.sizes)
+        """fn per run on its views of `rows` and its rows of the per-sample `samples`, the results as a list."""
+        return each_rows(fn, self.dims, rows, samples)
 
     def rope_qk(self, q, k):
-        """RoPE of q and k [T, heads, head_dim] -> per group the rotated [n_g, local, heads, head_dim] queries, and
+        """RoPE of q and k [T, heads, head_dim] -> per run the rotated [n, local, heads, head_dim] queries, and
         keys; over whole tensors (packed_ops._PackedRope) when the micro-batch holds several groups, so that their
         gradients are written into the rows of dq and dk instead of concatenated."""
-        if self.whole:
-            return packed_rope(q, k, self.rope, self.packing.dims(self.sizes), self.fns)
+        if _several(len(self.packing.groups)):
+            return packed_rope(q, k, self.rope, self.packing.dims(self.sizes), self.fns, self.run_ranges)
         return self.rope_per_group(q, k)
 
     def rope_per_group(self, q, k):
-        """rope_qk on each group's views of q and k (autograd concatenates their gradients)."""
-        pairs = [self.fns.rope_qk(qg, kg, cos, sin) for qg, kg, (cos, sin) in zip(self.views(q), self.views(k),
-                                                                                    self.rope)]
-        return [a for a, _ in pairs], [b for _, b in pairs]
+        """rope_qk on each group's views of q and k, concatenated per run (autograd concatenates the gradients)."""
+        gdims = self.packing.dims(self.sizes)
+        pairs = [self.fns.rope_qk(qg, kg, cos, sin) for qg, kg, (cos, sin) in zip(split_rows(q, gdims),
+                                                                                    split_rows(k, gdims), self.rope)]
+        runs = self.run_ranges
+        return [_cat([p[0] for p in pairs[a:b]]) for a, b in runs], [_cat([p[1] for p in pairs[a:b]]) for a, b in runs]
 
     def rows(self, parts):
-        """Per-group attention outputs [n_g, local, heads, head_dim] as the input of RowsLinear: the list itself
-        over several groups (the projection writes each into its rows), else merged into [T, dim]."""
-        return list(parts) if self.whole else merge(parts).flatten(1)
+        """Per-run attention outputs [n, local, heads, head_dim] as the input of RowsLinear: the list itself
+        over several runs (the projection writes each into its rows), else merged into [T, dim]."""
+        return list(parts) if _several(len(parts)) else merge(parts).flatten(1)
 
     def modulate(self, x, scale, shift, eps):
         """LN(x) * (1 + scale) + shift per sample: x [T, dim], scale/shift [n, 1, dim] fp32."""
-        return modulate_groups(x, scale, shift, eps, self.packing, self.sizes)
+        return modulate_rows(x, scale, shift, eps, self.dims)
 
     def gated_add(self, x, y, gate):
         """x + y * gate per sample: x, y [T, dim], gate [n, 1, dim] fp32."""
-        if _whole(self.packing):
-            return packed_gated_add(x, y, gate, self.packing.dims(self.sizes), self.fns)
-        return self.map(self.fns.gated_add, (x, y), (gate,))
+        dims = self.dims
+        if _several(len(dims)):
+            return packed_gated_add(x, y, gate, dims, self.fns)
+        return merge(each_rows(self.fns.gated_add, dims, (x, y), (gate,)))
 
 
-def _whole(packing: Packing) -> bool:
-    """Run the per-sample steps over the whole [T, dim] tensor (model/packed_ops.py): two or more groups, and not
-    inside a compiled block's trace (inductor fuses the merges there)."""
-    return len(packing.groups) > 1 and not torch.compiler.is_compiling()
+def _several(n: int) -> bool:
+    """Run a per-group or per-run step over whole [T, dim] tensors (model/packed_ops.py): two or more parts, and
+    not inside a compiled block's trace (inductor fuses the merges there)."""
+    return n > 1 and not torch.compiler.is_compiling()
 
 
-def modulate_groups(x, scale, shift, eps, packing: Packing, sizes=None):
-    """ln_modulate per sample of a packed x [T, dim] with scale/shift [n, 1, dim] (sizes: as Packing.views)."""
-    if _whole(packing):
-        return packed_modulate(x, scale, shift, packing.dims(sizes), eps)
-    return packing.map(lambda xg, sc, sh: ln_modulate(xg, sc, sh, eps=eps), (x,), (scale, shift), sizes=sizes)
+def _cat(parts):
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def modulate_rows(x, scale, shift, eps, dims):
+    """ln_modulate per sample of a packed x [T, dim] with scale/shift [n, 1, dim], for runs `dims`."""
+    if _several(len(dims)):
+        return packed_modulate(x, scale, shift, dims, eps)
+    return merge(each_rows(lambda xg, sc, sh: ln_modulate(xg, sc, sh, eps=eps), dims, (x,), (scale, shift)))
 
 
 class PatchEmbed(nn.Conv3d):
@@ -359,7 +379,7 @@ class Head(nn.Module):
 
     def forward(self, x, e, packing: Packing):
         shift, scale = (self.modulation.float() + e.float()[:, None]).chunk(2, dim=1)
-        return self.head(modulate_groups(x, scale, shift, self.eps, packing))
+        return self.head(modulate_rows(x, scale, shift, self.eps, packing.run_dims()))
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -581,7 +601,9 @@ class WanModel(nn.Module):
             rope.append(rope_tables(g.grid, self.cfg, start, g.local, xg.device))
             kwargs.append(kw)
         sizes = packing.size_tensors(flat.device)
-        lay = Layout(packing, tuple(rope), tuple(kwargs), self._attn_fn, sizes, self._block_fns)
+        runs = packing.runs
+        run_kwargs = tuple(kwargs[a] for a, _ in runs)  # a run's groups have the same tokens, so padding
+        lay = Layout(packing, tuple(rope), run_kwargs, self._attn_fn, sizes, self._block_fns, runs)
         return merge(parts).contiguous(), lay
 
     def _unpatchify_groups(self, h: torch.Tensor, packing: Packing, shard: Optional[SeqShard]) -> list:
