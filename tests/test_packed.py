@@ -329,11 +329,15 @@ def test_packed_engine_bench_smoke(tmp_path):
     bad = subprocess.run(cmd + ["--cases", "mixed,videos"], cwd=root, env=env, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--cases: unknown ['videos']" in bad.stderr
-    subprocess.run(cmd + ["--cases", "image-heavy"], cwd=root, env=env, check=True, capture_output=True, timeout=300)
+    subprocess.run(cmd + ["--cases", "image-heavy,image-heavy-equal"], cwd=root, env=env, check=True,
+                   capture_output=True, timeout=300)
     res = json.loads((tmp_path / "packed-engine-ds_zero2_bf16.json").read_text())
     assert {"date", "device", "torch", "deepspeed"} <= set(res["env"])
-    (c,) = res["comparisons"]
+    c, eq = res["comparisons"]
     assert c["name"].startswith("image-heavy packed / images-B") and len(c["pairs"]) == 2, c
+    # the same mix scaled to the one-shape batch's tokens
+    assert eq["name"].startswith("image-heavy ") and eq["tokens_b"] == c["tokens_b"], eq
+    assert abs(eq["tokens_a"] / eq["tokens_b"] - 1) < 0.1 < abs(c["tokens_a"] / c["tokens_b"] - 1), (c, eq)
     assert c["tokens_a"] > 0 and c["tokens_b"] > 0 and c["micro_batches_b"] == 1
     for p in c["pairs"]:  # tokens/s of packed over its comparison, from the same pair's times (stored to 0.1 ms)
         want = c["tokens_a"] / p["a_fwd_bwd_ms"] / (c["tokens_b"] / p["b_fwd_bwd_ms"])

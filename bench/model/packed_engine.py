@@ -5,7 +5,7 @@ every micro-batch also pays DeepSpeed's per-micro-batch work (ZeRO's gradient re
 parameter gathers), which packing is meant to save.
 
     python3 bench/model/packed_engine.py --out OUT [--configs configs/ds_zero2_bf16.json,configs/ds_zero3_bf16.json]
-        [--cases mixed,image-heavy] [--pairs 4] [--budget-s 400]
+        [--cases mixed,image-heavy,image-heavy-equal] [--pairs 4] [--budget-s 400]
     PACKED_SMOKE=1 python3 bench/model/packed_engine.py --out /tmp/pe     # CPU: tiny model and shapes
 
 One process per config builds the engine as calibrate does (calibrate/engine.py: training's own pieces, every
@@ -14,7 +14,9 @@ micro_step, timed apart from the optimizer step that follows it. After one warm-
 shapes), packed and its comparison are timed alternately A B B A (--pairs), so clock drift falls on both alike:
 - the mixed pack (1 x 720p 81f, 2 x 480p 81f, 40 images) against its three one-shape micro-batches, summed;
 - the image-heavy pack (112 images of 5 shapes) against 128 images of one shape (the best one-shape image batch of
-  packed_model.py's sweep), in tokens/s.
+  packed_model.py's sweep), in tokens/s;
+- image-heavy-equal: the same mix of 5 shapes scaled to the 128-image batch's tokens (134 images, 199,056 tokens
+  against 199,680), so that both sides pay a micro-batch's fixed costs over as many tokens.
 Writes OUT/packed-engine-<config>.json per config (every timing, fwd+bwd and step ms apart, peaks)."""
 import argparse
 import json
@@ -31,7 +33,13 @@ sys.path.insert(0, os.path.dirname(HERE))  # bench/, for harness
 import harness  # noqa: E402
 
 
-CASES = ("mixed", "image-heavy")  # the comparisons, in the order child() runs them
+CASES = ("mixed", "image-heavy", "image-heavy-equal")  # the comparisons, in the order child() runs them
+
+
+def scaled_mix(spec, tokens_of, target):
+    """spec [(count, f, h, w)] with every count scaled by target / its tokens and rounded (at least 1)."""
+    scale = target / sum(c * tokens_of(f, h, w) for c, f, h, w in spec)
+    return [(max(1, round(c * scale)), f, h, w) for c, f, h, w in spec]
 
 
 def micro_batches(spec, packed):
@@ -69,12 +77,17 @@ def child(args) -> dict:
     engine, dims, seq_shard, device, dtype = init_engine(cfg, ds, opts)
     fn = StepFn(engine, cfg, geo, seq_shard, device, dtype, seed=0, dims=dims)
     best = (pm.SWEEP[True][-1], *pm.IMAGE)
+    equal = scaled_mix(pm.IMAGE_MIX[True], geo.tokens, best[0] * geo.tokens(*best[1:]))
     tokens = {k: sum(c * geo.tokens(f, h, w) for c, f, h, w in spec)
-              for k, spec in (("mixed", pm.MIXED[True]), ("image-heavy", pm.IMAGE_MIX[True]), ("best", [best]))}
+              for k, spec in (("mixed", pm.MIXED[True]), ("image-heavy", pm.IMAGE_MIX[True]), ("best", [best]),
+                              ("equal", equal))}
     pairs = {"mixed": ("mixed: packed / separate", micro_batches(pm.MIXED[True], True),
                        micro_batches(pm.MIXED[True], False), tokens["mixed"], tokens["mixed"]),
              "image-heavy": (f"image-heavy packed / images-B{best[0]}", micro_batches(pm.IMAGE_MIX[True], True),
-                             micro_batches([best], False), tokens["image-heavy"], tokens["best"])}
+                             micro_batches([best], False), tokens["image-heavy"], tokens["best"]),
+             "image-heavy-equal": (f"image-heavy {sum(c for c, *_ in equal)} images packed / images-B{best[0]}",
+                                   micro_batches(equal, True), micro_batches([best], False), tokens["equal"],
+                                   tokens["best"])}
     out = {"config": args.child, "compile_blocks": args.compile_blocks, "world": dims.world,
            "engine_s": round(time.perf_counter() - t0, 1), "comparisons": []}
     for name, a, b, tok_a, tok_b in (pairs[case] for case in CASES if case in args.cases.split(",")):
