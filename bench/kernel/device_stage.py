@@ -24,7 +24,8 @@ def driver():
     from ds_adaptiveload.ops import layernorm_modulate as lnm
 
     torch.manual_seed(0)
-    cases = [(3, 37, 1536, torch.bfloat16, "sample"), (5, 700, 1536, torch.float16, "global"),
+    cases = [(3, 37, 1536, torch.bfloat16, "sample"), (3, 37, 1536, torch.float16, "sample"),
+             (5, 700, 1536, torch.float16, "global"),
              (4, 300, 5120, torch.bfloat16, "sample"), (40, 3, 1536, torch.bfloat16, "sample"),
              (61, 7, 2048, torch.float16, "sample"),
              (2, 33, 1536, torch.bfloat16, "token"), (1, 300, 5120, torch.float16, "token"),

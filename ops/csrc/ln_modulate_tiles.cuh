@@ -1,6 +1,7 @@
 // Pieces of the compile-time-tiled kernels shared by the per-sample grid (ln_modulate_fast.cu) and the flat
 // row space for B >= 2 (ln_modulate_batch.cu): the tile tables, the launch conditions, and the per-row bodies.
 #pragma once
+#include <type_traits>
 #include "ln_modulate_common.cuh"
 
 namespace lnmod {
@@ -125,34 +126,39 @@ __device__ __forceinline__ void fwd_row(const float (&xf)[VPT][8], const float* 
 
 // One backward row of a one-group CTA: dz = dy * (1 + scale), dx = rstd * (dz - mean(dz) - xhat * mean(dz *
 // xhat)); mod_a(i, a) gives 1 + scale of this thread's vector i, grads(i, dy, xhat) takes dscale = dy * xhat and
-// dshift = dy of it (accumulated per column, or stored per token). xhat stays in registers for the second pass;
-// dz is recomputed there from the packed dy (fewer registers than keeping it). refill() runs once xr / gr are
-// consumed (the caller's prefetch slot is free then), before the row barrier.
+// dshift = dy of it (accumulated per column, or stored per token). dz is recomputed in the second pass from the
+// packed dy (fewer registers than keeping it). xhat stays in registers for it in bf16; in fp16 it is recomputed
+// from the packed x as well: the 8 fp32 xhat per vector made the fp16 kernels of 2 vectors per thread spill (ptxas
+// -v: 40-56 bytes at 96 registers, bf16 0-8), and recomputing them is the same arithmetic, so the same bits.
+// refill() runs once xr / gr are consumed (the caller's prefetch slot is free then), before the row barrier.
 template <typename TX, int VPT, int WPR, typename ModA, typename Grads, typename Refill>
 __device__ __forceinline__ void bwd_row_mod(const Pack8<TX> (&xr)[VPT], const Pack8<TX> (&gr)[VPT], float mean,
                                             float rstd, ModA&& mod_a, Grads&& grads, float2* slots, int& parity,
                                             int tid, TX* dx, Refill&& refill) {
   constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;
   constexpr float kInvD = 1.f / D;
+  constexpr bool kPackedX = std::is_same_v<TX, __half>;  // xhat recomputed from the packed x in pass 2
   const int warp = tid / 32, lane = tid % 32;
-  float xh[VPT][8], s1[VPT], s2[VPT];
-  Pack8<TX> gc[VPT];
+  float xh[kPackedX ? 1 : VPT][8], s1[VPT], s2[VPT];
+  Pack8<TX> gc[VPT], xc[kPackedX ? VPT : 1];
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     float xf[8], g[8], a[8];
+    float* xhi = xh[kPackedX ? 0 : i];
+    if constexpr (kPackedX) xc[i] = xr[i];
     xr[i].get(xf);
     gc[i] = gr[i];
     gc[i].get(g);
     mod_a(i, a);
     float u = 0.f, v = 0.f;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) xh[i][k] = (xf[k] - mean) * rstd;  // exact also when |mean| >> std
-    grads(i, g, xh[i]);
+    for (int k = 0; k < 8; ++k) xhi[k] = (xf[k] - mean) * rstd;  // exact also when |mean| >> std
+    grads(i, g, xhi);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const float dz = g[k] * a[k];
       u += dz;
-      v = fmaf(dz, xh[i][k], v);
+      v = fmaf(dz, xhi[k], v);
     }
     s1[i] = u;
     s2[i] = v;
@@ -165,10 +171,17 @@ __device__ __forceinline__ void bwd_row_mod(const Pack8<TX> (&xr)[VPT], const Pa
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     float g[8], a[8], o[8];
+    float* xhi = xh[kPackedX ? 0 : i];
+    if constexpr (kPackedX) {
+      float xf[8];
+      xc[i].get(xf);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) xhi[k] = (xf[k] - mean) * rstd;
+    }
     gc[i].get(g);
     mod_a(i, a);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) o[k] = fmaf(g[k] * a[k], rstd, fmaf(xh[i][k], c2, c1));
+    for (int k = 0; k < 8; ++k) o[k] = fmaf(g[k] * a[k], rstd, fmaf(xhi[k], c2, c1));
     store8(dx + i * TPR * 8, o);
   }
 }
@@ -284,15 +297,10 @@ inline int find_tok_tile(const Tile (&t)[N], int D, int pick) {
   return -1;
 }
 
-// Per-sample / global backward tile. fp16 takes a 1-vector tile where there is one: with 2 vectors per thread
-// the fp16 kernels spill 44-56 bytes (ptxas -v, CUDA 13.0, sm_90; bf16: 0-12), and on the H200 the fp16
-// fwd+bwd ran at 72% of the byte floor against bf16's 96% at (1,75600,5120) (2026-12-01).
-inline int find_bwd_sample_tile(const BwdParams& p) {
-  if (p.tile >= 0 || p.x_dtype != kF16) return find_tile(kBwdTiles, p.D, p.tile);
-  for (int i = 0; i < kNumBwdTiles; ++i)
-    if (kBwdTiles[i].D == p.D && kBwdTiles[i].vpt == 1) return i;
-  return find_tile(kBwdTiles, p.D, -1);
-}
+// Per-sample / global backward tile: the default for D in both dtypes. (Until 2026-12-03 fp16 took a 1-vector tile:
+// its 2-vector kernels spilled 44-56 bytes, at 81-82% of the byte floor where bf16 ran at 96%. They recompute
+// xhat from the packed x now (bwd_row_mod) and spill 0-4 bytes, as bf16's 0-12.)
+inline int find_bwd_sample_tile(const BwdParams& p) { return find_tile(kBwdTiles, p.D, p.tile); }
 
 // tok: the per-token kernels (no staged modulation in shared memory).
 template <typename K>
