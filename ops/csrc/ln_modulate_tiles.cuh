@@ -137,8 +137,7 @@ __device__ __forceinline__ void bwd_row_mod(const Pack8<TX> (&xr)[VPT], const Pa
                                             int tid, TX* dx, Refill&& refill) {
   constexpr int TPR = 32 * WPR, D = 8 * VPT * TPR;
   constexpr float kInvD = 1.f / D;
-  // xhat recomputed from the packed x in pass 2: fp16, and bf16 at D = 1536 (A-B on the H200: docs/kernel.md)
-  constexpr bool kPackedX = std::is_same_v<TX, __half> || D == 1536;
+  constexpr bool kPackedX = std::is_same_v<TX, __half>;  // xhat recomputed from the packed x in pass 2
   const int warp = tid / 32, lane = tid % 32;
   float xh[kPackedX ? 1 : VPT][8], s1[VPT], s2[VPT];
   Pack8<TX> gc[VPT], xc[kPackedX ? VPT : 1];
