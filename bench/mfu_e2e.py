@@ -236,20 +236,60 @@ SM_COL, POWER_COL = (GPU_FIELDS.split(",").index(f) for f in ("clocks.sm", "powe
 REASONS_COL = len(GPU_FIELDS.split(","))
 
 
-def gpu_monitor(path):
-    """nvidia-smi sampling the GPU's clocks, temperature and power every 2 s into `path` (CSV) while a variant
-    trains, so a change in step time can be told apart from a throttled GPU; None without nvidia-smi."""
+class GpuMonitor:
+    """nvidia-smi sampled every `interval` s into `path` (CSV, header first), one nvidia-smi process per sample: a
+    looping `nvidia-smi -lms ... -f path` writes its file in 4 KB blocks and loses the last one when it is stopped
+    (the sixteenth session's packed run kept 8,192 bytes, none of its last step)."""
+
+    def __init__(self, path, fields, interval=2.0):
+        import threading
+
+        self.path, self.fields, self.interval = path, fields, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self, header: bool):
+        """One nvidia-smi query: its CSV text, or None where it failed."""
+        import subprocess
+
+        fmt = "csv" if header else "csv,noheader"
+        try:
+            res = subprocess.run(["nvidia-smi", f"--query-gpu={self.fields}", f"--format={fmt}"], capture_output=True,
+                                 text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return res.stdout if res.returncode == 0 and res.stdout.strip() else None
+
+    def start(self, first: str):
+        with open(self.path, "w") as f:
+            f.write(first)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            text = self.sample(header=False)
+            if text:
+                with open(self.path, "a") as f:  # whole lines, each sample at once
+                    f.write(text)
+
+    def terminate(self):
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+
+def gpu_monitor(path, interval=2.0):
+    """A GpuMonitor sampling the GPU's clocks, temperature and power into `path` while a variant trains, so a change
+    in step time can be told apart from a throttled GPU; None without a working nvidia-smi."""
     import shutil
-    import subprocess
 
     if shutil.which("nvidia-smi") is None:
         return None
     for fields in (GPU_FIELDS + ",clocks_event_reasons.active", GPU_FIELDS):  # older drivers lack the reasons
-        proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv", "-lms", "2000", "-f", path],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(1.0)
-        if proc.poll() is None:
-            return proc
+        mon = GpuMonitor(path, fields, interval)
+        first = mon.sample(header=True)
+        if first:
+            return mon.start(first)
     return None
 
 

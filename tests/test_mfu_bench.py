@@ -378,6 +378,40 @@ def test_gpu_per_step_joins_nvidia_smi_samples_with_the_step_log(tmp_path):
     assert mfu_e2e.gpu_per_step(str(tmp_path / "missing.csv"), recs) == []
 
 
+def test_gpu_monitor_writes_whole_samples_until_stopped(tmp_path, monkeypatch):
+    """bench/mfu_e2e.gpu_monitor with a stand-in nvidia-smi on PATH: the header and then one whole line per sample,
+    every sample up to the stop in the file (a looping nvidia-smi lost its last 4 KB block), which gpu_per_step
+    reads; a driver without the throttle-reasons field falls back to the fields without it; none: None."""
+    import stat
+    import time
+
+    import mfu_e2e
+
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    # rejects the reasons field (an older driver); each call prints the header unless noheader, then one row
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *clocks_event_reasons*) exit 6;; esac\n"
+                    "case \"$*\" in *noheader*) ;; *) echo 'timestamp, clocks.current.sm [MHz], x, y, power.draw [W], "
+                    "u, m';; esac\n"
+                    "echo \"$(date -u '+%Y/%m/%d %H:%M:%S.000'), 1700 MHz, 3201 MHz, 58, 690.00 W, 100 %, 5 MiB\"\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    csv = tmp_path / "gpu.csv"
+    t0 = time.time()
+    mon = mfu_e2e.gpu_monitor(str(csv), interval=0.2)
+    assert mon is not None and "clocks_event_reasons" not in mon.fields
+    time.sleep(1.5)
+    mon.terminate()
+    lines = csv.read_text().splitlines()
+    assert lines[0].startswith("timestamp") and len(lines) >= 4, lines
+    assert all(line.endswith("5 MiB") for line in lines[1:]), lines
+    step = {"step": 1, "step_ms": 1e3 * (time.time() - t0 + 2), "end_time": time.time() + 1}
+    got = mfu_e2e.gpu_per_step(str(csv), [step])
+    assert got[0]["samples"] == len(lines) - 1 and got[0]["sm_mhz"] == 1700 and not got[0]["power_capped"]
+    fake.write_text("#!/bin/sh\nexit 9\n")
+    assert mfu_e2e.gpu_monitor(str(tmp_path / "none.csv")) is None
+
+
 def test_gpu_soak_loads_until_the_step_log_has_a_line(tmp_path):
     """bench/gpu_soak.py (bench/mfu.py --e2e-soak-s): it keeps loading the device while the watched file is absent or
     empty, stops once the file has a line and says why; asked for CUDA where there is none, it stops at once."""
