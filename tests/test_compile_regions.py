@@ -11,7 +11,8 @@ import torch
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.compile import (bind_regions, compile_blocks, compile_kind, compile_regions, compile_stats,
                                            region_fns, uncompile_blocks)
-from ds_adaptiveload.model.wan import BlockFns, LayerNorm, RMSNorm
+from ds_adaptiveload.model.layout import BlockFns
+from ds_adaptiveload.model.wan import LayerNorm, RMSNorm
 from tests.test_compile_blocks import PACKS, RUN_PACKS, check_against_eager, run_packed, tiny
 
 # PACKS (2 and 3 groups, with and without groups of one sample), then packs of 1, 4 and 5 groups

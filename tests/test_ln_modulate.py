@@ -155,7 +155,8 @@ def small_block(dim=64, heads=4, S=24, B=2, device="cpu", dtype=torch.float32):
     Layout of B samples of one shape)."""
     from ds_adaptiveload.model.config import WanConfig
     from ds_adaptiveload.model.packing import plan_packing
-    from ds_adaptiveload.model.wan import Layout, WanBlock, rope_tables, sdpa_attention
+    from ds_adaptiveload.model.layout import Layout
+    from ds_adaptiveload.model.wan import WanBlock, rope_tables, sdpa_attention
 
     cfg = WanConfig(dim=dim, ffn_dim=2 * dim, num_heads=heads, num_layers=1, text_len=8)
     torch.manual_seed(0)

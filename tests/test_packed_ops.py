@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate, packed_rope, parts_linear
-from ds_adaptiveload.model.wan import BlockFns, gated_add, rope_qk
+from ds_adaptiveload.model.layout import BlockFns, gated_add, rope_qk
 from ds_adaptiveload.ops.layernorm_modulate import ln_modulate
 
 # (n_g, local rows per sample) per group: groups of one sample, at the front and behind, and of several
@@ -208,7 +208,7 @@ def test_packed_modulate_kernel_writes_the_groups_rows_bit_for_bit(dtype, D):
 def test_packed_gated_add_compiled_on_gpu(aligned):
     """The compiled into-regions as compile_regions makes them (assume_aligned_inputs), and without the option."""
     from ds_adaptiveload.model.compile import CompileOptions, compile_region, region_fns
-    from ds_adaptiveload.model.wan import gated_add_into, gated_dy_into
+    from ds_adaptiveload.model.layout import gated_add_into, gated_dy_into
 
     torch._dynamo.reset()
     fns = region_fns()[0]

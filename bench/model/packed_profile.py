@@ -67,14 +67,15 @@ def summarise(run: dict) -> dict:
 @contextlib.contextmanager
 def merges():
     """Layout.rope_qk and Layout.rows as before 2026-12-02 (tenth session), for the duration."""
-    from ds_adaptiveload.model import wan
+    from ds_adaptiveload.model.layout import Layout
+    from ds_adaptiveload.model.packing import merge
 
-    saved = wan.Layout.rope_qk, wan.Layout.rows
-    wan.Layout.rope_qk, wan.Layout.rows = wan.Layout.rope_per_group, lambda self, parts: wan.merge(parts).flatten(1)
+    saved = Layout.rope_qk, Layout.rows
+    Layout.rope_qk, Layout.rows = Layout.rope_per_group, lambda self, parts: merge(parts).flatten(1)
     try:
         yield
     finally:
-        wan.Layout.rope_qk, wan.Layout.rows = saved
+        Layout.rope_qk, Layout.rows = saved
 
 
 def main(argv=None):

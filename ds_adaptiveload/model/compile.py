@@ -24,9 +24,9 @@ from typing import Optional
 import torch
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.model.wan import (BlockFns, LayerNorm, RMSNorm, WanBlock, WanModel, gate_grad, gated_add,
-                                       gated_add_into, gated_dy_into, rope_grad_into, rope_qk,
-                                       rope_qk_into)
+from ds_adaptiveload.model.layout import (BlockFns, gate_grad, gated_add, gated_add_into, gated_dy_into,
+                                          rope_grad_into, rope_qk, rope_qk_into)
+from ds_adaptiveload.model.wan import LayerNorm, RMSNorm, WanBlock, WanModel
 
 # WanBlock.forward(x, e0, context, lay): argument position -> dims to mark dynamic.
 # x [T, dim] packed token rows, e0 [n, 6, dim], context [n, text_len, dim]; the Layout's per-group RoPE

@@ -13,7 +13,7 @@ the output projection, and the per-group query and key gradients concatenated fo
 36 and 39 ms of a 16.4 s mixed pack: docs/benchmarks.md); _PackedRope and _PartsLinear remove them.
 
 Used for micro-batches of two or more groups or runs (model/packing.Packing.runs) outside torch.compile tracing
-(model/wan._several); one needs no merge, and a compiled whole block fuses the merges itself.
+(model/layout._several); one needs no merge, and a compiled whole block fuses the merges itself.
 """
 import torch
 import torch.nn.functional as F
