@@ -279,8 +279,8 @@ def compile_stats() -> dict:
     unique graphs and graph breaks (by reason)."""
     from torch._dynamo.utils import counters
 
-    codes = (WanBlock.forward, rope_qk, rope_qk_into, rope_grad_into, gated_add, gated_add_into, gated_dy_into, gate_grad,
-             RMSNorm.forward, LayerNorm.forward)
+    codes = (WanBlock.forward, rope_qk, rope_qk_into, rope_grad_into, gated_add, gated_add_into, gated_dy_into,
+             gate_grad, RMSNorm.forward, LayerNorm.forward)
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 

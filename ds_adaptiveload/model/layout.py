@@ -94,17 +94,17 @@ class Layout:
     fns: BlockFns = BlockFns()
     """The per-group elementwise steps (WanModel.set_block_fns)."""
     runs: tuple = None
-    """Packing.runs, computed outside the blocks: a compiled block reading it from the packing would guard on the
-    grids and compile a graph per micro-batch composition (None: taken from the packing)."""
+    """Packing.runs, filled in here at construction (outside the blocks): a compiled block reading it from the
+    packing would guard on the grids and compile a graph per micro-batch composition."""
 
-    @property
-    def run_ranges(self) -> tuple:
-        return self.packing.runs if self.runs is None else self.runs
+    def __post_init__(self):
+        if self.runs is None:
+            object.__setattr__(self, "runs", self.packing.runs)
 
     @property
     def dims(self) -> list:
         """(n, local) per run."""
-        return self.packing.run_dims(self.sizes, self.run_ranges)
+        return self.packing.run_dims(self.sizes, self.runs)
 
     def views(self, h):
         """Each run's rows of h [T, ...] as [n, local, ...] views."""
@@ -119,7 +119,7 @@ class Layout:
         keys; over whole tensors (packed_ops._PackedRope) when the micro-batch holds several groups, so that their
         gradients are written into the rows of dq and dk instead of concatenated."""
         if _several(len(self.packing.groups)):
-            return packed_rope(q, k, self.rope, self.packing.dims(self.sizes), self.fns, self.run_ranges)
+            return packed_rope(q, k, self.rope, self.packing.dims(self.sizes), self.fns, self.runs)
         return self.rope_per_group(q, k)
 
     def rope_per_group(self, q, k):
@@ -127,8 +127,8 @@ class Layout:
         gdims = self.packing.dims(self.sizes)
         pairs = [self.fns.rope_qk(qg, kg, cos, sin) for qg, kg, (cos, sin) in zip(split_rows(q, gdims),
                                                                                     split_rows(k, gdims), self.rope)]
-        runs = self.run_ranges
-        return [_cat([p[0] for p in pairs[a:b]]) for a, b in runs], [_cat([p[1] for p in pairs[a:b]]) for a, b in runs]
+        qs = [_cat([p[0] for p in pairs[a:b]]) for a, b in self.runs]
+        return qs, [_cat([p[1] for p in pairs[a:b]]) for a, b in self.runs]
 
     def rows(self, parts):
         """Per-run attention outputs [n, local, heads, head_dim] as the input of RowsLinear: the list itself

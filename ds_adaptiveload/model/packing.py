@@ -8,8 +8,8 @@ groups whose samples have the same token count (480x832 and 832x480 images both 
 places next to each other (docs/model.md). Per-sample tensors (timestep, modulation vectors, text context) are
 kept in the same packed order, so a group's or run's rows of them are one slice.
 """
-from math import prod
 from dataclasses import dataclass
+from math import prod
 from typing import Callable, Sequence
 
 import torch
@@ -170,7 +170,7 @@ def plan_packing(grids: Sequence[tuple[int, int, int]], world: int = 1) -> Packi
         rank.setdefault(prod(grid), len(rank))
     groups, first, offset = [], 0, 0
     for grid, index in sorted(members.items(), key=lambda kv: rank[prod(kv[0])]):  # stable: grid order kept
-        local = -(-(grid[0] * grid[1] * grid[2]) // world)
+        local = -(-prod(grid) // world)
         g = Group(grid, tuple(index), first, local, offset)
         groups.append(g)
         first, offset = first + g.n, offset + g.rows

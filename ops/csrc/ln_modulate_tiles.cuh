@@ -297,11 +297,6 @@ inline int find_tok_tile(const Tile (&t)[N], int D, int pick) {
   return -1;
 }
 
-// Per-sample / global backward tile: the default for D in both dtypes. (Until 2026-12-03 fp16 took a 1-vector tile:
-// its 2-vector kernels spilled 44-56 bytes, at 81-82% of the byte floor where bf16 ran at 96%. They recompute
-// xhat from the packed x now (bwd_row_mod) and spill 0-4 bytes, as bf16's 0-12.)
-inline int find_bwd_sample_tile(const BwdParams& p) { return find_tile(kBwdTiles, p.D, p.tile); }
-
 // tok: the per-token kernels (no staged modulation in shared memory).
 template <typename K>
 FastCfg fwd_tile_cfg(const FwdParams& p, bool tok) {
@@ -319,8 +314,11 @@ FastCfg fwd_tile_cfg(const FwdParams& p, bool tok) {
 template <typename K>
 FastCfg bwd_tile_cfg(const BwdParams& p, bool tok) {
   FastCfg c{};
+  // Per-sample / global: the default tile for D in both dtypes. (Until 2026-12-03 fp16 took a 1-vector tile: its
+  // 2-vector kernels spilled 44-56 bytes, at 81-82% of the byte floor where bf16 ran at 96%. They recompute xhat
+  // from the packed x now (bwd_row_mod) and spill 0-4 bytes, as bf16's 0-12.)
   const int t = !bwd_tiles_apply(p, tok) ? -1 : tok ? find_tok_tile(kBwdTiles, p.D, p.tile)
-                                                    : find_bwd_sample_tile(p);
+                                                    : find_tile(kBwdTiles, p.D, p.tile);
   if (t < 0) return c;
   c.rpc = 1;
   c.threads = 32 * kBwdTiles[t].wpr;
