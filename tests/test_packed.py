@@ -77,6 +77,34 @@ def test_packed_equals_each_sample_alone():
     assert all(g.abs().sum() > 0 for g in g_packed.values())
 
 
+def test_packed_projections_hand_back_each_runs_rows(monkeypatch):
+    """Self-attention's v and cross-attention's q projections go through split_linear over several runs (their
+    gradients are not concatenated), and not for a projection with a hook (ZeRO-3's gathers) or one run."""
+    from ds_adaptiveload.model import layout
+
+    calls = []
+    monkeypatch.setattr(layout, "split_linear", lambda *a: calls.append(a[3]) or _split(*a))
+    cfg = tiny_cfg()
+    m = perturbed_model(cfg)
+    xs, t, ctxs = packed_inputs(cfg)
+    with torch.no_grad():
+        m(xs, t, ctxs)
+        assert calls == [[2 * 72, 4 * 6, 2 * 12]] * (2 * cfg.num_layers)  # the runs of test_attention_runs_once_per_run
+        calls.clear()
+        m.blocks[0].self_attn.v.register_forward_pre_hook(lambda mod, args: None)
+        m(xs, t, ctxs)
+        assert len(calls) == 2 * cfg.num_layers - 1
+        calls.clear()
+        m(xs[:1], t[:1], ctxs[:1])
+        assert not calls
+
+
+def _split(*args):
+    from ds_adaptiveload.model.packed_ops import split_linear
+
+    return split_linear(*args)
+
+
 def test_packed_bf16_equals_each_sample_alone():
     """bf16 activations: the merges round the fp32 gated residuals to bf16 in their copy, as .to() does."""
     cfg = tiny_cfg()

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate, packed_rope, parts_linear
+from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate, packed_rope, parts_linear, split_linear
 from ds_adaptiveload.model.layout import BlockFns, gated_add, rope_qk
 from ds_adaptiveload.ops.layernorm_modulate import ln_modulate
 
@@ -184,6 +184,44 @@ def test_parts_linear_gradcheck_in_float64():
     assert torch.autograd.gradcheck(lambda w, *p: parts_linear(p, w, None), (w, *parts))
 
 
+def _check_split_linear(rows, D, dtype, device, bias, tol, drop=None):
+    """split_linear's parts and gradients against F.linear then split in float64, from the same rounded inputs; the
+    gradient of part `drop` is left None (a run whose output the loss does not use)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(rows), D, generator=g).to(device, dtype)
+    w = (torch.randn(D + 3, D, generator=g) / D ** 0.5).to(device, dtype)
+    b = torch.randn(D + 3, generator=g).to(device, dtype) if bias else None
+    douts = [torch.randn(r, D + 3, generator=g).to(device, dtype) for r in rows]
+    leaves0 = [t.detach().double().requires_grad_() for t in (x, w, b) if t is not None]
+    leaves1 = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
+    ref = F.linear(*leaves0).split(rows)
+    got = split_linear(*leaves1[:2], leaves1[2] if bias else None, rows)
+    keep = [i for i in range(len(rows)) if i != drop]
+    torch.autograd.backward([ref[i] for i in keep], [douts[i].double() for i in keep])
+    torch.autograd.backward([got[i] for i in keep], [douts[i] for i in keep])
+    pairs = [(a, r, f"part {i}") for i, (a, r) in enumerate(zip(got, ref))]
+    pairs += [(a.grad, r.grad, name) for a, r, name in zip(leaves1, leaves0, ("dx", "dw", "db"))]
+    for a, r, name in pairs:
+        assert a.shape == r.shape and a.dtype == dtype, name
+        err = (a.double() - r).abs().max().item()
+        assert err <= tol * max(r.abs().max().item(), 1.0), (name, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("drop", [None, 1], ids=["all-used", "one-unused"])
+def test_split_linear_equals_linear_then_split_on_cpu(dtype, bias, drop):
+    _check_split_linear([35, 20, 18], 16, dtype, "cpu", bias, 1e-6 if dtype == torch.float32 else 2 ** -7, drop)
+
+
+def test_split_linear_gradcheck_in_float64():
+    x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: split_linear(x, w, b, [3, 1, 3]), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: split_linear(x, w, None, [2, 5]), (x, w))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_modulate_equals_per_group_on_cpu(dtype):
     _check_modulate(DIMS, 16, dtype, "cpu", exact=False)
@@ -222,8 +260,8 @@ def test_packed_gated_add_compiled_on_gpu(aligned):
 
 @pytest.mark.cuda
 def test_packed_rope_and_parts_linear_compiled_on_gpu():
-    """RoPE's gradient into dq and dk through the compiled region (assume_aligned_inputs) and the output projection
-    from strided parts with cuBLAS, in bf16, against per-group steps and F.linear on the cat."""
+    """RoPE's gradient into dq and dk through the compiled region (assume_aligned_inputs), the output projection
+    from strided parts and the split projection with cuBLAS, in bf16, against per-group steps and F.linear."""
     from ds_adaptiveload.model.compile import region_fns
 
     torch._dynamo.reset()
@@ -231,6 +269,7 @@ def test_packed_rope_and_parts_linear_compiled_on_gpu():
     for dims in (DIMS, [(2, 40), (5, 8)], [(1, 40), (1, 8), (3, 3)]):
         _check_rope(dims, 12, 128, torch.bfloat16, "cuda", fns, tol=1e-2)
         _check_parts_linear(dims, 1536, torch.bfloat16, "cuda", True, 2 ** -7, transposed=True)
+        _check_split_linear([a * b for a, b in dims], 1536, torch.bfloat16, "cuda", True, 2 ** -7)
     _check_rope(RUN_DIMS, 12, 128, torch.bfloat16, "cuda", fns, tol=1e-2, runs=RUNS)  # rope_qk_into's region
 
 

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate, packed_rope
+from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate, packed_rope, split_linear
 from ds_adaptiveload.model.packing import Packing, each_rows, merge, split_rows
 from ds_adaptiveload.ops import ln_modulate
 
@@ -114,6 +114,18 @@ class Layout:
         """fn per run on its views of `rows` and its rows of the per-sample `samples`, the results as a list."""
         return each_rows(fn, self.dims, rows, samples)
 
+    def project(self, linear, x, heads, norm=None):
+        """Each run's [n, local, heads, head_dim] rows of norm(linear(x)), x [T, in]. Over several runs the
+        projection hands back each run's rows (packed_ops.split_linear) and norm runs per run, so the runs'
+        gradients, one new tensor each from the attention's backward, need no cat into one [T, out] tensor.
+        Only for a plain nn.Linear without hooks (under ZeRO-3 each module call gathers its parameters and
+        returns one tensor) and outside autocast."""
+        dims = self.dims
+        if not (_several(len(dims)) and _plain(linear, x)):
+            return split_rows((norm or _same)(linear(x)).unflatten(-1, heads), dims)
+        parts = split_linear(x, linear.weight, linear.bias, [n * local for n, local in dims])
+        return [(norm or _same)(p).view(n, local, *heads) for p, (n, local) in zip(parts, dims)]
+
     def rope_qk(self, q, k):
         """RoPE of q and k [T, heads, head_dim] -> per run the rotated [n, local, heads, head_dim] queries, and
         keys; over whole tensors (packed_ops._PackedRope) when the micro-batch holds several groups, so that their
@@ -151,6 +163,15 @@ def _several(n: int) -> bool:
     """Run a per-group or per-run step over whole [T, dim] tensors (model/packed_ops.py): two or more parts, and
     not inside a compiled block's trace (inductor fuses the merges there)."""
     return n > 1 and not torch.compiler.is_compiling()
+
+
+def _plain(linear, x) -> bool:
+    return (type(linear) is torch.nn.Linear and not (linear._forward_hooks or linear._forward_pre_hooks)
+            and not torch.is_autocast_enabled(x.device.type))
+
+
+def _same(x):
+    return x
 
 
 def _cat(parts):

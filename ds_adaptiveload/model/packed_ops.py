@@ -1,7 +1,8 @@
 """The per-group steps of a packed micro-batch over its whole [T, dim] token tensor: modulation and the gated
 residual add write each group's result straight into its rows of one output; RoPE hands the attention its groups'
 queries and keys and writes their gradients into the rows of dq and dk; the attention's output projection reads
-the groups' outputs where they lie and writes each GEMM into its rows.
+the groups' outputs where they lie and writes each GEMM into its rows; the value projection (and cross-attention's
+query projection) hands each run its rows and takes the runs' gradients where they lie.
 
 Per group through Packing.map, each step would cost two [T, dim] copies that one-shape micro-batches do not
 make: the merge of the groups' results in forward, and the cat of the split's per-group gradients in backward
@@ -10,7 +11,8 @@ runs the group's kernel on its rows' views and writes into the rows of one preal
 in backward. The gated add hands its gradient through to x unchanged (d out / d x is the identity). The same
 copies sit at the attention's two ends: the per-group attention outputs were merged into [T, heads, head_dim] for
 the output projection, and the per-group query and key gradients concatenated for their projections (on the H200
-36 and 39 ms of a 16.4 s mixed pack: docs/benchmarks.md); _PackedRope and _PartsLinear remove them.
+36 and 39 ms of a 16.4 s mixed pack: docs/benchmarks.md); _PackedRope and _PartsLinear remove them, and
+_SplitLinear the cat of the value (and cross-attention query) gradients.
 
 Used for micro-batches of two or more groups or runs (model/packing.Packing.runs) outside torch.compile tracing
 (model/layout._several); one needs no merge, and a compiled whole block fuses the merges itself.
@@ -176,17 +178,55 @@ class _PartsLinear(torch.autograd.Function):
         weight, *parts = ctx.saved_tensors
         needs = ctx.needs_input_grad
         douts = dout.contiguous().split(ctx.rows)
-        dw = db = None
-        if needs[0]:
-            acc = None
-            for d, p in zip(douts, parts):
-                part = (d.t() @ p.reshape(-1, weight.shape[1])).float()
-                acc = part if acc is None else acc.add_(part)
-            dw = acc.to(weight.dtype)
-        if ctx.has_bias and needs[1]:
-            db = dout.sum(0)
+        dw = _weight_grad(douts, [p.reshape(-1, weight.shape[1]) for p in parts], weight) if needs[0] else None
+        db = dout.sum(0) if ctx.has_bias and needs[1] else None
         dparts = [(d @ weight).view(p.shape) if need else None for d, p, need in zip(douts, parts, needs[2:])]
         return (dw, db, *dparts)
+
+
+def _weight_grad(douts, xs, weight):
+    """sum over the parts of dout_i^T @ x_i ([rows_i, out] and [rows_i, in]) in fp32, rounded to weight's dtype:
+    each part's GEMM rounds once, as one GEMM over all rows does. Parts whose gradient is None add nothing."""
+    acc = None
+    for d, x in zip(douts, xs):
+        if d is not None:
+            part = (d.t() @ x).float()
+            acc = part if acc is None else acc.add_(part)
+    return torch.zeros_like(weight) if acc is None else acc.to(weight.dtype)
+
+
+class _SplitLinear(torch.autograd.Function):
+    """linear(x, weight, bias) over all rows of x [T, in] as one GEMM, handed back as the parts' rows [rows_i, out]
+    (views of the one output). The attention's backward returns a new gradient tensor per run; autograd would cat
+    them into one [T, out] gradient for the projection (a [T, out] copy per call). Here backward takes each part's
+    gradient where it lies and writes its input-gradient GEMM into the part's rows of dx; the weight gradient as
+    _PartsLinear's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, rows):
+        ctx.save_for_backward(x, weight)
+        ctx.rows, ctx.has_bias = rows, bias is not None
+        return F.linear(x, weight, bias).split(rows)
+
+    @staticmethod
+    def backward(ctx, *douts):
+        x, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        douts = [None if d is None else d.reshape(-1, weight.shape[0]) for d in douts]
+        dx = dw = db = None
+        if needs[0]:
+            dx = torch.empty_like(x)
+            for d, rows in zip(douts, dx.split(ctx.rows)):
+                if d is None:
+                    rows.zero_()
+                else:
+                    torch.mm(d, weight, out=rows)
+        if needs[1]:
+            dw = _weight_grad(douts, x.split(ctx.rows), weight)
+        if ctx.has_bias and needs[2]:
+            sums = [d.sum(0, dtype=torch.float32) for d in douts if d is not None]
+            db = torch.stack(sums).sum(0).to(weight.dtype) if sums else torch.zeros_like(weight[:, 0])
+        return dx, dw, db, None
 
 
 def packed_rope(q, k, rope, dims, fns, runs=None):
@@ -196,6 +236,11 @@ def packed_rope(q, k, rope, dims, fns, runs=None):
     runs = tuple((i, i + 1) for i in range(len(dims))) if runs is None else tuple(runs)
     out = _PackedRope.apply(q, k, tuple(rope), tuple(dims), runs, fns)
     return out[:len(runs)], out[len(runs):]
+
+
+def split_linear(x, weight, bias, rows):
+    """_SplitLinear: linear(x, weight, bias) for x [T, in], as the parts' rows [rows_i, out] (rows sums to T)."""
+    return _SplitLinear.apply(x, weight, bias, tuple(rows))
 
 
 def parts_linear(parts, weight, bias):

@@ -144,8 +144,8 @@ class _Merge(torch.autograd.Function):
 
 def each_rows(fn: Callable, dims: Sequence[tuple], rows: Sequence[torch.Tensor], samples: Sequence[torch.Tensor] = ()):
     """fn(*views of `rows` [n, local, ...], *rows of the per-sample `samples` [n, ...]) for each of `dims`' groups or
-    runs ((n, local) each), the results as a list."""
-    cols = [split_rows(r, dims) for r in rows] + [split_samples(s, dims) for s in samples]
+    runs ((n, local) each), the results as a list. An entry of `rows` may be a list of the parts already."""
+    cols = [r if isinstance(r, list) else split_rows(r, dims) for r in rows] + [split_samples(s, dims) for s in samples]
     return [fn(*args) for args in zip(*cols)]
 
 

@@ -118,7 +118,7 @@ class SelfAttention(nn.Module):
         """x [T, dim] -> [T, dim]: projections over all tokens, RoPE and the core per group."""
         heads = (self.num_heads, -1)
         qs, ks = lay.rope_qk(self.norm_q(self.q(x)).unflatten(-1, heads), self.norm_k(self.k(x)).unflatten(-1, heads))
-        vs = lay.views(self.v(x).unflatten(-1, heads))
+        vs = lay.project(self.v, x, heads)
         out = [lay.attn_fn(qg, kg, vg, **kw) for qg, kg, vg, kw in zip(qs, ks, vs, lay.attn_kwargs)]
         return self.o(lay.rows(out))
 
@@ -129,10 +129,10 @@ class CrossAttention(SelfAttention):
     def forward(self, x, context, lay: Layout):
         """x [T, dim], context [n, text_len, dim] in packed order -> [T, dim]."""
         heads = (self.num_heads, -1)
-        q = self.norm_q(self.q(x)).unflatten(-1, heads)
+        qs = lay.project(self.q, x, heads, self.norm_q)
         k = self.norm_k(self.k(context)).unflatten(-1, heads)
         v = self.v(context).unflatten(-1, heads)
-        return self.o(lay.rows(lay.each(sdpa_attention, (q,), (k, v))))
+        return self.o(lay.rows(lay.each(sdpa_attention, (qs,), (k, v))))
 
 
 # The attention kernels' forward ops (their outputs and logsumexp are what the backward needs): kept by the
