@@ -357,11 +357,14 @@ def test_packed_engine_bench_smoke(tmp_path):
     bad = subprocess.run(cmd + ["--cases", "mixed,videos"], cwd=root, env=env, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--cases: unknown ['videos']" in bad.stderr
-    subprocess.run(cmd + ["--cases", "image-heavy,image-heavy-equal"], cwd=root, env=env, check=True,
+    subprocess.run(cmd + ["--cases", "image-heavy,image-heavy-equal,mixed-split"], cwd=root, env=env, check=True,
                    capture_output=True, timeout=300)
     res = json.loads((tmp_path / "packed-engine-ds_zero2_bf16.json").read_text())
     assert {"date", "device", "torch", "deepspeed"} <= set(res["env"])
-    c, eq = res["comparisons"]
+    c, eq, split = res["comparisons"]
+    # the mixed pack against itself, with the projections' gradients concatenated
+    assert split["name"].startswith("mixed packed: split") and len(split["pairs"]) == 2, split
+    assert split["tokens_a"] == split["tokens_b"] and split["micro_batches_b"] == 1, split
     assert c["name"].startswith("image-heavy packed / images-B") and len(c["pairs"]) == 2, c
     # the same mix scaled to the one-shape batch's tokens
     assert eq["name"].startswith("image-heavy ") and eq["tokens_b"] == c["tokens_b"], eq

@@ -5,7 +5,7 @@ every micro-batch also pays DeepSpeed's per-micro-batch work (ZeRO's gradient re
 parameter gathers), which packing is meant to save.
 
     python3 bench/model/packed_engine.py --out OUT [--configs configs/ds_zero2_bf16.json,configs/ds_zero3_bf16.json]
-        [--cases mixed,image-heavy,image-heavy-equal] [--pairs 4] [--budget-s 400]
+        [--cases mixed,image-heavy,image-heavy-equal,mixed-split] [--pairs 4] [--budget-s 400]
     PACKED_SMOKE=1 python3 bench/model/packed_engine.py --out /tmp/pe     # CPU: tiny model and shapes
 
 One process per config builds the engine as calibrate does (calibrate/engine.py: training's own pieces, every
@@ -16,7 +16,9 @@ shapes), packed and its comparison are timed alternately A B B A (--pairs), so c
 - the image-heavy pack (112 images of 5 shapes) against 128 images of one shape (the best one-shape image batch of
   packed_model.py's sweep), in tokens/s;
 - image-heavy-equal: the same mix of 5 shapes scaled to the 128-image batch's tokens (134 images, 199,056 tokens
-  against 199,680), so that both sides pay a micro-batch's fixed costs over as many tokens.
+  against 199,680), so that both sides pay a micro-batch's fixed costs over as many tokens;
+- mixed-split: the mixed pack against itself with the value and cross-attention query gradients concatenated per
+  block (layout._plain off), as the model ran it before packed_ops.split_linear.
 Writes OUT/packed-engine-<config>.json per config (every timing, fwd+bwd and step ms apart, peaks)."""
 import argparse
 import json
@@ -24,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -33,7 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # bench/, for harness
 import harness  # noqa: E402
 
 
-CASES = ("mixed", "image-heavy", "image-heavy-equal")  # the comparisons, in the order child() runs them
+CASES = ("mixed", "image-heavy", "image-heavy-equal", "mixed-split")  # the comparisons, in the order child() runs them
 
 
 def scaled_mix(spec, tokens_of, target):
@@ -51,11 +54,21 @@ def micro_batches(spec, packed):
     return [argparse.Namespace(B=c, shape=tuple(s), role="fit") for c, *s in spec]
 
 
+def concatenated(mbs):
+    """mbs run with the projections' gradients concatenated, as before packed_ops.split_linear (mixed-split)."""
+    return [argparse.Namespace(**vars(mb), concat=True) for mb in mbs]
+
+
 def run_case(fn, mbs):
     """One case: every micro-batch's micro-step and optimizer step; (fwd+bwd ms summed, step ms summed, peak)."""
+    from unittest import mock
+
+    from ds_adaptiveload.model import layout
+
     fb, st, peak = 0.0, 0.0, 0
     for mb in mbs:
-        a, b, p = fn(mb)
+        with mock.patch.object(layout, "_plain", lambda *_: False) if getattr(mb, "concat", False) else nullcontext():
+            a, b, p = fn(mb)
         fb, st, peak = fb + a, st + b, max(peak, p or 0)
     return fb, st, peak
 
@@ -87,7 +100,10 @@ def child(args) -> dict:
                              micro_batches([best], False), tokens["image-heavy"], tokens["best"]),
              "image-heavy-equal": (f"image-heavy {sum(c for c, *_ in equal)} images packed / images-B{best[0]}",
                                    micro_batches(equal, True), micro_batches([best], False), tokens["equal"],
-                                   tokens["best"])}
+                                   tokens["best"]),
+             "mixed-split": ("mixed packed: split projections / concatenated gradients",
+                             micro_batches(pm.MIXED[True], True), concatenated(micro_batches(pm.MIXED[True], True)),
+                             tokens["mixed"], tokens["mixed"])}
     out = {"config": args.child, "compile_blocks": args.compile_blocks, "world": dims.world,
            "engine_s": round(time.perf_counter() - t0, 1), "comparisons": []}
     for name, a, b, tok_a, tok_b in (pairs[case] for case in CASES if case in args.cases.split(",")):
