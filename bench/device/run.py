@@ -144,6 +144,8 @@ STAGES = {
     "packed_profile": Stage([py("bench/model/packed_profile.py", "--out", "{out}")], 150,
                             "GPU kernel time of a packed micro-batch vs the same samples one shape per micro-batch",
                             op=True),
+    "gemm_rows": Stage([py("bench/model/gemm_rows.py", "--out", "{out}")], 90,
+                       "the block's GEMMs at a packed micro-batch's rows vs the separate ones' (cuBLAS, cuBLASLt)"),
     "mfu": Stage([py("bench/mfu.py")], 300, "model FLOPs utilisation", op=True, needs_file="bench/mfu.py"),
     "encode": Stage([py("bench/data/encode_bench.py", "--out", "{out}", "--budget-s", "{inner}")], 240,
                     "encode: full-size Wan VAE + umT5-XXL (random weights), clips/s and peak memory", margin=40),
