@@ -106,10 +106,6 @@ class Layout:
         """(n, local) per run."""
         return self.packing.run_dims(self.sizes, self.runs)
 
-    def views(self, h):
-        """Each run's rows of h [T, ...] as [n, local, ...] views."""
-        return split_rows(h, self.dims)
-
     def each(self, fn, rows, samples=()):
         """fn per run on its views of `rows` and its rows of the per-sample `samples`, the results as a list."""
         return each_rows(fn, self.dims, rows, samples)
