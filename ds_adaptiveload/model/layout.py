@@ -116,11 +116,11 @@ class Layout:
         gradients, one new tensor each from the attention's backward, need no cat into one [T, out] tensor.
         Only for a plain nn.Linear without hooks (under ZeRO-3 each module call gathers its parameters and
         returns one tensor) and outside autocast."""
-        dims = self.dims
+        dims, norm = self.dims, norm or _same
         if not (_several(len(dims)) and _plain(linear, x)):
-            return split_rows((norm or _same)(linear(x)).unflatten(-1, heads), dims)
+            return split_rows(norm(linear(x)).unflatten(-1, heads), dims)
         parts = split_linear(x, linear.weight, linear.bias, [n * local for n, local in dims])
-        return [(norm or _same)(p).view(n, local, *heads) for p, (n, local) in zip(parts, dims)]
+        return [norm(p).view(n, local, *heads) for p, (n, local) in zip(parts, dims)]
 
     def rope_qk(self, q, k):
         """RoPE of q and k [T, heads, head_dim] -> per run the rotated [n, local, heads, head_dim] queries, and

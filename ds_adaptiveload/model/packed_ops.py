@@ -186,13 +186,12 @@ class _PartsLinear(torch.autograd.Function):
 
 def _weight_grad(douts, xs, weight):
     """sum over the parts of dout_i^T @ x_i ([rows_i, out] and [rows_i, in]) in fp32, rounded to weight's dtype:
-    each part's GEMM rounds once, as one GEMM over all rows does. Parts whose gradient is None add nothing."""
+    each part's GEMM rounds once, as one GEMM over all rows does."""
     acc = None
     for d, x in zip(douts, xs):
-        if d is not None:
-            part = (d.t() @ x).float()
-            acc = part if acc is None else acc.add_(part)
-    return torch.zeros_like(weight) if acc is None else acc.to(weight.dtype)
+        part = (d.t() @ x).float()
+        acc = part if acc is None else acc.add_(part)
+    return acc.to(weight.dtype)
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -200,7 +199,7 @@ class _SplitLinear(torch.autograd.Function):
     (views of the one output). The attention's backward returns a new gradient tensor per run; autograd would cat
     them into one [T, out] gradient for the projection (a [T, out] copy per call). Here backward takes each part's
     gradient where it lies and writes its input-gradient GEMM into the part's rows of dx; the weight gradient as
-    _PartsLinear's."""
+    _PartsLinear's. A part whose output is unused gets a zero gradient from autograd (materialize_grads)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, rows):
@@ -212,20 +211,16 @@ class _SplitLinear(torch.autograd.Function):
     def backward(ctx, *douts):
         x, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        douts = [None if d is None else d.reshape(-1, weight.shape[0]) for d in douts]
+        douts = [d.reshape(-1, weight.shape[0]) for d in douts]
         dx = dw = db = None
         if needs[0]:
             dx = torch.empty_like(x)
             for d, rows in zip(douts, dx.split(ctx.rows)):
-                if d is None:
-                    rows.zero_()
-                else:
-                    torch.mm(d, weight, out=rows)
+                torch.mm(d, weight, out=rows)
         if needs[1]:
             dw = _weight_grad(douts, x.split(ctx.rows), weight)
         if ctx.has_bias and needs[2]:
-            sums = [d.sum(0, dtype=torch.float32) for d in douts if d is not None]
-            db = torch.stack(sums).sum(0).to(weight.dtype) if sums else torch.zeros_like(weight[:, 0])
+            db = torch.stack([d.sum(0, dtype=torch.float32) for d in douts]).sum(0).to(weight.dtype)
         return dx, dw, db, None
 
 
