@@ -140,15 +140,12 @@ class _PackedRope(torch.autograd.Function):
             if not need:
                 out.append(None)
                 continue
-            per_group = []  # each run's gradient split into its groups' rows (views)
-            for (a, b), g in zip(ctx.runs, gs):
-                per_group += [None] * (b - a) if g is None else list(g.split([dims[i][0] for i in range(a, b)]))
+            # each run's gradient split into its groups' rows (views); an unused output's gradient arrives as
+            # zeros (materialize_grads)
+            per_group = [p for (a, b), g in zip(ctx.runs, gs) for p in g.split([dims[i][0] for i in range(a, b)])]
             d = torch.empty(shape, dtype=dtype, device=device)
             for g, rows, (cos, sin) in zip(per_group, split_rows(d, dims), ctx.rope):
-                if g is None:
-                    rows.zero_()
-                else:
-                    ctx.fns.rope_grad_into(g, cos, sin, rows)
+                ctx.fns.rope_grad_into(g, cos, sin, rows)
             out.append(d)
         return (*out, None, None, None, None)
 
