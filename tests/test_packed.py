@@ -357,11 +357,14 @@ def test_packed_engine_bench_smoke(tmp_path):
     bad = subprocess.run(cmd + ["--cases", "mixed,videos"], cwd=root, env=env, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--cases: unknown ['videos']" in bad.stderr
-    subprocess.run(cmd + ["--cases", "image-heavy,image-heavy-equal,mixed-split"], cwd=root, env=env, check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(cmd + ["--cases", "image-heavy,image-heavy-equal,mixed-split,mixed-small"], cwd=root, env=env,
+                   check=True, capture_output=True, timeout=300)
     res = json.loads((tmp_path / "packed-engine-ds_zero2_bf16.json").read_text())
     assert {"date", "device", "torch", "deepspeed"} <= set(res["env"])
-    c, eq, split = res["comparisons"]
+    c, eq, split, small = res["comparisons"]
+    # the small mix against one micro-batch per shape (packed_model's uncheckpointed mix: 2 shapes in the smoke run)
+    assert small["name"].startswith("mixed-small") and small["micro_batches_b"] == 2, small
+    assert small["tokens_a"] == small["tokens_b"] > 0 and len(small["pairs"]) == 2, small
     # the mixed pack against itself, with the projections' gradients concatenated
     assert split["name"].startswith("mixed packed: split") and len(split["pairs"]) == 2, split
     assert split["tokens_a"] == split["tokens_b"] and split["micro_batches_b"] == 1, split

@@ -5,7 +5,7 @@ every micro-batch also pays DeepSpeed's per-micro-batch work (ZeRO's gradient re
 parameter gathers), which packing is meant to save.
 
     python3 bench/model/packed_engine.py --out OUT [--configs configs/ds_zero2_bf16.json,configs/ds_zero3_bf16.json]
-        [--cases mixed,image-heavy,image-heavy-equal,mixed-split] [--pairs 4] [--budget-s 400]
+        [--cases mixed,image-heavy,image-heavy-equal,mixed-split,mixed-small] [--pairs 4] [--budget-s 400]
     PACKED_SMOKE=1 python3 bench/model/packed_engine.py --out /tmp/pe     # CPU: tiny model and shapes
 
 One process per config builds the engine as calibrate does (calibrate/engine.py: training's own pieces, every
@@ -18,7 +18,11 @@ shapes), packed and its comparison are timed alternately A B B A (--pairs), so c
 - image-heavy-equal: the same mix of 5 shapes scaled to the 128-image batch's tokens (134 images, 199,056 tokens
   against 199,680), so that both sides pay a micro-batch's fixed costs over as many tokens;
 - mixed-split: the mixed pack against itself with the value and cross-attention query gradients concatenated per
-  block (layout._plain off), as the model ran it before packed_ops.split_linear.
+  block (layout._plain off), as the model ran it before packed_ops.split_linear;
+- mixed-small: a pack of small shapes, the kind the packed policy fills slots with (1 x 480p 17f, 2 x 480p 5f,
+  3 images; 18,720 tokens), against its three one-shape micro-batches. Their fwd+bwd is short enough that what a
+  micro-step pays besides its kernels (host work, ZeRO's hooks and epilogue) shows; in the big mixed pack's
+  micro-batches the GPU hides it.
 Writes OUT/packed-engine-<config>.json per config (every timing, fwd+bwd and step ms apart, peaks)."""
 import argparse
 import json
@@ -36,7 +40,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # bench/, for harness
 import harness  # noqa: E402
 
 
-CASES = ("mixed", "image-heavy", "image-heavy-equal", "mixed-split")  # the comparisons, in the order child() runs them
+CASES = ("mixed", "image-heavy", "image-heavy-equal", "mixed-split", "mixed-small")  # the comparisons, in the order child() runs them
 
 
 def scaled_mix(spec, tokens_of, target):
@@ -93,7 +97,7 @@ def child(args) -> dict:
     equal = scaled_mix(pm.IMAGE_MIX[True], geo.tokens, best[0] * geo.tokens(*best[1:]))
     tokens = {k: sum(c * geo.tokens(f, h, w) for c, f, h, w in spec)
               for k, spec in (("mixed", pm.MIXED[True]), ("image-heavy", pm.IMAGE_MIX[True]), ("best", [best]),
-                              ("equal", equal))}
+                              ("equal", equal), ("small", pm.MIXED[False]))}
     pairs = {"mixed": ("mixed: packed / separate", micro_batches(pm.MIXED[True], True),
                        micro_batches(pm.MIXED[True], False), tokens["mixed"], tokens["mixed"]),
              "image-heavy": (f"image-heavy packed / images-B{best[0]}", micro_batches(pm.IMAGE_MIX[True], True),
@@ -103,7 +107,10 @@ def child(args) -> dict:
                                    tokens["best"]),
              "mixed-split": ("mixed packed: split projections / concatenated gradients",
                              micro_batches(pm.MIXED[True], True), concatenated(micro_batches(pm.MIXED[True], True)),
-                             tokens["mixed"], tokens["mixed"])}
+                             tokens["mixed"], tokens["mixed"]),
+             # packed_model's mix for runs without checkpointing: small shapes only
+             "mixed-small": ("mixed-small: packed / separate", micro_batches(pm.MIXED[False], True),
+                             micro_batches(pm.MIXED[False], False), tokens["small"], tokens["small"])}
     out = {"config": args.child, "compile_blocks": args.compile_blocks, "world": dims.world,
            "engine_s": round(time.perf_counter() - t0, 1), "comparisons": []}
     for name, a, b, tok_a, tok_b in (pairs[case] for case in CASES if case in args.cases.split(",")):
