@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # bench/, for harness
 import harness  # noqa: E402
 
 
-CASES = ("mixed", "image-heavy", "image-heavy-equal", "mixed-split", "mixed-small")  # the comparisons, in the order child() runs them
+CASES = ("mixed", "image-heavy", "image-heavy-equal", "mixed-split", "mixed-small")  # the comparisons
 
 
 def scaled_mix(spec, tokens_of, target):
@@ -113,7 +113,7 @@ def child(args) -> dict:
                              micro_batches(pm.MIXED[False], False), tokens["small"], tokens["small"])}
     out = {"config": args.child, "compile_blocks": args.compile_blocks, "world": dims.world,
            "engine_s": round(time.perf_counter() - t0, 1), "comparisons": []}
-    for name, a, b, tok_a, tok_b in (pairs[case] for case in CASES if case in args.cases.split(",")):
+    for name, a, b, tok_a, tok_b in (pairs[case] for case in dict.fromkeys(args.cases.split(","))):  # as asked
         warm = [run_case(fn, a), run_case(fn, b)]  # compiles the shapes; not counted
         rec = {"name": name, "tokens_a": tok_a, "tokens_b": tok_b, "micro_batches_b": len(b),
                "warmup_ms": [round(w[0], 1) for w in warm], "pairs": []}
@@ -148,7 +148,7 @@ def main(argv=None):
     ap.add_argument("--compile-blocks", default="" if smoke else "regions",
                     help="as training's --compile-blocks ('' for eager blocks)")
     ap.add_argument("--pairs", type=int, default=4, help="ABBA pairs per comparison")
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}, run in that order")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="no pair starts after this many seconds (each config: an equal share of what is left)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
