@@ -357,11 +357,15 @@ def test_packed_engine_bench_smoke(tmp_path):
     bad = subprocess.run(cmd + ["--cases", "mixed,videos"], cwd=root, env=env, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--cases: unknown ['videos']" in bad.stderr
-    subprocess.run(cmd + ["--cases", "image-heavy,image-heavy-equal,mixed-split,mixed-small"], cwd=root, env=env,
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(cmd + ["--cases", "image-heavy,image-heavy-equal,mixed-split,mixed-small,mixed-plain"], cwd=root,
+                   env=env, check=True, capture_output=True, timeout=300)
     res = json.loads((tmp_path / "packed-engine-ds_zero2_bf16.json").read_text())
     assert {"date", "device", "torch", "deepspeed"} <= set(res["env"])
-    c, eq, split, small = res["comparisons"]
+    c, eq, split, small, plain = res["comparisons"]  # in the order asked for
+    # the mixed pack through a bare copy of the model, the others through the engine
+    assert plain["name"].startswith("mixed-plain") and plain["through"] == "bare model", plain
+    assert {x["through"] for x in (c, eq, split, small)} == {"engine"}
+    assert plain["micro_batches_b"] == 3 and len(plain["pairs"]) == 2 and plain["ratio_median"] > 0, plain
     # the small mix against one micro-batch per shape (packed_model's uncheckpointed mix: 2 shapes in the smoke run)
     assert small["name"].startswith("mixed-small") and small["micro_batches_b"] == 2, small
     assert small["tokens_a"] == small["tokens_b"] > 0 and len(small["pairs"]) == 2, small

@@ -5,7 +5,7 @@ every micro-batch also pays DeepSpeed's per-micro-batch work (ZeRO's gradient re
 parameter gathers), which packing is meant to save.
 
     python3 bench/model/packed_engine.py --out OUT [--configs configs/ds_zero2_bf16.json,configs/ds_zero3_bf16.json]
-        [--cases mixed,image-heavy,image-heavy-equal,mixed-split,mixed-small] [--pairs 4] [--budget-s 400]
+        [--cases mixed,image-heavy,image-heavy-equal,mixed-split,mixed-small,mixed-plain] [--pairs 4] [--budget-s 400]
     PACKED_SMOKE=1 python3 bench/model/packed_engine.py --out /tmp/pe     # CPU: tiny model and shapes
 
 One process per config builds the engine as calibrate does (calibrate/engine.py: training's own pieces, every
@@ -22,7 +22,10 @@ shapes), packed and its comparison are timed alternately A B B A (--pairs), so c
 - mixed-small: a pack of small shapes, the kind the packed policy fills slots with (1 x 480p 17f, 2 x 480p 5f,
   3 images; 18,720 tokens), against its three one-shape micro-batches. Their fwd+bwd is short enough that what a
   micro-step pays besides its kernels (host work, ZeRO's hooks and epilogue) shows; in the big mixed pack's
-  micro-batches the GPU hides it.
+  micro-batches the GPU hides it;
+- mixed-plain: the mixed pack against its three one-shape micro-batches as `mixed`, through a bare bf16 copy of the
+  model in the same process (no DeepSpeed: loss.backward, the gradients dropped after each micro-batch), so that
+  one machine shows what the engine's micro-step adds to each side.
 Writes OUT/packed-engine-<config>.json per config (every timing, fwd+bwd and step ms apart, peaks)."""
 import argparse
 import json
@@ -40,7 +43,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # bench/, for harness
 import harness  # noqa: E402
 
 
-CASES = ("mixed", "image-heavy", "image-heavy-equal", "mixed-split", "mixed-small")  # the comparisons
+CASES = ("mixed", "image-heavy", "image-heavy-equal", "mixed-split", "mixed-small", "mixed-plain")  # comparisons
 
 
 def scaled_mix(spec, tokens_of, target):
@@ -77,22 +80,45 @@ def run_case(fn, mbs):
     return fb, st, peak
 
 
-def child(args) -> dict:
-    """One engine of args.child's config: warm-up and ABBA pairs of both comparisons."""
-    import packed_model as pm  # its module import sets the allocator the profiles were calibrated under
+class PlainEngine:
+    """The engine's interface for calibrate's StepFn over a bare model: forward, loss.backward, and a step that
+    drops the gradients (no optimizer, no ZeRO hooks)."""
 
-    from ds_adaptiveload.calibrate.engine import StepFn, init_engine
-    from ds_adaptiveload.model import WanConfig
-    from ds_adaptiveload.schedule.profile import CostProfile
+    def __init__(self, model):
+        self.module = model
 
-    t0 = time.perf_counter()
-    cfg = WanConfig.from_yaml(os.path.join(ROOT, args.model_config))
-    with open(os.path.join(ROOT, args.child)) as f:
-        ds = json.load(f)
-    geo = CostProfile.load(os.path.join(ROOT, ds["adaptive_load"]["profile"])).geometry
-    opts = argparse.Namespace(seed=0, checkpoint_blocks=True, compile_blocks=args.compile_blocks or None)
-    engine, dims, seq_shard, device, dtype = init_engine(cfg, ds, opts)
-    fn = StepFn(engine, cfg, geo, seq_shard, device, dtype, seed=0, dims=dims)
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.module.zero_grad(set_to_none=True)
+
+    zero_grad = step
+
+
+def plain_step(cfg, opts, geo, seq_shard, device, dtype, dims):
+    """StepFn over a bare copy of the model as init_engine builds it (checkpointing, compiled blocks), in dtype."""
+    import torch
+
+    from ds_adaptiveload.calibrate.engine import StepFn
+    from ds_adaptiveload.model import WanModel
+
+    torch.manual_seed(opts.seed)
+    model = WanModel(cfg, checkpoint_blocks=opts.checkpoint_blocks)
+    with torch.no_grad():
+        model.head.head.weight.normal_(std=0.02)
+    if opts.compile_blocks:
+        from ds_adaptiveload.model.compile import apply_compile, compile_kind
+
+        apply_compile(model, compile_kind(opts.compile_blocks))
+    return StepFn(PlainEngine(model.to(device, dtype)), cfg, geo, seq_shard, device, dtype, seed=0, dims=dims)
+
+
+def comparisons(pm, geo) -> dict:
+    """case -> (name, packed micro-batches, comparison micro-batches, their tokens) for packed_model's mixes."""
     best = (pm.SWEEP[True][-1], *pm.IMAGE)
     equal = scaled_mix(pm.IMAGE_MIX[True], geo.tokens, best[0] * geo.tokens(*best[1:]))
     tokens = {k: sum(c * geo.tokens(f, h, w) for c, f, h, w in spec)
@@ -111,11 +137,37 @@ def child(args) -> dict:
              # packed_model's mix for runs without checkpointing: small shapes only
              "mixed-small": ("mixed-small: packed / separate", micro_batches(pm.MIXED[False], True),
                              micro_batches(pm.MIXED[False], False), tokens["small"], tokens["small"])}
+    pairs["mixed-plain"] = ("mixed-plain: packed / separate, bare model", *pairs["mixed"][1:])
+    return pairs
+
+
+def child(args) -> dict:
+    """One engine of args.child's config: warm-up and ABBA pairs of each comparison asked for."""
+    import packed_model as pm  # its module import sets the allocator the profiles were calibrated under
+
+    from ds_adaptiveload.calibrate.engine import StepFn, init_engine
+    from ds_adaptiveload.model import WanConfig
+    from ds_adaptiveload.schedule.profile import CostProfile
+
+    t0 = time.perf_counter()
+    cfg = WanConfig.from_yaml(os.path.join(ROOT, args.model_config))
+    with open(os.path.join(ROOT, args.child)) as f:
+        ds = json.load(f)
+    geo = CostProfile.load(os.path.join(ROOT, ds["adaptive_load"]["profile"])).geometry
+    opts = argparse.Namespace(seed=0, checkpoint_blocks=True, compile_blocks=args.compile_blocks or None)
+    engine, dims, seq_shard, device, dtype = init_engine(cfg, ds, opts)
+    fn = StepFn(engine, cfg, geo, seq_shard, device, dtype, seed=0, dims=dims)
+    pairs = comparisons(pm, geo)
+    cases = list(dict.fromkeys(args.cases.split(",")))  # in the order asked for
+    fns = {"mixed-plain": plain_step(cfg, opts, geo, seq_shard, device, dtype, dims)} if "mixed-plain" in cases else {}
     out = {"config": args.child, "compile_blocks": args.compile_blocks, "world": dims.world,
            "engine_s": round(time.perf_counter() - t0, 1), "comparisons": []}
-    for name, a, b, tok_a, tok_b in (pairs[case] for case in dict.fromkeys(args.cases.split(","))):  # as asked
-        warm = [run_case(fn, a), run_case(fn, b)]  # compiles the shapes; not counted
-        rec = {"name": name, "tokens_a": tok_a, "tokens_b": tok_b, "micro_batches_b": len(b),
+    for case in cases:
+        name, a, b, tok_a, tok_b = pairs[case]
+        step = fns.get(case, fn)
+        warm = [run_case(step, a), run_case(step, b)]  # compiles the shapes; not counted
+        rec = {"name": name, "through": "bare model" if case in fns else "engine", "tokens_a": tok_a,
+               "tokens_b": tok_b, "micro_batches_b": len(b),
                "warmup_ms": [round(w[0], 1) for w in warm], "pairs": []}
         for i in range(args.pairs):
             if time.perf_counter() - t0 > args.budget_s:
@@ -123,7 +175,7 @@ def child(args) -> dict:
                 break
             got = {}
             for key, mbs in ((("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))):
-                got[key] = run_case(fn, mbs)
+                got[key] = run_case(step, mbs)
             (fa, sa, pa), (fb, sb, pb) = got["a"], got["b"]
             rec["pairs"].append({"a_fwd_bwd_ms": round(fa, 1), "b_fwd_bwd_ms": round(fb, 1), "a_step_ms": round(sa, 1),
                                  "b_step_ms": round(sb, 1), "a_peak_gib": round(pa / 2**30, 2),
