@@ -17,9 +17,8 @@ shapes), packed and its comparison are timed alternately A B B A (--pairs), so c
   packed_model.py's sweep), in tokens/s;
 - image-heavy-equal: the same mix of 5 shapes scaled to the 128-image batch's tokens (134 images, 199,056 tokens
   against 199,680), so that both sides pay a micro-batch's fixed costs over as many tokens;
-- mixed-split: the mixed pack against itself with the gradients of the projections that hand back each run's rows
-  (self-attention's value, cross-attention's query, the text context's key and value) concatenated per block
-  (layout._plain off), as the model ran it before packed_ops.split_linear;
+- mixed-split: the mixed pack against itself with the value and cross-attention query gradients concatenated per
+  block (layout._plain off), as the model ran it before packed_ops.split_linear;
 - mixed-small: a pack of small shapes, the kind the packed policy fills slots with (1 x 480p 17f, 2 x 480p 5f,
   3 images; 18,720 tokens), against its three one-shape micro-batches. Their fwd+bwd is short enough that what a
   micro-step pays besides its kernels (host work, ZeRO's hooks and epilogue) shows; in the big mixed pack's

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from ds_adaptiveload.model.packed_ops import packed_gated_add, packed_modulate, packed_rope, split_linear
-from ds_adaptiveload.model.packing import Packing, each_rows, merge, split_rows, split_samples
+from ds_adaptiveload.model.packing import Packing, each_rows, merge, split_rows
 from ds_adaptiveload.ops import ln_modulate
 
 # (q, k, v) -> out, all [B, S, heads, head_dim]; may take keyword valid_len (see model/wan.sdpa_attention).
@@ -121,16 +121,6 @@ class Layout:
             return split_rows(norm(linear(x)).unflatten(-1, heads), dims)
         parts = split_linear(x, linear.weight, linear.bias, [n * local for n, local in dims])
         return [norm(p).view(n, local, *heads) for p, (n, local) in zip(parts, dims)]
-
-    def project_samples(self, linear, c, heads, norm=None):
-        """Each run's [n, L, heads, head_dim] rows of norm(linear(c)) for the per-sample c [n, L, in] (the text
-        context) in packed order; over several runs through split_linear, as project does for token rows."""
-        dims, norm = self.dims, norm or _same
-        if not (_several(len(dims)) and _plain(linear, c)):
-            return split_samples(norm(linear(c)).unflatten(-1, heads), dims)
-        length = c.shape[1]
-        parts = split_linear(c.flatten(0, 1), linear.weight, linear.bias, [n * length for n, _ in dims])
-        return [norm(p).view(n, length, *heads) for p, (n, _) in zip(parts, dims)]
 
     def rope_qk(self, q, k):
         """RoPE of q and k [T, heads, head_dim] -> per run the rotated [n, local, heads, head_dim] queries, and

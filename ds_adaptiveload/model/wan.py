@@ -130,9 +130,9 @@ class CrossAttention(SelfAttention):
         """x [T, dim], context [n, text_len, dim] in packed order -> [T, dim]."""
         heads = (self.num_heads, -1)
         qs = lay.project(self.q, x, heads, self.norm_q)
-        ks = lay.project_samples(self.k, context, heads, self.norm_k)
-        vs = lay.project_samples(self.v, context, heads)
-        return self.o(lay.rows(lay.each(sdpa_attention, (qs, ks, vs))))
+        k = self.norm_k(self.k(context)).unflatten(-1, heads)
+        v = self.v(context).unflatten(-1, heads)
+        return self.o(lay.rows(lay.each(sdpa_attention, (qs,), (k, v))))
 
 
 # The attention kernels' forward ops (their outputs and logsumexp are what the backward needs): kept by the
