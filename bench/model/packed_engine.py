@@ -99,21 +99,11 @@ class PlainEngine:
     zero_grad = step
 
 
-def plain_step(cfg, opts, geo, seq_shard, device, dtype, dims):
-    """StepFn over a bare copy of the model as init_engine builds it (checkpointing, compiled blocks), in dtype."""
-    import torch
+def plain_step(cfg, opts, geo, device, dtype, dims):
+    """StepFn over a bare copy of the model as init_engine builds it (calibrate.engine.build_model), in dtype."""
+    from ds_adaptiveload.calibrate.engine import StepFn, build_model
 
-    from ds_adaptiveload.calibrate.engine import StepFn
-    from ds_adaptiveload.model import WanModel
-
-    torch.manual_seed(opts.seed)
-    model = WanModel(cfg, checkpoint_blocks=opts.checkpoint_blocks)
-    with torch.no_grad():
-        model.head.head.weight.normal_(std=0.02)
-    if opts.compile_blocks:
-        from ds_adaptiveload.model.compile import apply_compile, compile_kind
-
-        apply_compile(model, compile_kind(opts.compile_blocks))
+    model, seq_shard = build_model(cfg, opts)  # one process: no sequence parallelism
     return StepFn(PlainEngine(model.to(device, dtype)), cfg, geo, seq_shard, device, dtype, seed=0, dims=dims)
 
 
@@ -159,7 +149,7 @@ def child(args) -> dict:
     fn = StepFn(engine, cfg, geo, seq_shard, device, dtype, seed=0, dims=dims)
     pairs = comparisons(pm, geo)
     cases = list(dict.fromkeys(args.cases.split(",")))  # in the order asked for
-    fns = {"mixed-plain": plain_step(cfg, opts, geo, seq_shard, device, dtype, dims)} if "mixed-plain" in cases else {}
+    fns = {"mixed-plain": plain_step(cfg, opts, geo, device, dtype, dims)} if "mixed-plain" in cases else {}
     out = {"config": args.child, "compile_blocks": args.compile_blocks, "world": dims.world,
            "engine_s": round(time.perf_counter() - t0, 1), "comparisons": []}
     for case in cases:

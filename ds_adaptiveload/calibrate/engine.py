@@ -8,9 +8,6 @@ import time
 
 def init_engine(cfg, ds, args):
     """deepspeed.initialize exactly as launch/train_wan.py does; a single process needs no launcher."""
-    import torch
-
-    from ds_adaptiveload.model import WanModel
     from ds_adaptiveload.train import config as tconfig, engine as eng, sp as tsp
 
     eng.single_process_env()
@@ -27,6 +24,19 @@ def init_engine(cfg, ds, args):
     ds = tconfig.derive_ds_config(ds, grad_accum=1, sp=k, dp=dims.dp, tensorboard=None, csv_monitor=None,
                                   wandb=None, steps_per_print=10**9)
     ds.pop("adaptive_load", None)
+    model, seq_shard = build_model(cfg, args, mpu)
+    engine = eng.build_engine(model, ds, mpu)
+    return engine, dims, seq_shard, device, eng.compute_dtype(engine)
+
+
+def build_model(cfg, args, mpu=None):
+    """(model, seq_shard): the model init_engine trains, before deepspeed.initialize: seeded, its head drawn,
+    Ulysses over mpu's sequence-parallel group (none without mpu), blocks compiled as args.compile_blocks."""
+    import torch
+
+    from ds_adaptiveload.model import WanModel
+    from ds_adaptiveload.train import sp as tsp
+
     torch.manual_seed(args.seed)
     model = WanModel(cfg, checkpoint_blocks=args.checkpoint_blocks)
     with torch.no_grad():  # the zero-initialised head would make every other gradient zero
@@ -36,8 +46,7 @@ def init_engine(cfg, ds, args):
         from ds_adaptiveload.model.compile import apply_compile, compile_kind
 
         apply_compile(model, compile_kind(args.compile_blocks))
-    engine = eng.build_engine(model, ds, mpu)
-    return engine, dims, seq_shard, device, eng.compute_dtype(engine)
+    return model, seq_shard
 
 
 class StepFn:
