@@ -1,14 +1,12 @@
-"""calibrate: the fits recover known coefficients, OOM points become bounds, the time budget holds,
---estimate writes a loadable profile, and the measuring loop runs on CPU with the tiny model."""
+"""calibrate's pure parts and stages: the fits recover known coefficients, OOM points become bounds, the time budget
+holds, and the stages run with a faked engine (the command itself and 2-rank runs: test_calibrate_runs.py)."""
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
-import yaml
 
 from ds_adaptiveload import calibrate as cal
 from ds_adaptiveload.schedule.geometry import Geometry
@@ -362,180 +360,6 @@ def test_profile_files_round_trip_through_the_one_writer(tmp_path, name):
         assert out.read_text() == text
 
 
-def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "ds_adaptiveload", "calibrate", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.mark.parametrize("ds", ["ds_zero3_bf16.json", "ds_zero3_bf16_sp2.json"])
-def test_estimate_writes_a_loadable_sane_profile(tmp_path, ds):
-    out = tmp_path / "est.yaml"
-    proc = run_cli("--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", f"configs/{ds}",
-                   "--out", str(out), "--estimate")
-    assert proc.returncode == 0, proc.stderr
-    prof = CostProfile.load(out)
-    assert 1e5 <= prof.budget_tokens <= 1e6
-    assert prof.per_token_sq_ms > 0 and prof.per_token_ms > 0 and prof.fixed_ms > 0 and prof.step_fixed_ms > 0
-    doc = yaml.safe_load(out.read_text())
-    assert doc["meta"]["estimated"] is True and doc["meta"]["torch"] and doc["meta"]["date"]
-    # a 480x832x81 clip at the H200 block measurements' rate (x1.36 for ZeRO-3 + recompute) is ~3.5 s:
-    # the estimate must land within a factor of 1.5 of that
-    s = -(-32760 // doc["meta"]["sp"])
-    assert 2.3e3 < prof.micro_ms(1, s) * doc["meta"]["sp"] < 5.3e3
-    if doc["meta"]["sp"] == 2:
-        assert doc["fit"]["terms_ms"]["ulysses_all_to_all_per_token"] > 0
-
-
-def test_estimate_pin_dual_and_bad_args(tmp_path):
-    out = tmp_path / "est.yaml"
-    proc = run_cli("--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", "configs/ds_zero3_bf16.json",
-                   "--out", str(out), "--estimate", "--pin-dual")
-    assert proc.returncode == 0, proc.stderr
-    prof = CostProfile.load(out)
-    assert prof.dual_p > 1 and prof.dual_m_comp > 0
-    proc = run_cli("--model-config", "configs/wan_1_3b.yaml", "--deepspeed_config", "configs/ds_zero3_bf16.json",
-                   "--out", str(out), "--estimate", "--mfu", "1.5")
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --mfu")
-
-
-def test_cpu_measuring_loop_with_tiny_model(tmp_path):
-    """The real loop: deepspeed.initialize (ZeRO-3, one gloo process), the flow-matching loss, the
-    optimizer step, held-out points; ~35 s on 2 cores (most of it DeepSpeed start-up)."""
-    out, raw = tmp_path / "tiny.yaml", tmp_path / "tiny.json"
-    env = dict(os.environ, MASTER_PORT="29677", OMP_NUM_THREADS="2")
-    proc = subprocess.run(
-        [sys.executable, "-m", "ds_adaptiveload", "calibrate", "--model-config", "configs/wan_tiny.yaml",
-         "--deepspeed_config", "configs/ds_tiny_cpu.json", "--out", str(out), "--json", str(raw),
-         # per-GPU s from 256 to 1,920 tokens (B up to 4): at 16-120 tokens every step took ~100 ms of DeepSpeed
-         # overhead, so the fit found no growth with tokens in about 1 CI run in 10 (seventh session)
-         "--shapes", "1x256x256,5x256x256,9x256x256,17x256x384", "--heldout", "1x256x384,13x256x256",
-         # the budget counts from start-up, which in a fresh environment builds DeepSpeed's shm op (~60 s here)
-         "--batches", "1,2,4", "--probe-tokens", "3072", "--repeats", "2", "--time-budget", "240"],
-        cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    prof = CostProfile.load(out)
-    doc = yaml.safe_load(out.read_text())
-    assert doc["meta"]["estimated"] is False and doc["meta"]["device"] == "cpu"
-    # The whole time model predicts a positive time, not one term of it: with the floor (fit.fit_time) NNLS may zero
-    # fixed and per_token when the floor and the quadratic term carry the times (one suite run, 2026-12-02).
-    rows = doc["fit"]["points"]
-    assert prof.micro_ms(1, 1920) > 0 and prof.step_fixed_ms > 0
-    assert all(prof.micro_ms(r["B"], r["s"]) > 0 for r in rows if r["status"] == "ok")  # s: tokens per GPU
-    assert sum(r["role"] == "fit" and r["status"] == "ok" for r in rows) >= 4
-    assert doc["fit"]["time_heldout"]["n"] >= 1
-    assert "time_fit:" in proc.stdout and "time_heldout:" in proc.stdout
-
-
-DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-
-
-def tiny_sp2_config(tmp_path):
-    """configs/ds_tiny_cpu.json with Ulysses sp = 2 (and no csv monitor), written under tmp_path."""
-    import json
-
-    with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
-        ds = json.load(f)
-    ds["sequence_parallel_size"] = 2
-    ds["csv_monitor"]["enabled"] = False
-    cfg = tmp_path / "ds_tiny_cpu_sp2.json"
-    cfg.write_text(json.dumps(ds))
-    return cfg
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
-def test_two_rank_sp2_calibration_on_cpu(tmp_path):
-    """bench/device/run.py's calib_sp2 stage on CPU: `deepspeed --num_gpus 2 --no_local_rank --module
-    ds_adaptiveload calibrate` with Ulysses sp=2 (2 gloo ranks, ZeRO-3, the tiny model). Every rank must
-    take the same measure/skip decisions (else a collective hangs), only rank 0 writes, and the profile is
-    in per-GPU tokens s = ceil(S/2) with meta.sp 2. ~25 s on 2 cores."""
-    import json
-
-    cfg = tiny_sp2_config(tmp_path)
-    out, raw = tmp_path / "sp2.yaml", tmp_path / "new_dir" / "sp2.json"  # --json into a folder not made yet
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    proc = subprocess.run(
-        [DEEPSPEED, "--num_gpus", "2", "--master_port", "29678", "--no_local_rank", "--module", "ds_adaptiveload",
-         "calibrate", "--model-config", "configs/wan_tiny.yaml", "--deepspeed_config", str(cfg), "--out", str(out),
-         # per-GPU s from 8 to 432 tokens: enough work per token to stand out of the CPU's timing noise
-         "--json", str(raw), "--shapes", "1x64x64,9x128x128,17x128x128,33x128x192",
-         "--heldout", "5x128x128,25x128x128", "--batches", "1,2,4", "--probe-tokens", "1024", "--repeats", "2",
-         "--time-budget", "60"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.count(f"wrote {out}") == 1  # rank 0 only
-    prof = CostProfile.load(out)
-    doc = yaml.safe_load(out.read_text())
-    assert doc["meta"]["sp"] == 2 and doc["meta"]["world_size"] == 2 and doc["meta"]["train_world_size"] == 2
-    assert doc["meta"]["estimated"] is False and "sp_from_one_gpu" not in doc["fit"]
-    rows = doc["fit"]["points"]
-    assert all(r["s"] == -(-r["S"] // 2) for r in rows)
-    assert sum(r["role"] == "fit" and r["status"] == "ok" for r in rows) >= 3
-    # NNLS may fit fixed = 0 when the per-token terms explain noisy CPU timings (seen under load, old code
-    # too): what must hold is a non-negative fit that predicts positive time.
-    assert min(prof.fixed_ms, prof.per_token_ms, prof.per_token_sq_ms) >= 0 and prof.step_fixed_ms > 0
-    assert prof.per_token_ms + prof.per_token_sq_ms > 0 and prof.micro_ms(1, 8) > 0
-    assert prof.budget_tokens == max(r["B"] * r["s"] for r in rows if r["status"] == "ok")
-    assert doc["fit"]["dual"]["s_range"] == [min(r["s"] for r in rows if r["role"] == "fit" and r["status"] == "ok"),
-                                             max(r["s"] for r in rows if r["role"] == "fit" and r["status"] == "ok")]
-    assert json.loads(raw.read_text())["meta"]["sp"] == 2
-
-
-FAKE_MEMORY_DRIVER = """
-import os, sys
-import torch
-sys.argv[1:1] = ["calibrate"]
-from ds_adaptiveload.calibrate import engine
-from ds_adaptiveload.train import flow
-
-engine.capacity = lambda device: 2**30
-engine.StepFn._peak = lambda self, p: int(1e8 + 1e5 * p.tokens + 1e6 * self.rank)  # ranks differ: the max wins
-orig_loss = flow.flow_matching_loss
-def loss(engine, x0, *a, **k):
-    if int(os.environ["RANK"]) == 0 and x0.shape[0] > 800:  # only the budget probe is that large (anchor: ~540)
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
-    return orig_loss(engine, x0, *a, **k)
-flow.flow_matching_loss = loss
-from ds_adaptiveload.cli import main
-raise SystemExit(main())
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
-def test_two_rank_budget_probe_oom_stops_fast_and_leaves_a_profile(tmp_path):
-    """The GPU-only paths of a multi-rank run, on CPU with faked device memory (1 GiB, per-rank peaks that
-    differ): the memory fit on the ranks' maximum, the profile written before the budget probe, and an
-    out-of-memory in the probe on rank 0 ending the run at once (exit 3, not a hang in the peer's
-    collective) with the budget lowered below the probe. ~25 s on 2 cores."""
-    cfg = tiny_sp2_config(tmp_path)
-    driver = tmp_path / "driver.py"
-    driver.write_text(FAKE_MEMORY_DRIVER)
-    out = tmp_path / "sp2.yaml"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    proc = subprocess.run(
-        [DEEPSPEED, "--num_gpus", "2", "--master_port", "29679", "--no_local_rank", str(driver),
-         "--model-config", "configs/wan_tiny.yaml", "--deepspeed_config", str(cfg), "--out", str(out),
-         "--shapes", "1x64x64,9x128x128,17x128x128,33x128x192", "--heldout", "5x128x128", "--batches", "1,2,4",
-         "--probe-tokens", "1024", "--repeats", "1", "--time-budget", "90"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "rank 0 ran out of memory" in proc.stderr and "role probe" in proc.stderr
-    assert "before the budget probe" in proc.stdout and "with the budget below the probe" in proc.stdout
-    prof = CostProfile.load(out)
-    doc = yaml.safe_load(out.read_text())
-    assert doc["meta"]["sp"] == 2
-    probe = doc["fit"]["points"][-1]
-    assert probe["role"] == "probe" and probe["status"] == "oom"
-    anchor = doc["fit"]["points"][-2]  # half the budget, ran before the probe and joined the memory fit
-    assert anchor["role"] == "anchor" and anchor["status"] == "ok" and anchor["B"] == probe["B"] // 2
-    assert prof.budget_tokens == int(probe["B"] * probe["s"] * 0.9) == int(doc["fit"]["oom_bound_tokens"] * 0.9)
-    ok = [r for r in doc["fit"]["points"] if r["status"] == "ok"]
-    # peaks are the maximum over ranks: rank 1's, 1 MB above rank 0's
-    assert all(abs(r["peak_gib"] * 2**30 - (1e8 + 1e5 * r["B"] * r["s"] + 1e6)) < 0.002 * 2**30 for r in ok)
-
 
 class FakeStepFn:
     """engine.StepFn's interface without DeepSpeed: a ZeRO-3-like floored time, a peak with a floor, a
@@ -610,70 +434,6 @@ def test_multi_rank_memory_limit_skips_points_predicted_to_run_out():
     cal.time_schedule(pts, step, budget_s=1e9, oom_types=(MemoryError,))
     assert any(p.status == "oom" for p in pts)
 
-
-# ----------------------------------------------------------------------------------------------------
-# bench/e2e/train_e2e.py: the reductions the end-to-end benchmark reports
-
-
-def _e2e():
-    sys.path.insert(0, os.path.join(ROOT, "bench", "e2e"))
-    import train_e2e
-    return train_e2e
-
-
-def test_e2e_reduce_run_idle_throughput_and_simulator_error():
-    e2e = _e2e()
-    def rec(step, compute, pred, samples, mem):
-        return {"step": step, "compute_ms": compute, "step_ms": max(compute) + 100, "pred_ms": pred,
-                "samples": samples, "tokens": samples * 1000, "mfu": 0.4,
-                "idle_fraction": 1 - sum(compute) / 2 / max(compute),
-                "pred_idle_fraction": 1 - sum(pred) / 2 / max(pred),  # as the trainer logs it
-                "loss": 1.0, "mem_peak_gib": mem, "mem_capacity_gib": 100.0}
-    warm = rec(1, [5000, 100], [900, 900], 1, 50)
-    logs = [[warm, rec(2, [1000, 500], [1000, 400], 10, 40), rec(3, [800, 800], [900, 900], 6, 60)],
-            [warm, rec(2, [1000, 500], [1000, 400], 10, 30), rec(3, [800, 800], [900, 900], 6, 20)]]
-    r = e2e.reduce_run(logs, warmup=1, dp_size=2)
-    assert r["measured_steps"] == 2 and r["samples"] == 16
-    assert r["idle_fraction"] == pytest.approx(1 - (750 + 800) / (1000 + 800))  # sum mean / sum max
-    assert r["samples_per_s"] == pytest.approx(16 / 2.0)  # step_ms 1100 + 900
-    assert r["pred_wall_s"] == pytest.approx(1.9) and r["pred_wall_err"] == pytest.approx(1.9 / 2.0 - 1)
-    assert r["pred_idle_fraction"] == pytest.approx(1 - (700 + 900) / (1000 + 900))
-    assert r["mem_frac_mean"] == pytest.approx(0.375) and r["mem_peak_gib_max"] == 60
-    # epoch 0 whole (warm-up included): the same-samples comparison of --epoch runs; steps without an
-    # "epoch" key count as epoch 0, a step of epoch 1 does not
-    logs[0][2]["epoch"] = 1
-    r = e2e.reduce_run(logs, warmup=1, dp_size=2)
-    assert (r["epoch0_steps"], r["epoch0_samples"]) == (2, 11) and r["epoch0_wall_s"] == pytest.approx(5.1 + 1.1)
-    assert r["epoch0_pred_wall_s"] == pytest.approx(1.9)
-    # under lockstep the logged step prediction (pred_wall_ms) is the one compared
-    for log in logs:
-        for x in log:
-            x["pred_wall_ms"] = max(x["pred_ms"]) + 50
-    r = e2e.reduce_run(logs, warmup=1, dp_size=2)
-    assert r["pred_wall_s"] == pytest.approx(2.0) and r["pred_step_ms"] == [1050, 950]
-
-
-def test_e2e_sp_variant_plans_with_a_converted_profile(tmp_path):
-    e2e = _e2e()
-    from ds_adaptiveload.schedule.profile import CostProfile
-
-    src = tmp_path / "p.yaml"
-    CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml").to_yaml(src)
-    assert e2e.profile_for(1, str(src), "configs/wan_1_3b.yaml") == str(src)
-    sp2 = CostProfile.load(e2e.profile_for(2, str(src), "configs/wan_1_3b.yaml"))
-    base = CostProfile.load(src)
-    assert sp2.meta["sp"] == 2 and sp2.per_token_sq_ms == pytest.approx(2 * base.per_token_sq_ms)
-    assert sp2.per_token_ms > base.per_token_ms
-
-
-def test_e2e_choose_steps_keeps_variants_before_steps():
-    e2e = _e2e()
-    costs = {n: (lambda m, c=c: c * m) for n, c in (("a", 5.0), ("b", 6.0), ("c", 5.0), ("d", 3.0))}
-    m, kept = e2e.choose_steps(costs, budget=250, overhead=40, warmup=2, max_measured=12, min_measured=4)
-    assert kept == ["a", "b", "c"] and m == 6  # with d, 4 x 40 + 19 x 6 = 274 > 250 even at 4 steps
-    assert sum(40 + costs[n](2 + m) for n in kept) <= 250 < sum(40 + costs[n](3 + m) for n in kept)
-    m, kept = e2e.choose_steps(costs, budget=10, overhead=40, warmup=2, max_measured=12, min_measured=4)
-    assert kept == ["a"] and m == 4  # nothing fits: still the first variant, at the minimum
 
 
 def test_time_budget_with_a_large_fixed_cost_measures_what_fits():
