@@ -360,7 +360,6 @@ def test_profile_files_round_trip_through_the_one_writer(tmp_path, name):
         assert out.read_text() == text
 
 
-
 class FakeStepFn:
     """engine.StepFn's interface without DeepSpeed: a ZeRO-3-like floored time, a peak with a floor, a
     per-sample term and a slope that steepens past the grid."""
@@ -433,7 +432,6 @@ def test_multi_rank_memory_limit_skips_points_predicted_to_run_out():
     pts = cal.grid_points(cal.GRID_SHAPES, [], GEO, probe_tokens=160_000)
     cal.time_schedule(pts, step, budget_s=1e9, oom_types=(MemoryError,))
     assert any(p.status == "oom" for p in pts)
-
 
 
 def test_time_budget_with_a_large_fixed_cost_measures_what_fits():

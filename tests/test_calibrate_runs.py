@@ -12,6 +12,7 @@ from ds_adaptiveload.schedule.profile import CostProfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
 def run_cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "ds_adaptiveload", "calibrate", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
