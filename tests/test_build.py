@@ -3,24 +3,21 @@ elements of every parameter, nothing else) and its gathered weights equal an unp
 same seed, i.e. Wan's init_weights survives zero.Init. Two CPU ranks through the deepspeed launcher (~20 s)."""
 import json
 import os
-import shutil
 import subprocess
-import sys
 
 import pytest
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model import WanConfig
+from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
+@needs_launcher
 def test_zero3_build_is_partitioned_at_construction_and_keeps_wan_init(tmp_path):
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               PYTHONPATH=ROOT)
+    env = launcher_env(PYTHONPATH=ROOT)
     proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", "29533", "tests/zero_build_worker.py",
                            str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

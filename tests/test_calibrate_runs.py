@@ -1,7 +1,6 @@
 """calibrate as a command: --estimate writes a loadable profile, the measuring loop runs on CPU with the tiny
 model, and 2-rank runs (Ulysses sp = 2, an out-of-memory budget probe) agree across ranks and end cleanly."""
 import os
-import shutil
 import subprocess
 import sys
 
@@ -9,6 +8,7 @@ import pytest
 import yaml
 
 from ds_adaptiveload.schedule.profile import CostProfile
+from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,7 +77,6 @@ def test_cpu_measuring_loop_with_tiny_model(tmp_path):
     assert "time_fit:" in proc.stdout and "time_heldout:" in proc.stdout
 
 
-DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
 def tiny_sp2_config(tmp_path):
@@ -94,7 +93,7 @@ def tiny_sp2_config(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
+@needs_launcher
 def test_two_rank_sp2_calibration_on_cpu(tmp_path):
     """bench/device/run.py's calib_sp2 stage on CPU: `deepspeed --num_gpus 2 --no_local_rank --module
     ds_adaptiveload calibrate` with Ulysses sp=2 (2 gloo ranks, ZeRO-3, the tiny model). Every rank must
@@ -104,8 +103,7 @@ def test_two_rank_sp2_calibration_on_cpu(tmp_path):
 
     cfg = tiny_sp2_config(tmp_path)
     out, raw = tmp_path / "sp2.yaml", tmp_path / "new_dir" / "sp2.json"  # --json into a folder not made yet
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env = launcher_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [DEEPSPEED, "--num_gpus", "2", "--master_port", "29678", "--no_local_rank", "--module", "ds_adaptiveload",
          "calibrate", "--model-config", "configs/wan_tiny.yaml", "--deepspeed_config", str(cfg), "--out", str(out),
@@ -154,7 +152,7 @@ raise SystemExit(main())
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
+@needs_launcher
 def test_two_rank_budget_probe_oom_stops_fast_and_leaves_a_profile(tmp_path):
     """The GPU-only paths of a multi-rank run, on CPU with faked device memory (1 GiB, per-rank peaks that
     differ): the memory fit on the ranks' maximum, the profile written before the budget probe, and an
@@ -164,8 +162,7 @@ def test_two_rank_budget_probe_oom_stops_fast_and_leaves_a_profile(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(FAKE_MEMORY_DRIVER)
     out = tmp_path / "sp2.yaml"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env = launcher_env(OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [DEEPSPEED, "--num_gpus", "2", "--master_port", "29679", "--no_local_rank", str(driver),
          "--model-config", "configs/wan_tiny.yaml", "--deepspeed_config", str(cfg), "--out", str(out),

@@ -2,7 +2,6 @@
 outputs and recomputes the rest) gives the same outputs and gradients as no checkpointing and as full
 checkpointing, eagerly and with compiled blocks (aot_eager traces the checkpoint inside the block), on tensor
 and packed micro-batches; and its backward really does not run the attention forward again, while "full" does."""
-import copy
 
 import pytest
 import torch

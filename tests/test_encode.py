@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -21,9 +20,9 @@ from test_dataset_scan import read_jsonl, scan_args, write_video  # noqa: E402
 from ds_adaptiveload.data import encode, frames, scan  # noqa: E402
 from ds_adaptiveload.errors import UserError  # noqa: E402
 from ds_adaptiveload.schedule.geometry import Geometry  # noqa: E402
+from tests.launcher import BIN, launcher_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
 TEXT_DIM, TEXT_LEN = 64, 32  # configs/wan_tiny.yaml: text_dim, text_len
 
 
@@ -280,7 +279,7 @@ def test_train_two_steps_on_the_encoded_data(dataset, tmp_path):
            "--deepspeed_config", str(tmp_path / "ds.json"), "--model-config", "configs/wan_tiny.yaml",
            "--data", str(dataset["out"] / "manifest.jsonl"), "--max-steps", "2", "--no-final-save",
            "--num-workers", "0", "--output", str(tmp_path / "run")]
-    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+    env = launcher_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     steps = read_jsonl(tmp_path / "run" / "steps.rank0.jsonl")

@@ -3,7 +3,6 @@ those recompute, same outputs and gradients), the arithmetic of e2e_mfu / recomp
 bench/mfu_train.py driving launch/train_wan.py with memory-aware checkpointing on the tiny model (1 CPU rank)."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from ds_adaptiveload.model import WanConfig, WanModel
+from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -18,7 +18,6 @@ sys.path.insert(0, os.path.join(ROOT, "bench", "e2e"))
 import mfu  # noqa: E402
 from mfu_levers import Levers, choose_k, micro_batch_tokens  # noqa: E402
 
-DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
 def tiny():
@@ -99,15 +98,14 @@ def test_recompute_frac_and_best_per_shape():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
+@needs_launcher
 @pytest.mark.parametrize("policy", ["full", "attention"])
 def test_mfu_train_runs_train_wan_with_memory_aware_checkpointing(tmp_path, policy):
     # 2 blocks; a memory model under which the tiny mix's micro-batches need some, not all, blocks checkpointed
     mem = {"capacity_bytes": 600, "safety": 1.0, "fixed_bytes": 0, "bytes_per_token": 1, "block_bytes_per_token": 10,
            "attention_bytes_per_token": 2}
     (tmp_path / "mem.json").write_text(json.dumps(mem))
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               PYTHONPATH=ROOT, MFU_CKPT="auto", MFU_MEMORY=str(tmp_path / "mem.json"),
+    env = launcher_env(PYTHONPATH=ROOT, MFU_CKPT="auto", MFU_MEMORY=str(tmp_path / "mem.json"),
                MFU_STATS=str(tmp_path / "stats.json"), MFU_POLICY=policy)
     cfg = json.loads(open(os.path.join(ROOT, "configs/ds_tiny_cpu.json")).read())
     cfg["adaptive_load"]["policy"] = "balanced"  # one shape per micro-batch: micro-batch sizes, and so k, differ

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -19,10 +18,10 @@ from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.train import config, flow
 from ds_adaptiveload.train.engine import free_port  # an ephemeral port: the fixed 29641 was once in use
 from ds_adaptiveload.train.lr_scaling import BatchSizeLR, scale_lr
+from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")
-DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -282,14 +281,13 @@ def load_example():
 
 def run_example(out, *extra, port):
     """`deepspeed --num_gpus 2 examples/train_diffusers_wan.py ...` -> its step lines (step, loss, samples, lr)."""
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env = launcher_env()
     proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), "examples/train_diffusers_wan.py",
                            "--output", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return re.findall(r"^step (\d+) loss (\S+) samples (\d+) lr (\S+)$", proc.stdout, re.M)
 
 
-needs_launcher = pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,14 +18,12 @@ from ds_adaptiveload.schedule.manifest import load_manifest
 from ds_adaptiveload.model import WanConfig
 from ds_adaptiveload.data import latents as data
 from ds_adaptiveload.train import checkpoint, config, faults, metrics
+from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
-DEEPSPEED = shutil.which("deepspeed", path=BIN + os.pathsep + os.environ.get("PATH", ""))
 TINY = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_tiny.yaml"))
 GEO = Geometry()
 NUM, STEPS = 100, 5  # the plan of 100 tiny samples on 2 ranks, G = 2, ZeRO-3 (lockstep) has 5 steps
-needs_launcher = pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
 
 
 def launch(out, manifest, cfg, *extra, port, timeout=180, gpus=2):
@@ -36,7 +33,7 @@ def launch(out, manifest, cfg, *extra, port, timeout=180, gpus=2):
     cmd = [DEEPSPEED, "--num_gpus", str(gpus), "--master_port", str(port), "launch/train_wan.py",
            "--deepspeed_config", str(cfg), "--model-config", "configs/wan_tiny.yaml", *data,
            "--output", str(out), "--num-workers", "1", *extra]
-    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+    env = launcher_env()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

@@ -3,9 +3,7 @@ the documented command, loss normalization against one big batch (dp=2 and Ulyss
 and a non-finite loss stopping the run. Each launch takes ~20 s on 2 cores."""
 import json
 import os
-import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,11 +13,11 @@ from ds_adaptiveload.schedule.manifest import load_manifest
 from ds_adaptiveload.model import WanConfig, WanModel
 from ds_adaptiveload.data import latents as data
 from ds_adaptiveload.train import flow
+from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 TINY = os.path.join(ROOT, "configs", "wan_tiny.yaml")
-pytestmark = pytest.mark.skipif(DEEPSPEED is None, reason="deepspeed launcher not installed")
+pytestmark = needs_launcher
 
 
 def launch(out, *extra, config=None, port=29511, timeout=240):
@@ -28,7 +26,7 @@ def launch(out, *extra, config=None, port=29511, timeout=240):
     cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), "launch/train_wan.py",
            "--deepspeed_config", str(config or "configs/ds_tiny_cpu.json"), "--model-config", "configs/wan_tiny.yaml",
            "--output", str(out), *(() if config is None else ("--num-workers", "1")), *extra]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env = launcher_env()
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

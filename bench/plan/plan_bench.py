@@ -15,7 +15,6 @@ import dataclasses
 import datetime
 import json
 import platform
-import resource
 import subprocess
 import sys
 import time

@@ -39,8 +39,6 @@ class Faults:
 
     def before_forward(self, step: int, micro: int) -> None:
         if (self.rank, step, micro) in self.oom:
-            import torch
-
             raise out_of_memory_error()(f"injected out-of-memory (--fault oom:{self.rank}:{step}:{micro})")
 
 
