@@ -1,0 +1,158 @@
+"""What a checkpointed block could keep besides its attention outputs (issue #21, recompute): forward+backward ms
+and peak memory of one micro-batch with every block checkpointed under the "attention" policy, against the same
+with the outputs of the block's shrinking matmuls kept too (in_features > out_features: in a WanBlock only the FFN's
+second projection, 8960 -> 1536 in the 1.3B model). That output is dim x 2 bytes per token in bf16 (3 KB at dim
+1536) and its recompute is 2 x ffn_dim x dim FLOPs per token (27.5 MFLOP, a third of a block's non-attention
+matmuls), the most recompute per byte kept of anything in the block. Nothing here changes the model: the variant
+is a selective-checkpoint policy swapped in for the timed runs (wan.save_attention_context).
+
+    python3 bench/model/ckpt_policy.py --out OUT [--cases img32,480p81,720p81,mixed] [--pairs 3] [--budget-s 400]
+    CKPT_SMOKE=1 python3 bench/model/ckpt_policy.py --out /tmp/cp     # CPU: tiny model and shapes
+
+The bare bf16 model as calibrate builds it (calibrate.engine.build_model: every block checkpointed, compiled
+regions), calibrate's StepFn over it without DeepSpeed (packed_engine.PlainEngine), and after one warm-up of each
+side A B B A pairs per case. Writes OUT/ckpt-policy.json (every pair, fwd+bwd ms, peaks, the env)."""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # bench/, for harness
+import harness  # noqa: E402
+
+SMOKE = os.environ.get("CKPT_SMOKE") == "1"
+# case -> [(count, frames, height, width)] in pixels, as packed_model's specs
+CASES = ({"img32": [(4, 1, 32, 64)], "480p81": [(1, 9, 64, 96)], "720p81": [(1, 9, 64, 128)],
+          "mixed": [(1, 9, 64, 96), (2, 5, 32, 64), (6, 1, 32, 64)]} if SMOKE else
+         {"img32": [(32, 1, 480, 832)], "480p81": [(1, 81, 480, 832)], "720p81": [(1, 81, 720, 1280)],
+          "mixed": [(1, 81, 720, 1280), (2, 81, 480, 832), (40, 1, 480, 832)]})
+
+
+def shrinking_matmul(op, args) -> bool:
+    """addmm(bias, a, b) / mm(a, b) whose reduction dim is larger than its output's (b is [K, N], K > N)."""
+    import torch
+
+    first = {torch.ops.aten.addmm.default: 1, torch.ops.aten.mm.default: 0}.get(op)
+    return first is not None and args[first + 1].shape[0] > args[first + 1].shape[1]
+
+
+def keep_shrinking_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from ds_adaptiveload.model import wan
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in wan._SAVED_ATTENTION_OPS or shrinking_matmul(op, args):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+@contextmanager
+def policy_of(side):
+    """side "attention": the model as shipped; "keep-shrinking": the variant policy for the blocks' checkpoints."""
+    from ds_adaptiveload.model import wan
+
+    shipped = wan.save_attention_context
+    if side == "keep-shrinking":
+        wan.save_attention_context = keep_shrinking_context
+    try:
+        yield
+    finally:
+        wan.save_attention_context = shipped
+
+
+def inputs(spec, packed):
+    """A StepFn point: one packed micro-batch of every sample of spec, or a tensor micro-batch of its one shape."""
+    if packed:
+        shapes = [tuple(s) for c, *s in spec for _ in range(c)]
+        return argparse.Namespace(shapes=shapes, B=len(shapes), role="packed")
+    (c, *s), = spec
+    return argparse.Namespace(B=c, shape=tuple(s), role="fit")
+
+
+def run(args) -> dict:
+    import torch
+    from packed_engine import plain_step
+
+    from ds_adaptiveload.model import WanConfig
+    from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.train.config import default_alloc_conf
+
+    default_alloc_conf()
+    t0 = time.perf_counter()
+    cfg = WanConfig.from_yaml(os.path.join(ROOT, args.model_config))
+    geo = CostProfile.load(os.path.join(ROOT, "configs/profiles/h200-wan1.3b-zero2.yaml")).geometry
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    opts = argparse.Namespace(seed=0, checkpoint_blocks=True, compile_blocks=args.compile_blocks or None)
+    fn = plain_step(cfg, opts, geo, device, dtype, None)
+    fn.engine.module.checkpoint_policy = "attention"
+    out = {"model_config": args.model_config, "compile_blocks": args.compile_blocks, "cases": [],
+           "build_s": round(time.perf_counter() - t0, 1)}
+    for case in args.cases.split(","):
+        spec = CASES[case]
+        point = inputs(spec, packed=len(spec) > 1)
+        tokens = sum(c * geo.tokens(f, h, w) for c, f, h, w in spec)
+        rec = {"case": case, "spec": spec, "tokens": tokens, "warmup_ms": {}, "pairs": []}
+        for side in ("attention", "keep-shrinking"):
+            with policy_of(side):
+                rec["warmup_ms"][side] = round(fn(point)[0], 1)
+        for i in range(args.pairs):
+            if time.perf_counter() - t0 > args.budget_s:
+                rec["status"] = "cut: time budget"
+                break
+            got = {}
+            for side in (("attention", "keep-shrinking") if i % 2 == 0 else ("keep-shrinking", "attention")):
+                with policy_of(side):
+                    ms, _, peak = fn(point)
+                got[side] = (ms, peak)
+            (ma, pa), (mk, pk) = got["attention"], got["keep-shrinking"]
+            rec["pairs"].append({"attention_ms": round(ma, 1), "keep_ms": round(mk, 1),
+                                 "attention_peak_gib": round((pa or 0) / 2**30, 2),
+                                 "keep_peak_gib": round((pk or 0) / 2**30, 2), "speedup": round(ma / mk, 5)})
+        if rec["pairs"]:
+            rec["speedup_median"] = statistics.median(p["speedup"] for p in rec["pairs"])
+            extra = statistics.median(p["keep_peak_gib"] - p["attention_peak_gib"] for p in rec["pairs"]) * 2**30
+            rec["extra_bytes_per_token_block"] = round(extra / (tokens * cfg.num_layers))
+            rec["expected_bytes_per_token_block"] = cfg.dim * (2 if dtype == torch.bfloat16 else 4)
+        print("CASE " + json.dumps(rec), flush=True)
+        out["cases"].append(rec)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model-config", default="configs/wan_tiny.yaml" if SMOKE else "configs/wan_1_3b.yaml")
+    ap.add_argument("--compile-blocks", default="" if SMOKE else "regions",
+                    help="as training's --compile-blocks ('' for eager blocks)")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}, run in that order")
+    ap.add_argument("--pairs", type=int, default=3, help="ABBA pairs per case")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="no pair starts after this many seconds")
+    args = ap.parse_args(argv)
+    bad = set(args.cases.split(",")) - set(CASES)
+    if bad:
+        ap.error(f"--cases: unknown {sorted(bad)}; choose from {', '.join(CASES)}")
+    os.makedirs(args.out, exist_ok=True)
+    res = {**run(args), "env": harness.environment()}
+    with open(os.path.join(args.out, "ckpt-policy.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    for c in res["cases"]:
+        print(f"[ckpt_policy] {c['case']}: keep-shrinking / attention speed-up {c.get('speedup_median')}, "
+              f"+{c.get('extra_bytes_per_token_block')} B per token per block (expected "
+              f"{c.get('expected_bytes_per_token_block')}), pairs {len(c['pairs'])}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
