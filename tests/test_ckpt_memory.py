@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.memory import (RecomputeCost, blocks_to_checkpoint, predicted_peak_bytes,
@@ -173,3 +175,74 @@ def test_open_blocks_pay_their_per_sample_bytes(tokens, samples):
         assert predicted_peak_bytes(tokens, samples, attn, L, k - 1, 0) > cap
     assert selective_checkpoint(tokens, samples, dict(attn, block_bytes_per_sample=0), L) == selective_checkpoint(
         tokens, samples, dict(MEM, attention_bytes_per_token=5e3), L)
+
+
+FFN_MEM = {"capacity_bytes": 100e9, "safety": 1.0, "fixed_bytes": 20e9, "bytes_per_token": 160e3,
+           "block_bytes_per_token": 80e3, "attention_bytes_per_token": 5e3, "ffn_bytes_per_token": 3e3,
+           "block_bytes_per_sample": 1e6}
+
+
+def ladder_time(k, k_full, k_ffn):
+    """recompute_factor with H200-like fractions: open > attention kept > FFN output kept, per block."""
+    return recompute_factor(k, L, 0.21, k_full, 0.14, k_ffn, 0.011)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.integers(0, 700_000), samples=st.integers(1, 200))
+def test_ffn_outputs_come_after_attention_and_before_open_blocks(tokens, samples):
+    """memory.ffn_bytes_per_token: the configuration (k, k_full, k_ffn) fits whenever anything does, fills the
+    ladder in order (whole -> attention kept -> FFN output kept -> open) with at most two rungs in use, and no
+    configuration one rung up on one block would fit."""
+    from ds_adaptiveload.schedule.memory import ffn_blocks
+
+    k, k_full = selective_checkpoint(tokens, samples, FFN_MEM, L)
+    k_ffn = ffn_blocks(tokens, samples, FFN_MEM, L, k, k_full)
+    assert 0 <= k_full <= k <= L and 0 <= k_ffn <= k - k_full
+    cap = FFN_MEM["capacity_bytes"]
+    peak = predicted_peak_bytes(tokens, samples, FFN_MEM, L, k, k_full, k_ffn)
+    assert peak <= cap * (1 + 1e-12) or k_full == L
+    rungs = [k_full, k - k_full - k_ffn, k_ffn, L - k]  # blocks on each rung
+    used = [i for i, n in enumerate(rungs) if n]
+    assert used == list(range(used[0], used[0] + len(used))) and len(used) <= 2, rungs
+    if tokens == 0 or k_full == L:
+        return
+    ups = []  # one block one rung higher
+    if k_full:
+        ups.append((k, k_full - 1, k_ffn))
+    elif k_ffn < k:
+        ups.append((k, 0, k_ffn + 1))
+    elif k:
+        ups.append((k - 1, 0, k - 1))
+    for up in ups:
+        assert predicted_peak_bytes(tokens, samples, FFN_MEM, L, *up) > cap, (tokens, samples, (k, k_full, k_ffn), up)
+        assert ladder_time(*up) < ladder_time(k, k_full, k_ffn)  # and it would have been faster
+
+
+def test_ffn_field_absent_or_full_policy_keeps_no_ffn_output():
+    from ds_adaptiveload.schedule.memory import checkpoint_ks, ffn_blocks
+
+    plain = {key: v for key, v in FFN_MEM.items() if key != "ffn_bytes_per_token"}
+    for tokens in (1_000, 200_000, 400_000):
+        ks = selective_checkpoint(tokens, 1, plain, L)
+        assert ffn_blocks(tokens, 1, plain, L, *ks) == 0
+        k, k_full = checkpoint_ks(tokens, 1, FFN_MEM, L, "full")
+        assert k == k_full and ffn_blocks(tokens, 1, FFN_MEM, L, k, k_full) == 0
+    # with the field, a micro-batch that opened blocks before opens fewer: FFN outputs take that memory first
+    assert selective_checkpoint(200_000, 1, FFN_MEM, L)[0] > selective_checkpoint(200_000, 1, plain, L)[0]
+
+
+def test_recompute_cost_counts_the_ffn_blocks():
+    from ds_adaptiveload.schedule.memory import ffn_blocks
+
+    attn = RecomputeCost(FFN_MEM, L, 0.21, 0.14, "attention", ffn_frac=0.011)
+    for tokens in (50_000, 200_000, 350_000):
+        k, k_full = attn.ks(tokens, 1)
+        k_ffn = ffn_blocks(tokens, 1, FFN_MEM, L, k, k_full)
+        assert attn.ffn_blocks(tokens, 1) == k_ffn
+        assert attn.factor(tokens, 1) == pytest.approx(ladder_time(k, k_full, k_ffn))
+    assert RecomputeCost(FFN_MEM, L, 0.21, 0.14, "full", ffn_frac=0.011).ffn_blocks(200_000, 1) == 0
+    assert attn.factor(200_000, 1, (30, 30)) == pytest.approx(ladder_time(30, 30, 0))  # a step's own ks: no FFN
+    with pytest.raises(UserError, match="k_ffn"):
+        predicted_peak_bytes(1000, 1, FFN_MEM, L, 10, 4, 7)
+    with pytest.raises(UserError, match="ffn_recompute_frac"):
+        RecomputeCost(FFN_MEM, L, 0.21, 0.14, "attention", ffn_frac=1.5)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.schedule.memory import blocks_to_checkpoint, recompute_factor, selective_checkpoint
+from ds_adaptiveload.schedule.memory import blocks_to_checkpoint, ffn_blocks, recompute_factor, selective_checkpoint
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
 from ds_adaptiveload.schedule.profile import CostProfile
@@ -35,7 +35,9 @@ def expected_rank_ms(prof, mbs, gpu, policy="full", ks=None):
                      else (blocks_to_checkpoint(tokens, len(mb), prof.memory, L),) * 2)
         else:
             k, kf = ks
-        total += base * recompute_factor(k, L, prof.recompute_frac, kf, prof.attention_recompute_frac)
+        kffn = ffn_blocks(tokens, len(mb), prof.memory, L, k, kf) if policy == "attention" and ks is None else 0
+        total += base * recompute_factor(k, L, prof.recompute_frac, kf, prof.attention_recompute_frac, kffn,
+                                         prof.ffn_recompute_frac)
     return total
 
 
@@ -66,6 +68,28 @@ def test_auto_costs_each_micro_batch_at_its_own_checkpointing(policy, ranks, G, 
         for r, mbs in enumerate(step):
             assert plan.pred_ms[s][r] == pytest.approx(expected_rank_ms(PROFILE, mbs, gpu, ckpt_policy), rel=1e-9)
     assert make_plan(samples, PROFILE, cfg).steps == plan.steps  # deterministic
+
+
+@pytest.mark.parametrize("policy", ["packed", "balanced"])
+def test_ffn_outputs_kept_are_costed_and_only_under_attention(policy):
+    """memory.ffn_bytes_per_token and time_ms.ffn_recompute_frac: each micro-batch costs what its FFN-keeping blocks
+    skip (ffn_blocks), under the attention policy only; the full policy's plan is the same as without the fields."""
+    prof = dataclasses.replace(PROFILE, memory={**PROFILE.memory, "ffn_bytes_per_token": 3_072},
+                               ffn_recompute_frac=0.011)
+    samples = make_mix("video-heavy", 200, seed=2)
+    kw = dict(policy=policy, world_size=4, grad_accum=2, lockstep=True, checkpoint="auto")
+    plan = make_plan(samples, prof, PlanConfig(**kw, checkpoint_policy="attention"))
+    check_invariants(plan, len(samples), PlanConfig(**kw))
+    kept = 0
+    for s, step in enumerate(plan.steps):
+        for r, mbs in enumerate(step):
+            assert plan.pred_ms[s][r] == pytest.approx(expected_rank_ms(prof, mbs, plan.tokens, "attention"), rel=1e-9)
+            kept += sum(ffn_blocks(sum(plan.tokens[i] for i in mb), len(mb), prof.memory, L,
+                                   *selective_checkpoint(sum(plan.tokens[i] for i in mb), len(mb), prof.memory, L))
+                        for mb in mbs)
+    assert kept > 0, "some micro-batches should keep FFN outputs"
+    full = [make_plan(samples, p, PlanConfig(**kw, checkpoint_policy="full")) for p in (prof, PROFILE)]
+    assert (full[0].steps, full[0].pred_ms) == (full[1].steps, full[1].pred_ms)
 
 
 def test_auto_step_uses_the_steps_largest_count_on_every_micro_batch():

@@ -1,10 +1,10 @@
 """What a checkpointed block could keep besides its attention outputs (issue #21, recompute): forward+backward ms
 and peak memory of one micro-batch with every block checkpointed under the "attention" policy, against the same
-with the outputs of the block's shrinking matmuls kept too (in_features > out_features: in a WanBlock only the FFN's
-second projection, 8960 -> 1536 in the 1.3B model). That output is dim x 2 bytes per token in bf16 (3 KB at dim
-1536) and its recompute is 2 x ffn_dim x dim FLOPs per token (27.5 MFLOP, a third of a block's non-attention
-matmuls), the most recompute per byte kept of anything in the block. Nothing here changes the model: the variant
-is a selective-checkpoint policy swapped in for the timed runs (wan.save_attention_context).
+with every block keeping its FFN output too (WanModel.checkpoint_ffn_blocks: the output of the block's one shrinking
+matmul, the FFN's second projection, 8960 -> 1536 in the 1.3B model). That output is dim x 2 bytes per token in
+bf16 (3 KB at dim 1536) and its recompute is 2 x ffn_dim x dim FLOPs per token (27.5 MFLOP, a third of a block's
+non-attention matmuls), the most recompute per byte kept of anything in the block. The results give the profile's
+memory.ffn_bytes_per_token and time_ms.ffn_recompute_frac (docs/calibration.md).
 
     python3 bench/model/ckpt_policy.py --out OUT [--cases img32,480p81,720p81,mixed] [--pairs 3] [--budget-s 400]
     CKPT_SMOKE=1 python3 bench/model/ckpt_policy.py --out /tmp/cp     # CPU: tiny model and shapes
@@ -35,39 +35,15 @@ CASES = ({"img32": [(4, 1, 32, 64)], "480p81": [(1, 9, 64, 96)], "720p81": [(1, 
           "mixed": [(1, 81, 720, 1280), (2, 81, 480, 832), (40, 1, 480, 832)]})
 
 
-def shrinking_matmul(op, args) -> bool:
-    """addmm(bias, a, b) / mm(a, b) whose reduction dim is larger than its output's (b is [K, N], K > N)."""
-    import torch
-
-    first = {torch.ops.aten.addmm.default: 1, torch.ops.aten.mm.default: 0}.get(op)
-    return first is not None and args[first + 1].shape[0] > args[first + 1].shape[1]
-
-
-def keep_shrinking_context():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    from ds_adaptiveload.model import wan
-
-    def policy(ctx, op, *args, **kwargs):
-        if op in wan._SAVED_ATTENTION_OPS or shrinking_matmul(op, args):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
 @contextmanager
-def policy_of(side):
-    """side "attention": the model as shipped; "keep-shrinking": the variant policy for the blocks' checkpoints."""
-    from ds_adaptiveload.model import wan
-
-    shipped = wan.save_attention_context
-    if side == "keep-shrinking":
-        wan.save_attention_context = keep_shrinking_context
+def policy_of(model, side):
+    """side "attention": every block keeps its attention outputs only; "keep-ffn": its FFN output too
+    (WanModel.checkpoint_ffn_blocks, model/wan.save_attention_ffn_policy)."""
+    model.checkpoint_ffn_blocks = len(model.blocks) if side == "keep-ffn" else 0
     try:
         yield
     finally:
-        wan.save_attention_context = shipped
+        model.checkpoint_ffn_blocks = 0
 
 
 def inputs(spec, packed):
@@ -95,7 +71,8 @@ def run(args) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     opts = argparse.Namespace(seed=0, checkpoint_blocks=True, compile_blocks=args.compile_blocks or None)
     fn = plain_step(cfg, opts, geo, device, dtype, None)
-    fn.engine.module.checkpoint_policy = "attention"
+    model = fn.engine.module
+    model.checkpoint_policy = "attention"
     out = {"model_config": args.model_config, "compile_blocks": args.compile_blocks, "cases": [],
            "build_s": round(time.perf_counter() - t0, 1)}
     for case in args.cases.split(","):
@@ -103,19 +80,19 @@ def run(args) -> dict:
         point = inputs(spec, packed=len(spec) > 1)
         tokens = sum(c * geo.tokens(f, h, w) for c, f, h, w in spec)
         rec = {"case": case, "spec": spec, "tokens": tokens, "warmup_ms": {}, "pairs": []}
-        for side in ("attention", "keep-shrinking"):
-            with policy_of(side):
+        for side in ("attention", "keep-ffn"):
+            with policy_of(model, side):
                 rec["warmup_ms"][side] = round(fn(point)[0], 1)
         for i in range(args.pairs):
             if time.perf_counter() - t0 > args.budget_s:
                 rec["status"] = "cut: time budget"
                 break
             got = {}
-            for side in (("attention", "keep-shrinking") if i % 2 == 0 else ("keep-shrinking", "attention")):
-                with policy_of(side):
+            for side in (("attention", "keep-ffn") if i % 2 == 0 else ("keep-ffn", "attention")):
+                with policy_of(model, side):
                     ms, _, peak = fn(point)
                 got[side] = (ms, peak)
-            (ma, pa), (mk, pk) = got["attention"], got["keep-shrinking"]
+            (ma, pa), (mk, pk) = got["attention"], got["keep-ffn"]
             rec["pairs"].append({"attention_ms": round(ma, 1), "keep_ms": round(mk, 1),
                                  "attention_peak_gib": round((pa or 0) / 2**30, 2),
                                  "keep_peak_gib": round((pk or 0) / 2**30, 2), "speedup": round(ma / mk, 5)})
@@ -148,7 +125,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "ckpt-policy.json"), "w") as f:
         json.dump(res, f, indent=1)
     for c in res["cases"]:
-        print(f"[ckpt_policy] {c['case']}: keep-shrinking / attention speed-up {c.get('speedup_median')}, "
+        print(f"[ckpt_policy] {c['case']}: keep-ffn / attention speed-up {c.get('speedup_median')}, "
               f"+{c.get('extra_bytes_per_token_block')} B per token per block (expected "
               f"{c.get('expected_bytes_per_token_block')}), pairs {len(c['pairs'])}", flush=True)
     return 0

@@ -129,7 +129,7 @@ class StepFn:
         (attention), as the trainer sets them per micro-batch under --checkpoint-blocks auto."""
         m = self.engine.module
         m.checkpoint_blocks, m.checkpoint_policy = blocks, policy
-        m.checkpoint_full_blocks = 0
+        m.checkpoint_full_blocks = m.checkpoint_ffn_blocks = 0
 
     def _inputs(self, p):
         """Random latents and text contexts of p's shape: [B, C, ...] tensors for a grid Point, lists of

@@ -148,8 +148,30 @@ def save_attention_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def shrinking_matmul(op, args) -> bool:
+    """addmm(bias, a, b) / mm(a, b) whose reduction dim exceeds its output's (b is [K, N], K > N). In a WanBlock
+    only the FFN's second projection (ffn_dim -> dim) is one: 2 x ffn_dim FLOPs of recompute per output element,
+    dim x 2 bytes per token to keep in bf16 (27.5 MFLOP against 3 KB at the 1.3B model's widths)."""
+    first = _MATMUL_FIRST.get(op)
+    return first is not None and args[first + 1].shape[0] > args[first + 1].shape[1]
+
+
+_MATMUL_FIRST = {torch.ops.aten.addmm.default: 1, torch.ops.aten.mm.default: 0}  # position of a in the args
+
+
+def save_attention_ffn_policy(ctx, op, *args, **kwargs):
+    """The attention policy, and the FFN's output kept too (shrinking_matmul), so its matmul is not run again."""
+    if op in _SAVED_ATTENTION_OPS or shrinking_matmul(op, args):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def save_attention_context():
     return create_selective_checkpoint_contexts(save_attention_policy)
+
+
+def save_attention_ffn_context():
+    return create_selective_checkpoint_contexts(save_attention_ffn_policy)
 
 
 CHECKPOINT_POLICIES = ("full", "attention")
@@ -203,13 +225,14 @@ class WanBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(d, cfg.ffn_dim), nn.Identity(), GeluLinear(cfg.ffn_dim, d))
         self.modulation = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
 
-    def forward(self, x, e0, context, lay: Layout, save_attention: bool = False):
+    def forward(self, x, e0, context, lay: Layout, save_attention: bool = False, save_ffn: bool = False):
         """save_attention: recompute this block in backward except its attention outputs (selective
-        checkpointing, save_attention_policy). Inside forward, so compile_blocks traces the checkpoint with the
-        block (a dispatch-mode policy cannot see into a compiled call) and module hooks (ZeRO-3) stay on."""
+        checkpointing, save_attention_policy); save_ffn with it: keep the FFN's output too
+        (save_attention_ffn_policy). Inside forward, so compile_blocks traces the checkpoint with the block (a
+        dispatch-mode policy cannot see into a compiled call) and module hooks (ZeRO-3) stay on."""
         if save_attention and torch.is_grad_enabled():
             return checkpoint(self._forward, x, e0, context, lay, use_reentrant=False,
-                              context_fn=save_attention_context)
+                              context_fn=save_attention_ffn_context if save_ffn else save_attention_context)
         return self._forward(x, e0, context, lay)
 
     def _forward(self, x, e0, context, lay: Layout):
@@ -268,7 +291,8 @@ class WanModel(nn.Module):
     checkpoint_blocks: recompute blocks in backward (torch.utils.checkpoint, non-reentrant): True for every
         block, an int k for the first k (settable per micro-batch), False for none.
     checkpoint_policy: what a checkpointed block recomputes: "full" (everything; the least memory) or
-        "attention" (everything but the attention kernels, whose outputs are saved: less recompute time).
+        "attention" (everything but the attention kernels, whose outputs are saved: less recompute time; the last
+        checkpoint_ffn_blocks of the checkpointed blocks keep their FFN output as well).
         Not under ZeRO-3 without leaf blocks: its parameter hooks inside the block run different ops in the
         recompute, which selective checkpointing rejects.
     self_attn_fn: the self-attention core, (q, k, v) [B, S, heads, head_dim] -> same layout, called once
@@ -284,6 +308,7 @@ class WanModel(nn.Module):
         self.checkpoint_blocks = checkpoint_blocks
         self.checkpoint_policy = checkpoint_policy
         self.checkpoint_full_blocks = 0  # settable per micro-batch: schedule/memory.selective_checkpoint
+        self.checkpoint_ffn_blocks = 0  # likewise: schedule/memory.ffn_blocks
         d = cfg.dim
         self.patch_embedding = PatchEmbed(cfg.in_dim, d, kernel_size=cfg.patch_size, stride=cfg.patch_size)
         self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"),
@@ -375,13 +400,15 @@ class WanModel(nn.Module):
         # checkpoint_policy "attention": those blocks keep their attention outputs (WanBlock.forward).
         n_ckpt = len(self.blocks) if self.checkpoint_blocks is True else int(self.checkpoint_blocks or 0)
         selective = self.checkpoint_policy == "attention"
-        # Under "attention", the first checkpoint_full_blocks of them still recompute whole (less memory).
+        # Under "attention", the first checkpoint_full_blocks of them still recompute whole (less memory), and the
+        # last checkpoint_ffn_blocks keep their FFN output too (more memory, less recompute).
         n_full = min(self.checkpoint_full_blocks, n_ckpt) if selective else n_ckpt
+        first_ffn = max(n_ckpt - self.checkpoint_ffn_blocks, n_full) if selective else n_ckpt
         for i, block in enumerate(self.blocks):
             if i < n_full and torch.is_grad_enabled():
                 h = checkpoint(block, h, e0, context, lay, use_reentrant=False)
             else:
-                h = block(h, e0, context, lay, i < n_ckpt and selective)
+                h = block(h, e0, context, lay, i < n_ckpt and selective, first_ffn <= i < n_ckpt)
         h = self.head(h, e, packing)                                            # [T, out*pt*ph*pw]
         outs = self._unpatchify_groups(h, packing, shard)
         if not packed:

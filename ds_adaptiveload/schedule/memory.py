@@ -21,6 +21,13 @@ being the share of fwd+bwd that is recompute when all L are checkpointed (0 or a
 attention policy the k - k_full checkpointed blocks that keep their attention outputs also skip attention's
 recompute: - attention_recompute_frac * (k - k_full) / L more. `calibrate` measures both (calibrate/blocks.py);
 RecomputeCost is what the planner costs micro-batches with under --checkpoint-blocks auto.
+
+FFN outputs (attention policy, optional memory.ffn_bytes_per_token and time_ms.ffn_recompute_frac): a kept block
+may also keep its FFN's output (model/wan.save_attention_ffn_policy), ffn_bytes_per_token more per token, and skip
+that matmul's recompute, ffn_recompute_frac / L of the fully checkpointed time. On the H200 it bought 3-5x more
+time per byte than opening a block (bench/model/ckpt_policy.py, docs/benchmarks.md), so memory goes, in this
+order, to every block's attention outputs, then every block's FFN output, then open blocks; ffn_blocks says how
+many of the k checkpointed blocks got theirs.
 """
 import math
 
@@ -93,21 +100,40 @@ def selective_checkpoint(tokens: int, samples: int, profile_memory: dict, num_la
     kept = num_layers if attn == 0 else min(num_layers, math.floor(free / (attn * tokens)))
     if kept < num_layers:
         return num_layers, num_layers - kept
-    rest = free - num_layers * attn * tokens
-    # an open block adds its activations less the attention outputs a kept block holds already, and its per-sample bytes
-    per_block = (block - attn) * tokens + _number(profile_memory, "block_bytes_per_sample", 0.0) * samples
+    ffn = _number(profile_memory, "ffn_bytes_per_token", 0.0)
+    rest = free - num_layers * (attn + ffn) * tokens
+    if rest < 0:  # not every block's FFN output fits: no block opens (ffn_blocks says how many keep theirs)
+        return num_layers, 0
+    # an open block adds its activations less what a kept block holds already, and its per-sample bytes
+    per_block = (block - attn - ffn) * tokens + _number(profile_memory, "block_bytes_per_sample", 0.0) * samples
     open_ = num_layers if per_block <= 0 else min(num_layers, math.floor(rest / per_block))
     return num_layers - open_, 0
 
 
+def ffn_blocks(tokens: int, samples: int, profile_memory: dict, num_layers: int, k: int, k_full: int) -> int:
+    """Of selective_checkpoint's k checkpointed blocks (k_full of them whole), how many also keep their FFN output
+    (memory.ffn_bytes_per_token each per token): none without the field or when a block recomputes whole, all k
+    when a block is open, else as many as the bytes beyond every block's attention outputs hold."""
+    ffn = _number(profile_memory, "ffn_bytes_per_token")
+    if not ffn or k_full > 0 or k == 0 or tokens == 0:
+        return 0
+    if k < num_layers:
+        return k
+    attn = _number(profile_memory, "attention_bytes_per_token", 0.0)
+    rest = _free_bytes(tokens, samples, profile_memory) - num_layers * attn * tokens
+    return max(0, min(num_layers, math.floor(rest / (ffn * tokens))))
+
+
 def predicted_peak_bytes(tokens: int, samples: int, profile_memory: dict, num_layers: int, k: int,
-                         k_full: int = None) -> float:
+                         k_full: int = None, k_ffn: int = 0) -> float:
     """peak(k) of the module docstring (needs fixed_bytes, bytes_per_token; block_bytes_per_token 0 if absent).
     k_full (the "attention" policy, selective_checkpoint's pair): of the k checkpointed blocks all but the first
-    k_full keep their attention outputs, memory.attention_bytes_per_token more per token each; None: k."""
+    k_full keep their attention outputs, memory.attention_bytes_per_token more per token each; None: k. k_ffn
+    (ffn_blocks) of those also keep their FFN output, memory.ffn_bytes_per_token more each."""
     k_full = k if k_full is None else k_full
-    if not 0 <= k_full <= k <= num_layers:
-        raise UserError(f"predicted_peak_bytes: need 0 <= k_full <= k <= {num_layers}, got k={k!r}, k_full={k_full!r}")
+    if not 0 <= k_full <= k <= num_layers or not 0 <= k_ffn <= k - k_full:
+        raise UserError(f"predicted_peak_bytes: need 0 <= k_full <= k <= {num_layers} and 0 <= k_ffn <= k - k_full, "
+                        f"got k={k!r}, k_full={k_full!r}, k_ffn={k_ffn!r}")
     per_token = _number(profile_memory, "bytes_per_token")
     if per_token is None:
         raise UserError("predicted_peak_bytes: the profile has no memory.bytes_per_token")
@@ -115,7 +141,8 @@ def predicted_peak_bytes(tokens: int, samples: int, profile_memory: dict, num_la
     attn = _number(profile_memory, "attention_bytes_per_token", 0.0)
     block_sample = _number(profile_memory, "block_bytes_per_sample", 0.0)
     return (_number(profile_memory, "fixed_bytes", 0.0) + _number(profile_memory, "bytes_per_sample", 0.0) * samples
-            + tokens * (per_token + (num_layers - k) * block + (k - k_full) * attn)
+            + tokens * (per_token + (num_layers - k) * block + (k - k_full) * attn
+                        + k_ffn * _number(profile_memory, "ffn_bytes_per_token", 0.0))
             + samples * (num_layers - k) * block_sample)
 
 
@@ -129,18 +156,21 @@ def checkpoint_ks(tokens: int, samples: int, profile_memory: dict, num_layers: i
 
 
 def recompute_factor(k: int, num_layers: int, recompute_frac: float = 0.0, k_full: int = None,
-                     attention_frac: float = 0.0) -> float:
-    """t(k) / t(all checkpointed) = 1 - recompute_frac * (L - k) / L - attention_frac * (k - k_full) / L: the
-    open blocks skip their recompute, and under the attention policy the k - k_full blocks that keep their
-    attention outputs skip attention's share of it (attention_frac, time_ms.attention_recompute_frac)."""
+                     attention_frac: float = 0.0, k_ffn: int = 0, ffn_frac: float = 0.0) -> float:
+    """t(k) / t(all checkpointed) = 1 - recompute_frac * (L - k) / L - attention_frac * (k - k_full) / L
+    - ffn_frac * k_ffn / L: the open blocks skip their recompute, under the attention policy the k - k_full blocks
+    that keep their attention outputs skip attention's share of it (attention_frac, time_ms.attention_recompute_frac),
+    and the k_ffn of them that keep their FFN output that matmul's (ffn_frac, time_ms.ffn_recompute_frac)."""
     if not isinstance(num_layers, int) or num_layers < 1:
         raise UserError(f"recompute_factor: num_layers must be a positive int, got {num_layers!r}")
     k_full = k if k_full is None else k_full
-    if not 0 <= k_full <= k <= num_layers:
-        raise UserError(f"recompute_factor: need 0 <= k_full <= k <= {num_layers}, got k={k!r}, k_full={k_full!r}")
+    if not 0 <= k_full <= k <= num_layers or not 0 <= k_ffn <= k - k_full:
+        raise UserError(f"recompute_factor: need 0 <= k_full <= k <= {num_layers} and 0 <= k_ffn <= k - k_full, "
+                        f"got k={k!r}, k_full={k_full!r}, k_ffn={k_ffn!r}")
     out = 1.0
     for name, frac, blocks in (("recompute_frac", recompute_frac, num_layers - k),
-                               ("attention_recompute_frac", attention_frac, k - k_full)):
+                               ("attention_recompute_frac", attention_frac, k - k_full),
+                               ("ffn_recompute_frac", ffn_frac, k_ffn)):
         if frac is None:
             continue
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
@@ -156,12 +186,12 @@ class RecomputeCost:
     block_bytes_per_token or capacity_bytes, or no meta.model.num_layers): its times are then taken as they are."""
 
     def __init__(self, memory: dict, num_layers: int, recompute_frac: float, attention_frac: float = 0.0,
-                 policy: str = "full"):
+                 policy: str = "full", ffn_frac: float = 0.0):
         if policy not in ("full", "attention"):
             raise UserError(f"checkpoint policy must be full or attention, got {policy!r}")
         self.memory, self.L, self.policy = memory, num_layers, policy
-        self.recompute_frac, self.attention_frac = recompute_frac, attention_frac
-        recompute_factor(num_layers, num_layers, recompute_frac, 0, attention_frac)  # validates both fractions
+        self.recompute_frac, self.attention_frac, self.ffn_frac = recompute_frac, attention_frac, ffn_frac
+        recompute_factor(num_layers, num_layers, recompute_frac, 0, attention_frac, num_layers, ffn_frac)  # validates
         self._cache = {}
 
     @classmethod
@@ -171,7 +201,8 @@ class RecomputeCost:
         if (not profile.recompute_frac or not isinstance(L, int) or isinstance(L, bool) or L < 1
                 or any(mem.get(key) is None for key in ("block_bytes_per_token", "capacity_bytes", "bytes_per_token"))):
             return None
-        return cls(mem, L, profile.recompute_frac, profile.attention_recompute_frac, policy)
+        return cls(mem, L, profile.recompute_frac, profile.attention_recompute_frac, policy,
+                   profile.ffn_recompute_frac)
 
     def ks(self, tokens: int, samples: int) -> tuple:
         """(k, k_full) as the trainer sets them (checkpoint_ks)."""
@@ -180,10 +211,18 @@ class RecomputeCost:
             self._cache[key] = checkpoint_ks(tokens, samples, self.memory, self.L, self.policy)
         return self._cache[key]
 
+    def ffn_blocks(self, tokens: int, samples: int) -> int:
+        """How many of the micro-batch's own checkpointed blocks keep their FFN output (ffn_blocks; 0 under full)."""
+        if self.policy != "attention":
+            return 0
+        return ffn_blocks(tokens, samples, self.memory, self.L, *self.ks(tokens, samples))
+
     def factor(self, tokens: int, samples: int, ks: tuple = None) -> float:
-        """recompute_factor at ks (default: this micro-batch's own)."""
+        """recompute_factor at ks (default: this micro-batch's own, its FFN-keeping blocks included)."""
         key = ("factor", tokens, samples) if ks is None else ("at", *ks)
         if key not in self._cache:
             k, k_full = self.ks(tokens, samples) if ks is None else ks
-            self._cache[key] = recompute_factor(k, self.L, self.recompute_frac, k_full, self.attention_frac)
+            k_ffn = self.ffn_blocks(tokens, samples) if ks is None else 0
+            self._cache[key] = recompute_factor(k, self.L, self.recompute_frac, k_full, self.attention_frac, k_ffn,
+                                                self.ffn_frac)
         return self._cache[key]

@@ -28,10 +28,10 @@ from ds_adaptiveload.schedule.geometry import Geometry
 _SCHEMA = {
     "geometry": {"vae_stride", "patch_size"},
     "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed", "floor", "floor_q", "recompute_frac",
-                "attention_recompute_frac"},
+                "attention_recompute_frac", "ffn_recompute_frac"},
     "memory": {"budget_tokens", "sample_tokens", "fixed_bytes", "bytes_per_token", "bytes_per_sample",
                "capacity_bytes", "safety", "block_bytes_per_token", "attention_bytes_per_token",
-               "block_bytes_per_sample"},
+               "block_bytes_per_sample", "ffn_bytes_per_token"},
     "dual": {"p", "m_comp"},
     "meta": None,  # free-form provenance: model, device, versions, date, estimated
     "fit": None,   # free-form fit report written by `calibrate`
@@ -42,10 +42,10 @@ _SCHEMA = {
 KEYS = {"fixed_ms": "time_ms.fixed", "per_token_ms": "time_ms.per_token", "per_token_sq_ms": "time_ms.per_token_sq",
         "step_fixed_ms": "time_ms.step_fixed", "floor_ms": "time_ms.floor", "sample_tokens": "memory.sample_tokens"}
 # memory keys beyond the budget that the trainer and calibrate read as numbers.
-# block_bytes_per_token / attention_bytes_per_token / block_bytes_per_sample: --checkpoint-blocks auto
-# (schedule/memory.py).
+# block_bytes_per_token / attention_bytes_per_token / block_bytes_per_sample / ffn_bytes_per_token:
+# --checkpoint-blocks auto (schedule/memory.py).
 MEMORY_NUMBERS = ("fixed_bytes", "bytes_per_token", "bytes_per_sample", "capacity_bytes", "safety",
-                  "block_bytes_per_token", "attention_bytes_per_token", "block_bytes_per_sample")
+                  "block_bytes_per_token", "attention_bytes_per_token", "block_bytes_per_sample", "ffn_bytes_per_token")
 
 
 def _is_number(v) -> bool:
@@ -99,6 +99,9 @@ class CostProfile:
     attention_recompute_frac: float = 0.0
     """time_ms.attention_recompute_frac: the share of it that recomputing attention takes, which a block keeping
     its attention outputs skips (the attention checkpoint policy; 0: not known)."""
+    ffn_recompute_frac: float = 0.0
+    """time_ms.ffn_recompute_frac: the share of it that the FFN's second matmul takes, which a kept block that also
+    keeps its FFN output skips (memory.ffn_bytes_per_token; schedule/memory.ffn_blocks; 0: not known)."""
 
     def __post_init__(self):
         # Messages name the YAML keys (KEYS), the names a user edits.
@@ -112,7 +115,7 @@ class CostProfile:
             raise UserError(f"profile: time_ms.floor_q must be a number >= 1, got {self.floor_q!r}")
         if self.per_token_ms == 0 and self.per_token_sq_ms == 0:
             raise UserError("profile: time_ms.per_token and time_ms.per_token_sq cannot both be 0")
-        for key in ("recompute_frac", "attention_recompute_frac"):
+        for key in ("recompute_frac", "attention_recompute_frac", "ffn_recompute_frac"):
             v = getattr(self, key)
             if not (_is_number(v) and 0 <= v < 1):
                 raise UserError(f"profile: time_ms.{key} must be a number in [0, 1), got {v!r}")
@@ -209,7 +212,8 @@ class CostProfile:
                    dual_p=dual.get("p"), dual_m_comp=dual.get("m_comp"), geometry=geometry,
                    memory=dict(mem), meta=dict(doc.get("meta") or {}), fit=dict(doc.get("fit") or {}),
                    recompute_frac=t.get("recompute_frac", 0.0),
-                   attention_recompute_frac=t.get("attention_recompute_frac", 0.0))
+                   attention_recompute_frac=t.get("attention_recompute_frac", 0.0),
+                   ffn_recompute_frac=t.get("ffn_recompute_frac", 0.0))
 
     def to_dict(self) -> dict:
         doc = {
@@ -220,7 +224,8 @@ class CostProfile:
                         **({"floor_q": self.floor_q} if math.isfinite(self.floor_q) else {}),
                         **({"recompute_frac": self.recompute_frac} if self.recompute_frac else {}),
                         **({"attention_recompute_frac": self.attention_recompute_frac}
-                           if self.attention_recompute_frac else {})},
+                           if self.attention_recompute_frac else {}),
+                        **({"ffn_recompute_frac": self.ffn_recompute_frac} if self.ffn_recompute_frac else {})},
             "memory": {**self.memory, "budget_tokens": self.budget_tokens},
         }
         if self.sample_tokens or "sample_tokens" in self.memory:  # in memory's place when it has one

@@ -224,9 +224,11 @@ class Trainer:
         if self.args.checkpoint_blocks != "auto":
             return
         if not self.zero3:
-            k = self.blocks_to_checkpoint(batch["index"])
-            self.engine.module.checkpoint_blocks, self.engine.module.checkpoint_full_blocks = k
-            self.note_predicted_peak(batch["index"], *k)
+            k, k_full = self.blocks_to_checkpoint(batch["index"])
+            k_ffn = self.ffn_blocks(batch["index"], k, k_full)
+            m = self.engine.module
+            m.checkpoint_blocks, m.checkpoint_full_blocks, m.checkpoint_ffn_blocks = k, k_full, k_ffn
+            self.note_predicted_peak(batch["index"], k, k_full, k_ffn)
             return
         if self.plan_step is not self._k_step:
             self._k_step = self.plan_step
@@ -234,17 +236,18 @@ class Trainer:
         self.engine.module.checkpoint_blocks = self._k  # (ZeRO-3 runs the "full" policy only: setup.py)
         self.note_predicted_peak(batch["index"], self._k, self._k)
 
-    def note_predicted_peak(self, indices, k: int, k_full: int) -> None:
-        """The memory model's peak for this micro-batch at its (k, k_full), kept as the step's largest
+    def note_predicted_peak(self, indices, k: int, k_full: int, k_ffn: int = 0) -> None:
+        """The memory model's peak for this micro-batch at its (k, k_full, k_ffn), kept as the step's largest
         (pred_mem_gib in the step log, beside the measured mem_peak_gib); nothing if the profile cannot say."""
         from ds_adaptiveload.schedule.memory import predicted_peak_bytes
 
-        self._step_ks = [*self._step_ks, [k, k_full]]  # ckpt_k in the step log: what each micro-batch recomputed
+        # ckpt_k in the step log: what each micro-batch recomputed ([k, k_full], and k_ffn when blocks kept FFN outputs)
+        self._step_ks = [*self._step_ks, [k, k_full, k_ffn] if k_ffn else [k, k_full]]
         mem = self.profile.memory
         if mem.get("bytes_per_token") is None:
             return
         peak = predicted_peak_bytes(self.rank_tokens(indices), len(indices), mem, self.model_cfg.num_layers, k,
-                                    k_full) / 2**30
+                                    k_full, k_ffn) / 2**30
         self._pred_peak_gib = max(self._pred_peak_gib, peak)
 
     def blocks_to_checkpoint(self, indices) -> tuple:
@@ -252,13 +255,27 @@ class Trainer:
         which the planner costs the micro-batch with too."""
         from ds_adaptiveload.schedule.memory import checkpoint_ks
 
-        tokens = self.rank_tokens(indices)
-        mem, L = self.profile.memory, self.model_cfg.num_layers
-        if "capacity_bytes" not in mem and self.device.type == "cuda":  # the profile may leave it to the device
+        return checkpoint_ks(self.rank_tokens(indices), len(indices), self.checkpoint_memory(),
+                             self.model_cfg.num_layers, getattr(self.args, "checkpoint_policy", "full"))
+
+    def checkpoint_memory(self) -> dict:
+        """The profile's memory section, with the device's capacity where the profile leaves it out."""
+        mem = self.profile.memory
+        if "capacity_bytes" not in mem and self.device.type == "cuda":
             import torch
 
             mem = {**mem, "capacity_bytes": torch.cuda.get_device_properties(self.device).total_memory}
-        return checkpoint_ks(tokens, len(indices), mem, L, getattr(self.args, "checkpoint_policy", "full"))
+        return mem
+
+    def ffn_blocks(self, indices, k: int, k_full: int) -> int:
+        """How many of the micro-batch's k checkpointed blocks keep their FFN output too (schedule/memory.ffn_blocks;
+        the attention policy with a profile that has memory.ffn_bytes_per_token, else 0)."""
+        from ds_adaptiveload.schedule.memory import ffn_blocks
+
+        if getattr(self.args, "checkpoint_policy", "full") != "attention":
+            return 0
+        return ffn_blocks(self.rank_tokens(indices), len(indices), self.checkpoint_memory(), self.model_cfg.num_layers,
+                          k, k_full)
 
     def rank_tokens(self, indices) -> int:
         """Tokens of a micro-batch on this rank: ceil(S / sp) of each sample."""
