@@ -1,5 +1,6 @@
 """calibrate/blocks.py and Calibration.measure_open_blocks: the open-block fields (memory.block_bytes_per_token,
-block_bytes_per_sample, attention_bytes_per_token, time_ms.recompute_frac and attention_recompute_frac) recovered
+block_bytes_per_sample, attention_bytes_per_token, ffn_bytes_per_token, time_ms.recompute_frac,
+attention_recompute_frac and ffn_recompute_frac) recovered
 from synthetic peaks and times, the points chosen so that an open run fits, and the stage in a calibration with a
 faked engine."""
 import os
@@ -14,8 +15,10 @@ from tests.test_calibrate import FakeStepFn, fake_calibration
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L = 30
 # The synthetic device: per open block 56.5 KB per token and 4.5 MB per sample, 5 KB per token for a block keeping its
-# attention outputs, an open micro-batch 24% faster (no recompute), and 7% faster with every block keeping attention.
+# attention outputs, an open micro-batch 24% faster (no recompute), and 7% faster with every block keeping attention;
+# 3 KB per token and 1.5% faster more with every block keeping its FFN output too.
 OPEN_PER_TOKEN, OPEN_PER_SAMPLE, ATTN_PER_TOKEN, RECOMPUTE, ATTN_RECOMPUTE = 56_500, 4.5e6, 5_000, 0.24, 0.07
+FFN_PER_TOKEN, FFN_RECOMPUTE = 3_000, 0.015
 
 
 class OpenFakeStepFn(FakeStepFn):
@@ -32,12 +35,15 @@ class OpenFakeStepFn(FakeStepFn):
         ms, step_ms, peak = super().__call__(p)
         self.calls.append((p.role, self.blocks, self.policy))
         ckpt = L if self.blocks is True else self.blocks
-        kept = ckpt if self.policy == "attention" else 0
-        # what open blocks and kept attention add is activation memory: on the fwd+bwd peak, not on the floor
-        extra = kept * ATTN_PER_TOKEN * p.tokens + (L - ckpt) * (OPEN_PER_TOKEN * p.tokens + OPEN_PER_SAMPLE * p.B)
+        kept = ckpt if self.policy in ("attention", "attention-ffn") else 0
+        ffn = ckpt if self.policy == "attention-ffn" else 0
+        # what open blocks and kept outputs add is activation memory: on the fwd+bwd peak, not on the floor
+        extra = ((kept * ATTN_PER_TOKEN + ffn * FFN_PER_TOKEN) * p.tokens
+                 + (L - ckpt) * (OPEN_PER_TOKEN * p.tokens + OPEN_PER_SAMPLE * p.B))
         self.fwd_bwd_peak = int(self.activations(p) + extra)
         peak = max(peak, self.fwd_bwd_peak)
-        return ms * (1 - RECOMPUTE * (L - ckpt) / L - ATTN_RECOMPUTE * kept / L), step_ms, int(peak)
+        saved = RECOMPUTE * (L - ckpt) / L + ATTN_RECOMPUTE * kept / L + FFN_RECOMPUTE * ffn / L
+        return ms * (1 - saved), step_ms, int(peak)
 
 
 def point(B, s, peak, ms=1000.0):
@@ -64,6 +70,26 @@ def test_derive_recovers_the_per_token_per_sample_and_attention_terms():
     attn.ms = [500.0]  # noise saving more than all the recompute: capped at recompute_frac
     assert blocks.derive([(clip, opened[0])], L, (clip, attn))["time_ms"]["attention_recompute_frac"] == 0.24
     assert [r["role"] for r in out["points"]] == ["open", "open", "attention"]
+    assert "ffn_bytes_per_token" not in mem and "ffn_recompute_frac" not in out["time_ms"]
+
+
+def test_derive_recovers_the_ffn_terms_against_the_attention_run():
+    clip = point(1, 32760, 30e9)
+    attn, ffn = blocks.open_point(clip, "attention"), blocks.open_point(clip, "attention-ffn")
+    attn.status, attn.ms, attn.peak_bytes = "ok", [900.0], clip.peak_bytes + L * ATTN_PER_TOKEN * clip.tokens
+    ffn.status, ffn.ms = "ok", [885.0]
+    ffn.peak_bytes = attn.peak_bytes + L * FFN_PER_TOKEN * clip.tokens
+    opened = blocks.open_point(clip)
+    opened.status, opened.ms, opened.peak_bytes = "ok", [760.0], clip.peak_bytes + L * OPEN_PER_TOKEN * clip.tokens
+    out = blocks.derive([(clip, opened)], L, (clip, attn), ffn=(clip, ffn))
+    assert out["memory"]["ffn_bytes_per_token"] == pytest.approx(FFN_PER_TOKEN, rel=1e-6)
+    assert out["time_ms"]["ffn_recompute_frac"] == pytest.approx(0.015)  # 15 ms of the checkpointed 1000
+    assert [r["role"] for r in out["points"]] == ["open", "attention", "attention-ffn"]
+    ffn.ms = [500.0]  # noise saving more than the attention policy leaves of the recompute: capped there
+    capped = blocks.derive([(clip, opened)], L, (clip, attn), ffn=(clip, ffn))["time_ms"]
+    assert capped["ffn_recompute_frac"] == pytest.approx(capped["recompute_frac"] - capped["attention_recompute_frac"])
+    attn.status = "skipped"  # without the attention run there is no baseline: no FFN fields
+    assert "ffn_bytes_per_token" not in blocks.derive([(clip, opened)], L, (clip, attn), ffn=(clip, ffn))["memory"]
 
 
 def test_derive_with_one_pair_or_none_ran():
@@ -103,20 +129,24 @@ def test_calibration_writes_the_open_block_fields(tmp_path, monkeypatch):
     the model is back to every block checkpointed after them."""
     prof, fn = calibration(tmp_path, monkeypatch, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}})
     # both chosen points' checkpointed steps peak at the fake's floor: the extras count from their fwd+bwd peaks
-    assert [r["ckpt_peak_bytes"] for r in prof.fit["open_blocks"]] == [int(FakeStepFn.FLOOR)] * 3
+    assert [r["ckpt_peak_bytes"] for r in prof.fit["open_blocks"]] == [int(FakeStepFn.FLOOR)] * 4
     assert prof.memory["block_bytes_per_token"] == pytest.approx(OPEN_PER_TOKEN, rel=1e-3)
     assert prof.memory["block_bytes_per_sample"] == pytest.approx(OPEN_PER_SAMPLE, rel=1e-3)
     assert prof.memory["attention_bytes_per_token"] == pytest.approx(ATTN_PER_TOKEN, rel=1e-3)
     assert prof.recompute_frac == pytest.approx(RECOMPUTE, abs=0.01)
     assert prof.attention_recompute_frac == pytest.approx(ATTN_RECOMPUTE, abs=0.01)
-    assert [r["status"] for r in prof.fit["open_blocks"]] == ["ok", "ok", "ok"]
+    assert prof.memory["ffn_bytes_per_token"] == pytest.approx(FFN_PER_TOKEN, rel=1e-3)
+    assert prof.ffn_recompute_frac == pytest.approx(FFN_RECOMPUTE, abs=0.005)
+    assert [r["status"] for r in prof.fit["open_blocks"]] == ["ok", "ok", "ok", "ok"]
     assert {c for c in fn.calls if c[0] == "open"} == {("open", 0, "full")}
     assert {c for c in fn.calls if c[0] == "attention"} == {("attention", L, "attention")}
+    assert {c for c in fn.calls if c[0] == "attention-ffn"} == {("attention-ffn", L, "attention-ffn")}
     assert (fn.blocks, fn.policy) == (True, "full")
     prof.to_yaml(str(tmp_path / "p.yaml"))  # what `calibrate` writes (cli.run)
     back = CostProfile.load(str(tmp_path / "p.yaml"))
     assert back.recompute_frac == prof.recompute_frac and back.memory["block_bytes_per_token"] > 0
     assert back.attention_recompute_frac == prof.attention_recompute_frac > 0
+    assert back.ffn_recompute_frac == prof.ffn_recompute_frac > 0
 
 
 def test_zero3_skips_the_attention_run_and_no_open_blocks_skips_all(tmp_path, monkeypatch):
@@ -124,7 +154,7 @@ def test_zero3_skips_the_attention_run_and_no_open_blocks_skips_all(tmp_path, mo
     prof, fn = calibration(tmp_path, monkeypatch, z3)
     assert [r["role"] for r in prof.fit["open_blocks"]] == ["open", "open"]
     assert "attention_bytes_per_token" not in prof.memory and prof.memory["block_bytes_per_token"] > 0
-    assert prof.attention_recompute_frac == 0.0
+    assert "ffn_bytes_per_token" not in prof.memory and prof.attention_recompute_frac == prof.ffn_recompute_frac == 0.0
     prof, fn = calibration(tmp_path, monkeypatch, z3, "--no-open-blocks")
     assert "open_blocks" not in prof.fit and "block_bytes_per_token" not in prof.memory
     assert prof.recompute_frac == 0.0 and not any(c[0] == "open" for c in fn.calls)
@@ -143,7 +173,9 @@ def peak(self, p):
     m = self.engine.module
     ckpt = len(m.blocks) if m.checkpoint_blocks is True else m.checkpoint_blocks
     keep = ckpt if m.checkpoint_policy == "attention" else 0
-    return int(2**30 + 1000 * p.tokens + (len(m.blocks) - ckpt) * (300 * p.tokens + 5000 * p.B) + 20 * keep * p.tokens)
+    ffn = m.checkpoint_ffn_blocks
+    return int(2**30 + 1000 * p.tokens + (len(m.blocks) - ckpt) * (300 * p.tokens + 5000 * p.B) + 20 * keep * p.tokens
+               + 7 * ffn * p.tokens)
 engine.StepFn._peak = peak
 step = engine.StepFn.__call__
 def timed(self, p):  # the real step runs; its time is synthetic too (2 cores under load time noise, not work)
@@ -151,7 +183,8 @@ def timed(self, p):  # the real step runs; its time is synthetic too (2 cores un
     m = self.engine.module
     ckpt = len(m.blocks) if m.checkpoint_blocks is True else m.checkpoint_blocks
     keep = ckpt if m.checkpoint_policy == "attention" else 0
-    return 0.1 * p.B * p.s * (1 + 0.3 * ckpt / len(m.blocks)) * (1 - 0.1 * keep / len(m.blocks)), step_ms, peak_bytes
+    ms = 0.1 * p.B * p.s * (1 + 0.3 * ckpt / len(m.blocks)) * (1 - 0.1 * keep / len(m.blocks))
+    return ms * (1 - 0.02 * m.checkpoint_ffn_blocks / len(m.blocks)), step_ms, peak_bytes
 engine.StepFn.__call__ = timed
 sys.exit(main(["calibrate", "--model-config", "configs/wan_tiny.yaml", "--deepspeed_config", {ds!r},
                "--out", {out!r}, "--shapes", "1x64x64,5x64x64,9x64x64,17x64x96", "--heldout", "",
@@ -161,10 +194,11 @@ sys.exit(main(["calibrate", "--model-config", "configs/wan_tiny.yaml", "--deepsp
 
 
 def test_open_block_runs_on_a_real_zero2_engine(tmp_path):
-    """The open and attention-policy runs through the real StepFn and a DeepSpeed ZeRO-2 engine (tiny model, one
-    gloo process): set_checkpointing switches what the model recomputes, and the fields come out of the (synthetic,
-    checkpointing-driven) peaks: 300 bytes per token and 5,000 per sample per open block, 20 per attention block,
-    and times (0.3 x the open time more with every block checkpointed, 10% less with every block keeping attention)."""
+    """The open, attention-policy and FFN-keeping runs through the real StepFn and a DeepSpeed ZeRO-2 engine (tiny
+    model, one gloo process): set_checkpointing switches what the model recomputes, and the fields come out of the
+    (synthetic, checkpointing-driven) peaks: 300 bytes per token and 5,000 per sample per open block, 20 per attention
+    block, 7 per FFN output kept, and times (0.3 x the open time more with every block checkpointed, 10% less with
+    every block keeping attention, 2% less again with every FFN output kept)."""
     import json
     import subprocess
     import sys
@@ -181,12 +215,14 @@ def test_open_block_runs_on_a_real_zero2_engine(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     prof = CostProfile.load(str(out))
-    assert [r["status"] for r in prof.fit["open_blocks"]] == ["ok", "ok", "ok"], prof.fit["open_blocks"]
+    assert [r["status"] for r in prof.fit["open_blocks"]] == ["ok", "ok", "ok", "ok"], prof.fit["open_blocks"]
     assert prof.memory["block_bytes_per_token"] == pytest.approx(300, rel=1e-3)
     assert prof.memory["block_bytes_per_sample"] == pytest.approx(5000, rel=1e-3)
     assert prof.memory["attention_bytes_per_token"] == pytest.approx(20, rel=1e-3)
     assert prof.recompute_frac == pytest.approx(1 - 1 / 1.3, abs=1e-3)  # the synthetic time: 0.3 more per block
     assert prof.attention_recompute_frac == pytest.approx(0.1, abs=1e-3)  # and 10% less keeping every attention
+    assert prof.memory["ffn_bytes_per_token"] == pytest.approx(7, abs=0.5)
+    assert prof.ffn_recompute_frac == pytest.approx(0.9 * 0.02, abs=1e-3)  # 2% of the attention run's time
 
 
 def test_derive_differences_against_the_fwd_bwd_peak_not_the_optimizer_floor():

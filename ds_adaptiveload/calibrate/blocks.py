@@ -5,7 +5,8 @@ needs, from memory.block_bytes_per_token and block_bytes_per_sample (what an ope
 sample over a checkpointed one) and, under the attention policy, attention_bytes_per_token (what a checkpointed
 block that keeps its attention outputs adds). time_ms.recompute_frac is the share of a fully checkpointed
 micro-batch's fwd+bwd that the recompute takes. calibrate measures them here: a few fitted points that ran with
-every block checkpointed run again with none (and one with the attention policy), and the differences give the
+every block checkpointed run again with none (and one with the attention policy, and once more with every block
+keeping its FFN output too: memory.ffn_bytes_per_token, time_ms.ffn_recompute_frac), and the differences give the
 fields. Two points, one clip (B = 1) and one of several samples, separate the per-token and per-sample terms.
 """
 from dataclasses import replace
@@ -16,8 +17,9 @@ from ds_adaptiveload.calibrate.fit import FLOOR_MARGIN
 # choosing points that fit with every block open (the 1.3B model on an H200: 10x per token, 8x per sample).
 OPEN_GROWTH = 16.0
 # Seconds the grid leaves for these runs (at most OPEN_RESERVE_FRAC of the budget): on an H200 with the 1.3B model
-# a 480p 81f clip and 16 images open, the clip with the attention policy, each a warm-up and 3 timed steps: ~25 s.
-OPEN_RESERVE_S, OPEN_RESERVE_FRAC = 30.0, 0.1
+# a 480p 81f clip and 16 images open, the clip with the attention policy, each a warm-up and 3 timed steps: ~25 s;
+# the clip keeping its FFN outputs too, ~8 s more.
+OPEN_RESERVE_S, OPEN_RESERVE_FRAC = 40.0, 0.1
 MAX_RECOMPUTE_FRAC = 0.9  # the time model's bound: recompute_factor needs recompute_frac < 1
 
 
@@ -44,7 +46,8 @@ def choose_points(points, mem, limit) -> list:
 
 
 def open_point(p, role="open"):
-    """A copy of fitted point p to measure again (no times or peak yet), with `role` (open | attention)."""
+    """A copy of fitted point p to measure again (no times or peak yet), with `role` (open | attention |
+    attention-ffn)."""
     return replace(p, role=role, status="pending", ms=[], step_ms=[], peak_bytes=None, reserved_bytes=None,
                    fwd_bwd_peak_bytes=None, note="")
 
@@ -71,13 +74,15 @@ def _fwd_bwd(o) -> float:
     return getattr(o, "fwd_bwd_peak_bytes", None) or o.peak_bytes
 
 
-def derive(pairs, num_layers, attention=None, mem=None) -> dict:
+def derive(pairs, num_layers, attention=None, mem=None, ffn=None) -> dict:
     """The profile fields from (checkpointed point, the same point open) pairs and, optionally, (checkpointed,
-    attention-policy) for one point. Per open block: (open - checkpointed fwd+bwd peak) / L = per_token *
-    tokens + per_sample * B, solved non-negatively (fit.nnls; one pair: per_sample 0); mem: fit.fit_memory's
-    (fixed, per token, floor, per sample), for ckpt_peak. recompute_frac = 1 - open ms / checkpointed ms of the pair
-    with the most tokens; attention_recompute_frac = 1 - attention-policy ms / checkpointed ms (at most
-    recompute_frac). Returns {"memory": {...}, "time_ms": {...}, "points": [...]}."""
+    attention-policy) for one point and (checkpointed, attention-policy with every FFN output kept) for the same
+    point. Per open block: (open - checkpointed fwd+bwd peak) / L = per_token * tokens + per_sample * B, solved
+    non-negatively (fit.nnls; one pair: per_sample 0); mem: fit.fit_memory's (fixed, per token, floor, per sample),
+    for ckpt_peak. recompute_frac = 1 - open ms / checkpointed ms of the pair with the most tokens;
+    attention_recompute_frac = 1 - attention-policy ms / checkpointed ms (at most recompute_frac); the FFN fields
+    from the FFN run against the attention run (_ffn_fields). Returns {"memory": {...}, "time_ms": {...},
+    "points": [...]}."""
     from ds_adaptiveload.calibrate.fit import nnls
 
     L = num_layers
@@ -104,7 +109,24 @@ def derive(pairs, num_layers, attention=None, mem=None) -> dict:
             saved = max(0.0, 1.0 - a.median_ms / c.median_ms)
             saved = min(saved, out["time_ms"].get("recompute_frac", saved))
             out["time_ms"]["attention_recompute_frac"] = round(saved, 4)
+        if ffn is not None:
+            out["points"].append(_row(*ffn))
+            _ffn_fields(out, a, ffn, L)
     return out
+
+
+def _ffn_fields(out, a, ffn, L) -> None:
+    """memory.ffn_bytes_per_token = (FFN run's - attention run's fwd+bwd peak) / (L * tokens), and
+    time_ms.ffn_recompute_frac = (attention ms - FFN ms) / checkpointed ms, at most what the attention policy leaves
+    of the recompute; nothing unless both runs ran."""
+    c, f = ffn
+    if not (a.status == "ok" and f.status == "ok" and a.peak_bytes and f.peak_bytes):
+        return
+    out["memory"]["ffn_bytes_per_token"] = round(max(0.0, _fwd_bwd(f) - _fwd_bwd(a)) / (L * c.tokens))
+    if c.median_ms and a.median_ms and f.median_ms:
+        left = out["time_ms"].get("recompute_frac", 1.0) - out["time_ms"].get("attention_recompute_frac", 0.0)
+        saved = max(0.0, (a.median_ms - f.median_ms) / c.median_ms)
+        out["time_ms"]["ffn_recompute_frac"] = round(min(saved, max(left, 0.0)), 4)
 
 
 def _row(c, o) -> dict:

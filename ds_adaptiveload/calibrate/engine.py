@@ -125,11 +125,14 @@ class StepFn:
 
     def set_checkpointing(self, blocks, policy="full"):
         """The model's per-block checkpointing for the next steps (calibrate/blocks.py's open-block runs): the first
-        `blocks` blocks checkpointed (True: every block), recomputed whole (full) or keeping their attention outputs
-        (attention), as the trainer sets them per micro-batch under --checkpoint-blocks auto."""
+        `blocks` blocks checkpointed (True: every block), recomputed whole (full), keeping their attention outputs
+        (attention) or those and their FFN outputs (attention-ffn), as the trainer sets them per micro-batch under
+        --checkpoint-blocks auto."""
         m = self.engine.module
-        m.checkpoint_blocks, m.checkpoint_policy = blocks, policy
-        m.checkpoint_full_blocks = m.checkpoint_ffn_blocks = 0
+        m.checkpoint_blocks, m.checkpoint_policy = blocks, "attention" if policy == "attention-ffn" else policy
+        m.checkpoint_full_blocks = 0
+        ffn = policy == "attention-ffn"
+        m.checkpoint_ffn_blocks = (len(m.blocks) if blocks is True else int(blocks or 0)) if ffn else 0
 
     def _inputs(self, p):
         """Random latents and text contexts of p's shape: [B, C, ...] tensors for a grid Point, lists of

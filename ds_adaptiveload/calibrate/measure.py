@@ -181,15 +181,16 @@ class Calibration:
         return budget
 
     def measure_open_blocks(self):
-        """blocks.py: fitted points again with every block open, and the largest clip with the attention policy
-        where the trainer allows it (not ZeRO-3), within the time budget; blocks.derive's fields, or None."""
+        """blocks.py: fitted points again with every block open, and the largest clip with the attention policy, then
+        with every FFN output kept too, where the trainer allows it (not ZeRO-3), within the time budget;
+        blocks.derive's fields, or None."""
         args, L = self.args, self.cfg.num_layers
         if not (args.open_blocks and args.checkpoint_blocks and self.mem and self.capacity):
             return None
         chosen = choose_points(self.points, self.mem, self.capacity * args.safety)
         runs = [(c, open_point(c), 0, "full") for c in chosen]
         if chosen and zero_stage(self.ds) != 3:
-            runs.append((chosen[0], open_point(chosen[0], "attention"), L, "attention"))
+            runs += [(chosen[0], open_point(chosen[0], role), L, role) for role in ("attention", "attention-ffn")]
         for c, o, blocks, policy in runs:
             seconds = (1 + args.repeats) * (c.median_ms + statistics.median(c.step_ms)) / 1000
             if self.clock() + 1.2 * seconds > self.deadline - self.pack_reserve:
@@ -200,9 +201,9 @@ class Calibration:
                 measure_point(o, self.step_fn, self.clock, self.oom_types, args.repeats, big_s=5.0)  # as the grid
             finally:
                 self.step_fn.set_checkpointing(args.checkpoint_blocks)
-        attention = [(c, o) for c, o, _, policy in runs if policy == "attention"]
-        return derive([(c, o) for c, o, _, policy in runs if policy == "full"], L, attention[0] if attention else None,
-                      self.mem)
+        kept = {policy: (c, o) for c, o, _, policy in runs if policy != "full"}
+        return derive([(c, o) for c, o, _, policy in runs if policy == "full"], L, kept.get("attention"), self.mem,
+                      kept.get("attention-ffn"))
 
     def _before_probe(self, probe):
         """Several ranks: an OOM in the probe stops the run (StepFn), so the profile is written first."""

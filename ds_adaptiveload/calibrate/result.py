@@ -37,7 +37,7 @@ def build_profile(geometry, coef, step_fixed, mem, capacity, safety, budget, met
                        geometry=Geometry(tuple(geometry.vae_stride), tuple(geometry.patch_size)),
                        memory=memory, meta=meta, header=header(meta),
                        **{k: v for k, v in (blocks or {}).get("time_ms", {}).items()
-                          if k in ("recompute_frac", "attention_recompute_frac")})
+                          if k in ("recompute_frac", "attention_recompute_frac", "ffn_recompute_frac")})
     if dual_range:
         # The paper's B * s^p <= M_comp over the calibrated range (profile.derive_dual's convention). Pinned
         # in `dual:` only on request: without it the planner derives it for each dataset's own range.
