@@ -55,12 +55,16 @@ def assert_same(a, b):
 
 
 class CountOps(TorchDispatchMode):
+    """Counts the attention kernels' forwards and aten.addmm, the forward's biased linears (the backward's own
+    matmuls are bias-free mm)."""
+
     def __init__(self):
         super().__init__()
-        self.attention = 0
+        self.attention = self.addmm = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.attention += func in _SAVED_ATTENTION_OPS
+        self.addmm += func is torch.ops.aten.addmm.default
         return func(*args, **(kwargs or {}))
 
 
@@ -95,18 +99,6 @@ def test_unknown_policy_is_a_user_error():
         tiny(True, "some")
 
 
-class CountAddmm(TorchDispatchMode):
-    """Counts aten.addmm, the forward's biased linears (the backward's own matmuls are bias-free mm)."""
-
-    def __init__(self):
-        super().__init__()
-        self.addmm = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.addmm += func is torch.ops.aten.addmm.default
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("packed", [False, True])
 def test_ffn_blocks_keep_their_ffn_output(packed):
     """checkpoint_ffn_blocks: the last n checkpointed blocks also keep the FFN's output (save_attention_ffn_policy):
@@ -116,13 +108,13 @@ def test_ffn_blocks_keep_their_ffn_output(packed):
     for n in (0, 1, 2):
         model = tiny(True, "attention")
         model.checkpoint_full_blocks, model.checkpoint_ffn_blocks = 1, n  # block 0 whole: n <= 2 of blocks 1-2
-        mode = CountAddmm()
+        mode = CountOps()
         assert_same(run(model, packed, mode), ref)
         counts[n] = mode.addmm
     assert counts[0] - counts[1] == 1 and counts[1] - counts[2] == 1, counts
     full = tiny(True, "full")
     full.checkpoint_ffn_blocks = 3  # ignored outside the attention policy
-    mode = CountAddmm()
+    mode = CountOps()
     run(full, packed, mode)
     assert mode.addmm == counts[0], (mode.addmm, counts)  # every block's matmuls recomputed, as with none kept
 

@@ -6,7 +6,7 @@ import sys
 import torch
 
 from ds_adaptiveload.model.wan import shrinking_matmul
-from tests.test_checkpoint_policy import CountAddmm, assert_same, run, tiny
+from tests.test_checkpoint_policy import CountOps, assert_same, run, tiny
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "model"))
 import ckpt_policy  # noqa: E402
@@ -16,7 +16,7 @@ def test_sides_match_and_keep_ffn_skips_one_matmul_per_block():
     model = tiny(True, "attention")
     counts, results = {}, {}
     for side in ("attention", "keep-ffn"):
-        mode = CountAddmm()
+        mode = CountOps()
         with ckpt_policy.policy_of(model, side):
             results[side] = run(model, True, mode)
         counts[side] = mode.addmm

@@ -46,18 +46,9 @@ def policy_of(model, side):
         model.checkpoint_ffn_blocks = 0
 
 
-def inputs(spec, packed):
-    """A StepFn point: one packed micro-batch of every sample of spec, or a tensor micro-batch of its one shape."""
-    if packed:
-        shapes = [tuple(s) for c, *s in spec for _ in range(c)]
-        return argparse.Namespace(shapes=shapes, B=len(shapes), role="packed")
-    (c, *s), = spec
-    return argparse.Namespace(B=c, shape=tuple(s), role="fit")
-
-
 def run(args) -> dict:
     import torch
-    from packed_engine import plain_step
+    from packed_engine import micro_batches, plain_step
 
     from ds_adaptiveload.model import WanConfig
     from ds_adaptiveload.schedule.profile import CostProfile
@@ -77,7 +68,7 @@ def run(args) -> dict:
            "build_s": round(time.perf_counter() - t0, 1)}
     for case in args.cases.split(","):
         spec = CASES[case]
-        point = inputs(spec, packed=len(spec) > 1)
+        point, = micro_batches(spec, packed=len(spec) > 1)  # one packed micro-batch, or the one shape's
         tokens = sum(c * geo.tokens(f, h, w) for c, f, h, w in spec)
         rec = {"case": case, "spec": spec, "tokens": tokens, "warmup_ms": {}, "pairs": []}
         for side in ("attention", "keep-ffn"):

@@ -148,15 +148,15 @@ def save_attention_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+_MATMUL_FIRST = {torch.ops.aten.addmm.default: 1, torch.ops.aten.mm.default: 0}  # position of a in the args
+
+
 def shrinking_matmul(op, args) -> bool:
     """addmm(bias, a, b) / mm(a, b) whose reduction dim exceeds its output's (b is [K, N], K > N). In a WanBlock
     only the FFN's second projection (ffn_dim -> dim) is one: 2 x ffn_dim FLOPs of recompute per output element,
     dim x 2 bytes per token to keep in bf16 (27.5 MFLOP against 3 KB at the 1.3B model's widths)."""
     first = _MATMUL_FIRST.get(op)
     return first is not None and args[first + 1].shape[0] > args[first + 1].shape[1]
-
-
-_MATMUL_FIRST = {torch.ops.aten.addmm.default: 1, torch.ops.aten.mm.default: 0}  # position of a in the args
 
 
 def save_attention_ffn_policy(ctx, op, *args, **kwargs):

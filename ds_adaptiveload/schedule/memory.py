@@ -213,8 +213,6 @@ class RecomputeCost:
 
     def ffn_blocks(self, tokens: int, samples: int) -> int:
         """How many of the micro-batch's own checkpointed blocks keep their FFN output (ffn_blocks; 0 under full)."""
-        if self.policy != "attention":
-            return 0
         return ffn_blocks(tokens, samples, self.memory, self.L, *self.ks(tokens, samples))
 
     def factor(self, tokens: int, samples: int, ks: tuple = None) -> float:

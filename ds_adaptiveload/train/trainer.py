@@ -18,7 +18,7 @@ from ds_adaptiveload.train.setup import end_loop, prepare_data, read_config, rea
 class Trainer:
     _saved_graphs = 0  # block graphs in the last --compile-cache write
     _pred_peak_gib = 0.0  # the memory model's largest micro-batch peak in the current step
-    _step_ks = ()  # [k, k_full] of the current step's micro-batches so far (--checkpoint-blocks auto)
+    _step_ks = ()  # [k, k_full(, k_ffn)] of the current step's micro-batches so far (--checkpoint-blocks auto)
 
     def __init__(self, args):
         import functools
@@ -224,8 +224,7 @@ class Trainer:
         if self.args.checkpoint_blocks != "auto":
             return
         if not self.zero3:
-            k, k_full = self.blocks_to_checkpoint(batch["index"])
-            k_ffn = self.ffn_blocks(batch["index"], k, k_full)
+            k, k_full, k_ffn = self.blocks_to_checkpoint(batch["index"])
             m = self.engine.module
             m.checkpoint_blocks, m.checkpoint_full_blocks, m.checkpoint_ffn_blocks = k, k_full, k_ffn
             self.note_predicted_peak(batch["index"], k, k_full, k_ffn)
@@ -251,31 +250,18 @@ class Trainer:
         self._pred_peak_gib = max(self._pred_peak_gib, peak)
 
     def blocks_to_checkpoint(self, indices) -> tuple:
-        """(k, k_full) of a micro-batch (its sample indices) on this rank's tokens: schedule/memory.checkpoint_ks,
-        which the planner costs the micro-batch with too."""
-        from ds_adaptiveload.schedule.memory import checkpoint_ks
+        """(k, k_full, k_ffn) of a micro-batch (its sample indices) on this rank's tokens: schedule/memory.checkpoint_ks
+        and ffn_blocks (0 under the full policy, where k_full = k), which the planner costs the micro-batch with too."""
+        from ds_adaptiveload.schedule.memory import checkpoint_ks, ffn_blocks
 
-        return checkpoint_ks(self.rank_tokens(indices), len(indices), self.checkpoint_memory(),
-                             self.model_cfg.num_layers, getattr(self.args, "checkpoint_policy", "full"))
-
-    def checkpoint_memory(self) -> dict:
-        """The profile's memory section, with the device's capacity where the profile leaves it out."""
-        mem = self.profile.memory
-        if "capacity_bytes" not in mem and self.device.type == "cuda":
+        tokens = self.rank_tokens(indices)
+        mem, L = self.profile.memory, self.model_cfg.num_layers
+        if "capacity_bytes" not in mem and self.device.type == "cuda":  # the profile may leave it to the device
             import torch
 
             mem = {**mem, "capacity_bytes": torch.cuda.get_device_properties(self.device).total_memory}
-        return mem
-
-    def ffn_blocks(self, indices, k: int, k_full: int) -> int:
-        """How many of the micro-batch's k checkpointed blocks keep their FFN output too (schedule/memory.ffn_blocks;
-        the attention policy with a profile that has memory.ffn_bytes_per_token, else 0)."""
-        from ds_adaptiveload.schedule.memory import ffn_blocks
-
-        if getattr(self.args, "checkpoint_policy", "full") != "attention":
-            return 0
-        return ffn_blocks(self.rank_tokens(indices), len(indices), self.checkpoint_memory(), self.model_cfg.num_layers,
-                          k, k_full)
+        k, k_full = checkpoint_ks(tokens, len(indices), mem, L, getattr(self.args, "checkpoint_policy", "full"))
+        return k, k_full, ffn_blocks(tokens, len(indices), mem, L, k, k_full)
 
     def rank_tokens(self, indices) -> int:
         """Tokens of a micro-batch on this rank: ceil(S / sp) of each sample."""
