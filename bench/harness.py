@@ -100,14 +100,23 @@ def environment():
     return env
 
 
-def run_child(argv, prefix):
+def run_child(argv, prefix, env=None):
     """[python, *argv] from the repo root as a job of its own: its single-process group (train/engine.
     single_process_env) takes a port of its own, not a MASTER_PORT this process inherited or set, whose store a
-    group left alive here may still hold (EADDRINUSE). Returns (the JSON after the last stdout line starting with
-    `prefix`, or None; the CompletedProcess)."""
-    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    group left alive here may still hold (EADDRINUSE); `env` overrides variables. Returns (the JSON after the last
+    stdout line starting with `prefix`, or None; the CompletedProcess)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, **(env or {})}
     p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, env=env)
     return last_json(p.stdout, prefix), p
+
+
+def comma_choices(ap, flag, value, choices) -> list:
+    """A comma list argument's items in the order given, each checked against `choices` (ap.error otherwise)."""
+    items = list(dict.fromkeys(value.split(",")))
+    bad = set(items) - set(choices)
+    if bad:
+        ap.error(f"{flag}: unknown {sorted(bad)}; choose from {', '.join(choices)}")
+    return items
 
 
 def last_json(text, prefix):

@@ -147,6 +147,8 @@ STAGES = {
     "ckpt_policy": Stage([py("bench/model/ckpt_policy.py", "--out", "{out}", "--budget-s", "{inner}")], 360,
                          "a checkpointed block keeping its FFN output too, against the attention policy (bare model)",
                          op=True, margin=60),
+    "optim_step": Stage([py("bench/model/optim_step.py", "--out", "{out}")], 300,
+                        "engine.step() with torch's foreach and fused AdamW and DeepSpeed's FusedAdam"),
     "gemm_rows": Stage([py("bench/model/gemm_rows.py", "--out", "{out}")], 90,
                        "the block's GEMMs at a packed micro-batch's rows vs the separate ones' (cuBLAS, cuBLASLt)"),
     "mfu": Stage([py("bench/mfu.py")], 300, "model FLOPs utilisation", op=True, needs_file="bench/mfu.py"),

@@ -108,9 +108,7 @@ def main(argv=None):
     ap.add_argument("--pairs", type=int, default=3, help="ABBA pairs per case")
     ap.add_argument("--budget-s", type=float, default=400.0, help="no pair starts after this many seconds")
     args = ap.parse_args(argv)
-    bad = set(args.cases.split(",")) - set(CASES)
-    if bad:
-        ap.error(f"--cases: unknown {sorted(bad)}; choose from {', '.join(CASES)}")
+    harness.comma_choices(ap, "--cases", args.cases, CASES)
     os.makedirs(args.out, exist_ok=True)
     res = {**run(args), "env": harness.environment()}
     with open(os.path.join(args.out, "ckpt-policy.json"), "w") as f:

@@ -195,9 +195,7 @@ def main(argv=None):
                     help="no pair starts after this many seconds (each config: an equal share of what is left)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    bad = set(args.cases.split(",")) - set(CASES)
-    if bad:
-        ap.error(f"--cases: unknown {sorted(bad)}; choose from {', '.join(CASES)}")
+    harness.comma_choices(ap, "--cases", args.cases, CASES)
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0
