@@ -55,16 +55,17 @@ def assert_same(a, b):
 
 
 class CountOps(TorchDispatchMode):
-    """Counts the attention kernels' forwards and aten.addmm, the forward's biased linears (the backward's own
-    matmuls are bias-free mm)."""
+    """Counts the attention kernels' forwards, aten.addmm (the forward's biased linears; the backward's own
+    matmuls are bias-free mm) and every op."""
 
     def __init__(self):
         super().__init__()
-        self.attention = self.addmm = 0
+        self.attention = self.addmm = self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.attention += func in _SAVED_ATTENTION_OPS
         self.addmm += func is torch.ops.aten.addmm.default
+        self.ops += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -124,5 +125,32 @@ def test_ffn_output_is_kept_under_compiled_blocks():
     ref = run(tiny(False), True)
     model = tiny(True, "attention")
     model.checkpoint_ffn_blocks = 3
+    compile_blocks(model, fullgraph=True, backend="aot_eager")
+    assert_same(run(model, True), ref)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("blocks", [False, 1])
+def test_open_blocks_recompute_only_their_elementwise_steps(packed, blocks):
+    """open_recompute "elementwise" (save_matmuls_policy): the open blocks give the same outputs and gradients, and
+    their backward runs no matmul or attention forward again, but does run more ops (the elementwise steps')."""
+    ref = run(tiny(False), packed)
+    counts = {}
+    for how in ("none", "elementwise"):
+        model = tiny(blocks, "attention")
+        model.open_recompute = how
+        mode = CountOps()
+        assert_same(run(model, packed, mode), ref)
+        counts[how] = mode
+    assert counts["elementwise"].attention == counts["none"].attention == 0
+    assert counts["elementwise"].addmm == counts["none"].addmm  # block 0 under "attention" when blocks = 1
+    assert counts["elementwise"].ops > counts["none"].ops, (counts["elementwise"].ops, counts["none"].ops)
+
+
+def test_open_blocks_recompute_elementwise_under_compiled_blocks():
+    torch._dynamo.reset()
+    ref = run(tiny(False), True)
+    model = tiny(False)
+    model.open_recompute = "elementwise"
     compile_blocks(model, fullgraph=True, backend="aot_eager")
     assert_same(run(model, True), ref)

@@ -166,8 +166,21 @@ def save_attention_ffn_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def save_matmuls_policy(ctx, op, *args, **kwargs):
+    """Every matmul's and attention kernel's output kept: the block recomputes only its elementwise steps (norms,
+    modulation, RoPE, gates, GELU) in backward. For open blocks (WanModel.open_recompute "elementwise"): their
+    [T, dim] inputs and intermediates of those steps are not held from forward to backward, only the matmuls'."""
+    if op in _SAVED_ATTENTION_OPS or op in _MATMUL_FIRST:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def save_attention_context():
     return create_selective_checkpoint_contexts(save_attention_policy)
+
+
+def save_matmuls_context():
+    return create_selective_checkpoint_contexts(save_matmuls_policy)
 
 
 def save_attention_ffn_context():
@@ -225,14 +238,17 @@ class WanBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(d, cfg.ffn_dim), nn.Identity(), GeluLinear(cfg.ffn_dim, d))
         self.modulation = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
 
-    def forward(self, x, e0, context, lay: Layout, save_attention: bool = False, save_ffn: bool = False):
+    def forward(self, x, e0, context, lay: Layout, save_attention: bool = False, save_ffn: bool = False,
+                save_matmuls: bool = False):
         """save_attention: recompute this block in backward except its attention outputs (selective
         checkpointing, save_attention_policy); save_ffn with it: keep the FFN's output too
-        (save_attention_ffn_policy). Inside forward, so compile_blocks traces the checkpoint with the block (a
+        (save_attention_ffn_policy); save_matmuls: keep every matmul's output too, recomputing only the elementwise
+        steps (save_matmuls_policy). Inside forward, so compile_blocks traces the checkpoint with the block (a
         dispatch-mode policy cannot see into a compiled call) and module hooks (ZeRO-3) stay on."""
-        if save_attention and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, e0, context, lay, use_reentrant=False,
-                              context_fn=save_attention_ffn_context if save_ffn else save_attention_context)
+        if (save_attention or save_matmuls) and torch.is_grad_enabled():
+            fn = (save_matmuls_context if save_matmuls else
+                  save_attention_ffn_context if save_ffn else save_attention_context)
+            return checkpoint(self._forward, x, e0, context, lay, use_reentrant=False, context_fn=fn)
         return self._forward(x, e0, context, lay)
 
     def _forward(self, x, e0, context, lay: Layout):
@@ -295,6 +311,10 @@ class WanModel(nn.Module):
         checkpoint_ffn_blocks of the checkpointed blocks keep their FFN output as well).
         Not under ZeRO-3 without leaf blocks: its parameter hooks inside the block run different ops in the
         recompute, which selective checkpointing rejects.
+    open_recompute (attribute, "none" by default): "elementwise" runs the blocks not checkpointed under selective
+        checkpointing that keeps every matmul and attention output (save_matmuls_policy) and recomputes only the
+        elementwise steps; less memory than keeping everything, for one more pass of those steps. Measured by
+        bench/model/ckpt_policy.py (sides open, open-elementwise); not yet used by the trainer or the planner.
     self_attn_fn: the self-attention core, (q, k, v) [B, S, heads, head_dim] -> same layout, called once
         per shape group of a packed micro-batch ([n_g, S_g, heads, head_dim]); None for sdpa_attention. Under sequence parallelism it also receives valid_len=<full token count> when
         the sequence was padded to a multiple of the SP world size (sdpa_attention handles it)."""
@@ -309,6 +329,7 @@ class WanModel(nn.Module):
         self.checkpoint_policy = checkpoint_policy
         self.checkpoint_full_blocks = 0  # settable per micro-batch: schedule/memory.selective_checkpoint
         self.checkpoint_ffn_blocks = 0  # likewise: schedule/memory.ffn_blocks
+        self.open_recompute = "none"  # the blocks not checkpointed: keep all they save, or recompute "elementwise"
         d = cfg.dim
         self.patch_embedding = PatchEmbed(cfg.in_dim, d, kernel_size=cfg.patch_size, stride=cfg.patch_size)
         self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"),
@@ -408,7 +429,8 @@ class WanModel(nn.Module):
             if i < n_full and torch.is_grad_enabled():
                 h = checkpoint(block, h, e0, context, lay, use_reentrant=False)
             else:
-                h = block(h, e0, context, lay, i < n_ckpt and selective, first_ffn <= i < n_ckpt)
+                h = block(h, e0, context, lay, i < n_ckpt and selective, first_ffn <= i < n_ckpt,
+                          i >= n_ckpt and self.open_recompute == "elementwise")
         h = self.head(h, e, packing)                                            # [T, out*pt*ph*pw]
         outs = self._unpatchify_groups(h, packing, shard)
         if not packed:
