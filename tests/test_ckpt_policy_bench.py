@@ -32,3 +32,19 @@ def test_shrinking_matmul_reads_the_weight_shape():
     assert shrinking_matmul(torch.ops.aten.mm.default, (a, narrow))
     assert not shrinking_matmul(torch.ops.aten.mm.default, (a, wide))
     assert not shrinking_matmul(torch.ops.aten.add.Tensor, (a, a))
+
+
+def test_open_sides_set_and_restore_the_model():
+    model = tiny(2, "attention")
+    with ckpt_policy.policy_of(model, "open-elementwise"):
+        assert (model.checkpoint_blocks, model.open_recompute) == (False, "elementwise")
+    with ckpt_policy.policy_of(model, "half-elementwise"):
+        assert (model.checkpoint_blocks, model.open_recompute) == (len(model.blocks) // 2, "elementwise")
+    with ckpt_policy.policy_of(model, "keep-ffn"):
+        assert (model.checkpoint_blocks, model.checkpoint_ffn_blocks) == (True, len(model.blocks))
+    assert (model.checkpoint_blocks, model.checkpoint_ffn_blocks, model.open_recompute) == (2, 0, "none")
+
+
+def test_bytes_are_per_block_compared():
+    assert [ckpt_policy.compared_blocks(b, 30) for b in ("keep-ffn", "open-elementwise", "half-elementwise")] == \
+        [30, 30, 15]

@@ -6,7 +6,14 @@ bf16 (3 KB at dim 1536) and its recompute is 2 x ffn_dim x dim FLOPs per token (
 non-attention matmuls), the most recompute per byte kept of anything in the block. The results give the profile's
 memory.ffn_bytes_per_token and time_ms.ffn_recompute_frac (docs/calibration.md).
 
+--compare open:open-elementwise measures the other end: every block open (nothing checkpointed), keeping all that
+autograd saves, against every block open under WanModel.open_recompute "elementwise" (save_matmuls_policy: every
+matmul and attention output kept, the norms, modulation, RoPE, gates and GELU recomputed in backward). Open blocks
+hold the most memory per token (the profile's memory.block_bytes_per_token); what the elementwise recompute saves
+of it, and what it costs in time, says whether the planner should open blocks that way.
+
     python3 bench/model/ckpt_policy.py --out OUT [--cases img32,480p81,720p81,mixed] [--pairs 3] [--budget-s 400]
+        [--compare attention:keep-ffn | open:open-elementwise]
     CKPT_SMOKE=1 python3 bench/model/ckpt_policy.py --out /tmp/cp     # CPU: tiny model and shapes
 
 The bare bf16 model as calibrate builds it (calibrate.engine.build_model: every block checkpointed, compiled
@@ -35,15 +42,38 @@ CASES = ({"img32": [(4, 1, 32, 64)], "480p81": [(1, 9, 64, 96)], "720p81": [(1, 
           "mixed": [(1, 81, 720, 1280), (2, 81, 480, 832), (40, 1, 480, 832)]})
 
 
+# side -> the model's settings: (checkpoint_blocks and checkpoint_ffn_blocks as shares of the blocks,
+# open_recompute); "half": the first half of the blocks checkpointed (attention policy), so that clips too large to
+# run with every block open still compare their open blocks
+SIDES = {"attention": (1, 0, "none"), "keep-ffn": (1, 1, "none"),
+         "open": (0, 0, "none"), "open-elementwise": (0, 0, "elementwise"),
+         "half": (0.5, 0, "none"), "half-elementwise": (0.5, 0, "elementwise")}
+COMPARE = ("attention:keep-ffn", "open:open-elementwise", "half:half-elementwise")
+
+
 @contextmanager
 def policy_of(model, side):
-    """side "attention": every block keeps its attention outputs only; "keep-ffn": its FFN output too
-    (WanModel.checkpoint_ffn_blocks, model/wan.save_attention_ffn_policy)."""
-    model.checkpoint_ffn_blocks = len(model.blocks) if side == "keep-ffn" else 0
+    """side "attention": every block checkpointed, keeping its attention outputs only; "keep-ffn": its FFN output too
+    (WanModel.checkpoint_ffn_blocks, model/wan.save_attention_ffn_policy); "open": no block checkpointed;
+    "open-elementwise": none, each recomputing its elementwise steps (WanModel.open_recompute); "half" and
+    "half-elementwise": likewise for the second half of the blocks, the first half checkpointed. Restores the
+    model's settings afterwards."""
+    before = (model.checkpoint_blocks, model.checkpoint_ffn_blocks, model.open_recompute)
+    blocks, ffn, open_recompute = SIDES[side]
+    n = len(model.blocks)
+    model.checkpoint_blocks, model.checkpoint_ffn_blocks = (True if blocks == 1 else int(blocks * n)), int(ffn * n)
+    model.open_recompute = open_recompute
     try:
         yield
     finally:
-        model.checkpoint_ffn_blocks = 0
+        model.checkpoint_blocks, model.checkpoint_ffn_blocks, model.open_recompute = before
+
+
+def compared_blocks(side, n) -> int:
+    """How many blocks side b runs differently from side a: its open blocks that recompute elementwise, or its
+    blocks that keep their FFN output."""
+    blocks, ffn, open_recompute = SIDES[side]
+    return n - int(blocks * n) if open_recompute == "elementwise" else int(ffn * n)
 
 
 def run(args) -> dict:
@@ -64,14 +94,15 @@ def run(args) -> dict:
     fn = plain_step(cfg, opts, geo, device, dtype, None)
     model = fn.engine.module
     model.checkpoint_policy = "attention"
-    out = {"model_config": args.model_config, "compile_blocks": args.compile_blocks, "cases": [],
-           "build_s": round(time.perf_counter() - t0, 1)}
+    a, b = args.compare.split(":")
+    out = {"model_config": args.model_config, "compile_blocks": args.compile_blocks, "compare": [a, b],
+           "cases": [], "build_s": round(time.perf_counter() - t0, 1)}
     for case in args.cases.split(","):
         spec = CASES[case]
         point, = micro_batches(spec, packed=len(spec) > 1)  # one packed micro-batch, or the one shape's
         tokens = sum(c * geo.tokens(f, h, w) for c, f, h, w in spec)
         rec = {"case": case, "spec": spec, "tokens": tokens, "warmup_ms": {}, "pairs": []}
-        for side in ("attention", "keep-ffn"):
+        for side in (a, b):
             with policy_of(model, side):
                 rec["warmup_ms"][side] = round(fn(point)[0], 1)
         for i in range(args.pairs):
@@ -79,19 +110,21 @@ def run(args) -> dict:
                 rec["status"] = "cut: time budget"
                 break
             got = {}
-            for side in (("attention", "keep-ffn") if i % 2 == 0 else ("keep-ffn", "attention")):
+            for side in ((a, b) if i % 2 == 0 else (b, a)):
                 with policy_of(model, side):
                     ms, _, peak = fn(point)
-                got[side] = (ms, peak)
-            (ma, pa), (mk, pk) = got["attention"], got["keep-ffn"]
-            rec["pairs"].append({"attention_ms": round(ma, 1), "keep_ms": round(mk, 1),
-                                 "attention_peak_gib": round((pa or 0) / 2**30, 2),
-                                 "keep_peak_gib": round((pk or 0) / 2**30, 2), "speedup": round(ma / mk, 5)})
+                got[side] = (ms, (peak or 0) / 2**30)
+            rec["pairs"].append({"a_ms": round(got[a][0], 1), "b_ms": round(got[b][0], 1),
+                                 "a_peak_gib": round(got[a][1], 3), "b_peak_gib": round(got[b][1], 3),
+                                 "speedup": round(got[a][0] / got[b][0], 5)})
         if rec["pairs"]:
+            # speedup above 1: side b is faster; extra bytes: what side b holds more per token and block
             rec["speedup_median"] = statistics.median(p["speedup"] for p in rec["pairs"])
-            extra = statistics.median(p["keep_peak_gib"] - p["attention_peak_gib"] for p in rec["pairs"]) * 2**30
-            rec["extra_bytes_per_token_block"] = round(extra / (tokens * cfg.num_layers))
-            rec["expected_bytes_per_token_block"] = cfg.dim * (2 if dtype == torch.bfloat16 else 4)
+            extra = statistics.median(p["b_peak_gib"] - p["a_peak_gib"] for p in rec["pairs"]) * 2**30
+            rec["blocks_compared"] = compared_blocks(b, cfg.num_layers)
+            rec["extra_bytes_per_token_block"] = round(extra / (tokens * rec["blocks_compared"]))
+            if b == "keep-ffn":  # the FFN output's size
+                rec["expected_bytes_per_token_block"] = cfg.dim * (2 if dtype == torch.bfloat16 else 4)
         print("CASE " + json.dumps(rec), flush=True)
         out["cases"].append(rec)
     out["seconds"] = round(time.perf_counter() - t0, 1)
@@ -107,6 +140,7 @@ def main(argv=None):
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}, run in that order")
     ap.add_argument("--pairs", type=int, default=3, help="ABBA pairs per case")
     ap.add_argument("--budget-s", type=float, default=400.0, help="no pair starts after this many seconds")
+    ap.add_argument("--compare", default=COMPARE[0], choices=COMPARE, help="side a:side b, timed in ABBA pairs")
     args = ap.parse_args(argv)
     harness.comma_choices(ap, "--cases", args.cases, CASES)
     os.makedirs(args.out, exist_ok=True)
@@ -114,9 +148,9 @@ def main(argv=None):
     with open(os.path.join(args.out, "ckpt-policy.json"), "w") as f:
         json.dump(res, f, indent=1)
     for c in res["cases"]:
-        print(f"[ckpt_policy] {c['case']}: keep-ffn / attention speed-up {c.get('speedup_median')}, "
-              f"+{c.get('extra_bytes_per_token_block')} B per token per block (expected "
-              f"{c.get('expected_bytes_per_token_block')}), pairs {len(c['pairs'])}", flush=True)
+        print(f"[ckpt_policy] {c['case']}: {args.compare}: b's speed-up {c.get('speedup_median')}, "
+              f"{c.get('extra_bytes_per_token_block')} B more per token per block, pairs {len(c['pairs'])}",
+              flush=True)
     return 0
 
 
