@@ -56,6 +56,13 @@ def _free_bytes(tokens: int, samples: int, profile_memory: dict) -> float:
             - _number(profile_memory, "bytes_per_token") * tokens)
 
 
+def _beyond_attention(tokens: int, samples: int, profile_memory: dict, num_layers: int) -> float:
+    """What is left once every block is checkpointed and keeps its attention outputs (attention_bytes_per_token):
+    the bytes selective_checkpoint and ffn_blocks share out to FFN outputs and open blocks."""
+    attn = _number(profile_memory, "attention_bytes_per_token", 0.0)
+    return _free_bytes(tokens, samples, profile_memory) - num_layers * attn * tokens
+
+
 def blocks_to_checkpoint(tokens: int, samples: int, profile_memory: dict, num_layers: int) -> int:
     """The fewest blocks k (checkpointing blocks 0..k-1) with which the micro-batch fits, from 0 to
     num_layers. num_layers when the profile has no block_bytes_per_token, no capacity_bytes or no
@@ -101,7 +108,7 @@ def selective_checkpoint(tokens: int, samples: int, profile_memory: dict, num_la
     if kept < num_layers:
         return num_layers, num_layers - kept
     ffn = _number(profile_memory, "ffn_bytes_per_token", 0.0)
-    rest = free - num_layers * (attn + ffn) * tokens
+    rest = _beyond_attention(tokens, samples, profile_memory, num_layers) - num_layers * ffn * tokens
     if rest < 0:  # not every block's FFN output fits: no block opens (ffn_blocks says how many keep theirs)
         return num_layers, 0
     # an open block adds its activations less what a kept block holds already, and its per-sample bytes
@@ -119,8 +126,7 @@ def ffn_blocks(tokens: int, samples: int, profile_memory: dict, num_layers: int,
         return 0
     if k < num_layers:
         return k
-    attn = _number(profile_memory, "attention_bytes_per_token", 0.0)
-    rest = _free_bytes(tokens, samples, profile_memory) - num_layers * attn * tokens
+    rest = _beyond_attention(tokens, samples, profile_memory, num_layers)
     return max(0, min(num_layers, math.floor(rest / (ffn * tokens))))
 
 
