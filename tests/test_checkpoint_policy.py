@@ -154,3 +154,10 @@ def test_open_blocks_recompute_elementwise_under_compiled_blocks():
     model.open_recompute = "elementwise"
     compile_blocks(model, fullgraph=True, backend="aot_eager")
     assert_same(run(model, True), ref)
+
+
+def test_unknown_open_recompute_is_a_user_error():
+    model = tiny(False)
+    model.open_recompute = "matmuls"
+    with pytest.raises(UserError, match="open_recompute 'matmuls'"):
+        run(model, False)

@@ -188,6 +188,7 @@ def save_attention_ffn_context():
 
 
 CHECKPOINT_POLICIES = ("full", "attention")
+OPEN_RECOMPUTE = ("none", "elementwise")  # WanModel.open_recompute
 
 
 class _GeluLinearFn(torch.autograd.Function):
@@ -421,6 +422,8 @@ class WanModel(nn.Module):
         # checkpoint_policy "attention": those blocks keep their attention outputs (WanBlock.forward).
         n_ckpt = len(self.blocks) if self.checkpoint_blocks is True else int(self.checkpoint_blocks or 0)
         selective = self.checkpoint_policy == "attention"
+        if self.open_recompute not in OPEN_RECOMPUTE:
+            raise UserError(f"WanModel: open_recompute {self.open_recompute!r}: expected one of {OPEN_RECOMPUTE}")
         # Under "attention", the first checkpoint_full_blocks of them still recompute whole (less memory), and the
         # last checkpoint_ffn_blocks keep their FFN output too (more memory, less recompute).
         n_full = min(self.checkpoint_full_blocks, n_ckpt) if selective else n_ckpt
