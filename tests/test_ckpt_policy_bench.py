@@ -48,3 +48,14 @@ def test_open_sides_set_and_restore_the_model():
 def test_bytes_are_per_block_compared():
     assert [ckpt_policy.compared_blocks(b, 30) for b in ("keep-ffn", "open-elementwise", "half-elementwise")] == \
         [30, 30, 15]
+
+
+def test_kernel_split_profiles_each_side_on_cpu():
+    model = tiny(False, "attention")
+    got = ckpt_policy.kernel_split(lambda _: run(model, True), None, model, ("open", "open-elementwise"),
+                                   torch.device("cpu"))
+    assert got["open"]["kernels"] > 0
+    # the elementwise side runs more ops: its recompute
+    assert got["open-elementwise"]["kernels"] > got["open"]["kernels"]
+    assert got["largest_differences_ms"] and {"kernel", "kind", "b_minus_a_ms"} <= set(got["largest_differences_ms"][0])
+    assert model.open_recompute == "none"

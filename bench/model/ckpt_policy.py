@@ -18,7 +18,8 @@ of it, and what it costs in time, says whether the planner should open blocks th
 
 The bare bf16 model as calibrate builds it (calibrate.engine.build_model: every block checkpointed, compiled
 regions), calibrate's StepFn over it without DeepSpeed (packed_engine.PlainEngine), and after one warm-up of each
-side A B B A pairs per case. Writes OUT/ckpt-policy.json (every pair, fwd+bwd ms, peaks, the env)."""
+side A B B A pairs per case; with --profile-kernels one more profiled run of each side (kernel time by kind).
+Writes OUT/ckpt-policy.json (every pair, fwd+bwd ms, peaks, the env)."""
 import argparse
 import json
 import os
@@ -76,6 +77,30 @@ def compared_blocks(side, n) -> int:
     return n - int(blocks * n) if open_recompute == "elementwise" else int(ffn * n)
 
 
+def kernel_split(fn, point, model, sides, device, top=15) -> dict:
+    """--profile-kernels: one more profiled fwd+bwd of each side (after the pairs: compiled and warm), GPU kernel
+    time by kind as packed_profile.py sorts it, and the kernels whose time differs most between the sides (b - a)."""
+    import packed_profile as pp
+    import torch
+
+    class Sync:  # what profile_once needs of packed_model's Bench
+        cuda = device.type == "cuda"
+
+        def sync(self):
+            if self.cuda:
+                torch.cuda.synchronize()
+
+    runs = {}
+    for side in sides:
+        with policy_of(model, side):
+            runs[side] = pp.profile_once(Sync(), lambda: fn(point))
+    a, b = (runs[side]["kernel_ms"] for side in sides)
+    diff = sorted(((b.get(n, 0.0) - a.get(n, 0.0), n) for n in set(a) | set(b)), key=lambda d: -abs(d[0]))
+    return {**{side: pp.summarise(r) for side, r in runs.items()},
+            "largest_differences_ms": [{"kernel": n[:160], "kind": pp.kind(n), "b_minus_a_ms": round(d, 2)}
+                                       for d, n in diff[:top]]}
+
+
 def run(args) -> dict:
     import torch
     from packed_engine import micro_batches, plain_step
@@ -125,6 +150,8 @@ def run(args) -> dict:
             rec["extra_bytes_per_token_block"] = round(extra / (tokens * rec["blocks_compared"]))
             if b == "keep-ffn":  # the FFN output's size
                 rec["expected_bytes_per_token_block"] = cfg.dim * (2 if dtype == torch.bfloat16 else 4)
+        if args.profile_kernels:
+            rec["kernels"] = kernel_split(fn, point, model, (a, b), device)
         print("CASE " + json.dumps(rec), flush=True)
         out["cases"].append(rec)
     out["seconds"] = round(time.perf_counter() - t0, 1)
@@ -141,6 +168,8 @@ def main(argv=None):
     ap.add_argument("--pairs", type=int, default=3, help="ABBA pairs per case")
     ap.add_argument("--budget-s", type=float, default=400.0, help="no pair starts after this many seconds")
     ap.add_argument("--compare", default=COMPARE[0], choices=COMPARE, help="side a:side b, timed in ABBA pairs")
+    ap.add_argument("--profile-kernels", action="store_true",
+                    help="then one profiled fwd+bwd of each side: kernel time by kind, the largest differences")
     args = ap.parse_args(argv)
     harness.comma_choices(ap, "--cases", args.cases, CASES)
     os.makedirs(args.out, exist_ok=True)
