@@ -81,9 +81,15 @@ def _git(*args):
         return ""
 
 
-def environment():
+def environment(gpu=False):
     """Where and with what a result was measured. Versions come from package metadata, so a CPU script does
-    not pay torch's import; device name and CUDA only where torch is already imported (a GPU script)."""
+    not pay torch's import; device name and CUDA only where torch is imported: already (a GPU script), or here
+    with gpu=True (a parent whose runs are subprocesses), where it is installed."""
+    if gpu:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            pass
     env = {"date": datetime.date.today().isoformat(),
            "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "host": platform.node(), "machine": platform.machine(), "processor": platform.processor(),
@@ -171,11 +177,7 @@ def main(argv=None):
     ap.add_argument("what", choices=["env"])
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
-    try:  # the GPU's name and CUDA version need torch itself
-        import torch  # noqa: F401
-    except ImportError:
-        pass
-    env = {**environment(), "nvidia_smi": gpu_query()}
+    env = {**environment(gpu=True), "nvidia_smi": gpu_query()}
     text = json.dumps(env, indent=1)
     print(text)
     if args.out:

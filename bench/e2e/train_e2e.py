@@ -344,14 +344,6 @@ def simulate(profile, ranks_list, samples_per_rank, grad_accum, mix, lockstep):
     return rows
 
 
-def env_info():
-    try:  # the GPU's name needs torch imported (the runs themselves are subprocesses)
-        import torch  # noqa: F401
-    except ImportError:
-        pass
-    return environment()
-
-
 def merge(args):
     """One results file from several runs' JSONs: metadata of the first, every run re-reduced from its raw
     step logs with this file's reduce_run (so all runs carry the same metrics), simulation of the last."""
@@ -485,7 +477,7 @@ def main(argv=None):
     print(f"[e2e] steps per run {steps_of} ({args.warmup} warm-up); variants {kept}"
           + (f"; dropped for time: {dropped}" if dropped else ""), flush=True)
 
-    info = env_info()
+    info = environment(gpu=True)  # the runs themselves are subprocesses
     date = datetime.date.today().isoformat()
     tag = args.tag or f"train_e2e-{date}-{'cpu-smoke' if SMOKE else 'h200x2'}"
     path = os.path.join(args.out_dir, f"{tag}.json")

@@ -209,15 +209,8 @@ def main(argv=None):
         agreement(results)
         name = os.path.splitext(os.path.basename(config))[0]
         with open(os.path.join(args.out, f"optim-step-{name}.json"), "w") as f:
-            json.dump({"config": config, "results": results, "env": environment()}, f, indent=1)
+            json.dump({"config": config, "results": results, "env": harness.environment(gpu=True)}, f, indent=1)
     return rc
-
-
-def environment() -> dict:
-    """harness.environment with the GPU's name, which it gives only where torch is imported."""
-    import torch  # noqa: F401
-
-    return harness.environment()
 
 
 if __name__ == "__main__":

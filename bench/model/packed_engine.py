@@ -148,7 +148,7 @@ def child(args) -> dict:
     engine, dims, seq_shard, device, dtype = init_engine(cfg, ds, opts)
     fn = StepFn(engine, cfg, geo, seq_shard, device, dtype, seed=0, dims=dims)
     pairs = comparisons(pm, geo)
-    cases = list(dict.fromkeys(args.cases.split(",")))  # in the order asked for
+    cases = args.case_list  # in the order asked for
     fns = {"mixed-plain": plain_step(cfg, opts, geo, device, dtype, dims)} if "mixed-plain" in cases else {}
     out = {"config": args.child, "compile_blocks": args.compile_blocks, "world": dims.world,
            "engine_s": round(time.perf_counter() - t0, 1), "comparisons": []}
@@ -195,7 +195,7 @@ def main(argv=None):
                     help="no pair starts after this many seconds (each config: an equal share of what is left)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    harness.comma_choices(ap, "--cases", args.cases, CASES)
+    args.case_list = harness.comma_choices(ap, "--cases", args.cases, CASES)
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0
@@ -210,7 +210,7 @@ def main(argv=None):
                             str(max(left, 0.0))], "RESULT ")
         if res is None:
             res, rc = {"config": config, "rc": p.returncode, "stderr_tail": p.stderr[-4000:]}, 1
-        res["env"] = environment()
+        res["env"] = harness.environment(gpu=True)
         name = os.path.splitext(os.path.basename(config))[0]
         with open(os.path.join(args.out, f"packed-engine-{name}.json"), "w") as f:
             json.dump(res, f, indent=1)
@@ -218,14 +218,6 @@ def main(argv=None):
             print(f"[packed_engine] {name}: {c['name']}: ratio {c.get('ratio_median')}, saved "
                   f"{c.get('saved_ms_median')} ms (pairs {len(c['pairs'])})", flush=True)
     return rc
-
-
-def environment() -> dict:
-    """harness.environment (date, versions, git commit), with the GPU's name: it names one only where torch is
-    imported, which this parent process otherwise does not do."""
-    import torch  # noqa: F401
-
-    return harness.environment()
 
 
 if __name__ == "__main__":

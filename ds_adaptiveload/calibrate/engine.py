@@ -131,8 +131,8 @@ class StepFn:
         m = self.engine.module
         m.checkpoint_blocks, m.checkpoint_policy = blocks, "attention" if policy == "attention-ffn" else policy
         m.checkpoint_full_blocks = 0
-        ffn = policy == "attention-ffn"
-        m.checkpoint_ffn_blocks = (len(m.blocks) if blocks is True else int(blocks or 0)) if ffn else 0
+        # every checkpointed block: WanModel.forward keeps the FFN output of at most its checkpointed ones
+        m.checkpoint_ffn_blocks = len(m.blocks) if policy == "attention-ffn" else 0
 
     def _inputs(self, p):
         """Random latents and text contexts of p's shape: [B, C, ...] tensors for a grid Point, lists of
