@@ -149,6 +149,10 @@ STAGES = {
                          op=True, margin=60),
     "optim_step": Stage([py("bench/model/optim_step.py", "--out", "{out}")], 300,
                         "engine.step() with torch's foreach and fused AdamW and DeepSpeed's FusedAdam"),
+    "attn_test": Stage([py(*PYTEST, "-m", "cuda", "tests/test_attention_cuda.py")], 150,
+                       "FlashAttention-4 in the model: kernels, packed model, checkpointing, compiled block (--fa4)"),
+    "attn_backends": Stage([py("bench/model/attn_backends.py", "--out", "{out}")], 240,
+                           "self-attention kernels at the model's shapes: SDPA cuDNN / flash against FlashAttention-4"),
     "gemm_rows": Stage([py("bench/model/gemm_rows.py", "--out", "{out}")], 90,
                        "the block's GEMMs at a packed micro-batch's rows vs the separate ones' (cuBLAS, cuBLASLt)"),
     "mfu": Stage([py("bench/mfu.py")], 300, "model FLOPs utilisation", op=True, needs_file="bench/mfu.py"),
@@ -375,6 +379,48 @@ def run_group(group, stages, budget, out, env, extra, log):
     return [records[n] for n, _ in group]
 
 
+FA4_SITE, FA4_PARTS = "/tmp/fa4site", "/tmp/fa4parts"
+
+
+def _joined_parts(fa4_dir):
+    """cu13.tar.xz, or its parts cu13.tar.xz.part* (by name) from fa4_dir and FA4_PARTS: a working tree that travels
+    holds 64 MiB, so an earlier call on the same warm machine may leave the first part in FA4_PARTS."""
+    import io
+
+    whole = os.path.join(fa4_dir, "cu13.tar.xz")
+    if os.path.exists(whole):
+        return open(whole, "rb")
+    parts = sorted(glob.glob(os.path.join(fa4_dir, "cu13.tar.xz.part*")) + glob.glob(f"{FA4_PARTS}/cu13.tar.xz.part*"),
+                   key=os.path.basename)
+    names = [os.path.basename(p) for p in parts]
+    if not parts or len(set(names)) != len(names):
+        raise FileNotFoundError(f"cu13.tar.xz: found parts {names} in {fa4_dir} and {FA4_PARTS}")
+    return io.BytesIO(b"".join(open(p, "rb").read() for p in parts))
+
+
+def install_fa4(fa4_dir, env, log):
+    """FlashAttention-4 (model/attention.py) from fa4_dir: its wheels (flash_attn_4, quack_kernels,
+    nvidia_cutlass_dsl, -libs-base, -libs-core, apache_tvm_ffi, torch_c_dlpack_ext) and cu13.tar.xz, the
+    nvidia_cutlass_dsl_libs_cu13 wheel's files (92 MB as a wheel, 64 MB in xz, so it may come in parts), into
+    FA4_SITE once per machine. Adds FA4_SITE and the CuTe DSL's packages (what the wheel's .pth adds) to
+    env's PYTHONPATH; False when it failed."""
+    try:
+        if not os.path.exists(f"{FA4_SITE}/.done"):
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                            "--no-cache-dir", "--upgrade", "--target", FA4_SITE,
+                            *sorted(glob.glob(os.path.join(fa4_dir, "*.whl")))], check=True)
+            with tarfile.open(fileobj=_joined_parts(fa4_dir), mode="r:xz") as tar:
+                tar.extractall(FA4_SITE, filter="data")
+            open(f"{FA4_SITE}/.done", "w").close()
+            log(f"installed FlashAttention-4 into {FA4_SITE}")
+    except (OSError, subprocess.SubprocessError, tarfile.TarError) as e:
+        log(f"FlashAttention-4 install failed: {type(e).__name__}: {e}")
+        return False
+    paths = [FA4_SITE, f"{FA4_SITE}/nvidia_cutlass_dsl/dsl_packages"]
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return True
+
+
 def main(argv=None, stages=None):
     stages = STAGES if stages is None else stages
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="stages: " + ", ".join(stages))
@@ -384,6 +430,7 @@ def main(argv=None, stages=None):
     ap.add_argument("--args", action="append", default=[], metavar="STAGE=ARGS",
                     help="more arguments for the stage's last command, one shell-quoted string")
     ap.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="folder of wheels to install first")
+    ap.add_argument("--fa4", default="", metavar="DIR", help="install FlashAttention-4 from DIR first (install_fa4)")
     ap.add_argument("--list", action="store_true", help="print the stages and exit")
     a = ap.parse_args(argv)
     if a.list:
@@ -397,6 +444,8 @@ def main(argv=None, stages=None):
     log = Log(os.path.join(a.out, "summary.txt"), budget)
     log(f"stages {a.stages} (budget {a.budget_s:.0f} s), {ROOT}")
     env = install_wheels(a.out, budget, log, a.wheels)
+    if env is not None and a.fa4 and not install_fa4(a.fa4, env, log):
+        env = None
     records = [] if env is not None else [{"stage": "install", "status": "failed"}]
     for group in groups if env is not None else []:
         records += run_group(group, stages, budget, a.out, env, extra, log)
