@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "bench", "e2e"))
 
 import harness  # noqa: E402
+from ds_adaptiveload.model.config import ATTENTION_BACKENDS  # noqa: E402
 
 GIB = 2**30
 # name -> (B, latent frames, latent height, latent width): 480x832 is 60x104, 720x1280 is 90x160 (stride 8)
@@ -74,6 +75,8 @@ def parse_args(argv=None):
                    help="train-* variants: train this many whole epochs of each variant's own plan instead of "
                         "--e2e-steps, so that the variants train the same samples")
     p.add_argument("--e2e-warmup", type=int, default=3, help="steps left out of e2e_mfu (start-up, compiles)")
+    p.add_argument("--e2e-attention", choices=ATTENTION_BACKENDS, default=None,
+                   help="the trainer's --attention (default: the trainer's own, auto)")
     p.add_argument("--e2e-soak-s", type=float, default=0.0,
                    help="load the GPU (bench/gpu_soak.py) while each e2e variant starts, until its first step is "
                         "logged or this many seconds pass, so that its warm steps run at the steady power state; "

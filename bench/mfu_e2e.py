@@ -188,6 +188,8 @@ def e2e_variant(args, name, manifest, memory, deadline):
         env["DS_ADAPTIVELOAD_LN_MODULATE"] = args.compile_ln
     if name in TRAINER_E2E and args.compile_cache:
         flags = [*flags, "--compile-cache", os.path.abspath(args.compile_cache)]
+    if args.e2e_attention:
+        flags = [*flags, "--attention", args.e2e_attention]
     log = os.path.join(args.out, f"e2e_{name}_train.log")
     os.environ.update(env)
     gpu_csv = os.path.join(args.out, f"e2e_{name}_gpu.csv")

@@ -28,6 +28,7 @@ def _ckpt_blocks(value: str):
 def parse_args(argv=None):
     import deepspeed
 
+    from ds_adaptiveload.model.config import ATTENTION_BACKENDS
     from ds_adaptiveload.schedule.mixes import MIXES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -56,6 +57,10 @@ def parse_args(argv=None):
                         "shape groups), 'regions' its elementwise steps one by one (the same few graphs for any "
                         "packed micro-batch, and faster on the H200); auto (the bare flag): regions. "
                         "--compile compiles the engine")
+    p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
+                   help="the self-attention kernels: torch SDPA (cuDNN on Hopper), FlashAttention-4 (fa4: the optional "
+                        "flash-attn-4 package; 11-17%% faster on the H200, docs/benchmarks.md), or auto: fa4 on a "
+                        "Hopper GPU where the package imports, else sdpa (model/attention.py)")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of --compile-blocks (aot_eager: traced, no code generation)")
     p.add_argument("--compile-cache", help="file of compiled artifacts: loaded at start if present, rewritten after "

@@ -7,6 +7,7 @@ from ds_adaptiveload.calibrate.measure import measure_profile
 from ds_adaptiveload.calibrate.packs import PACKS
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
+from ds_adaptiveload.model.config import ATTENTION_BACKENDS
 from ds_adaptiveload.schedule.profile import CostProfile
 
 
@@ -27,6 +28,8 @@ def add_arguments(p):
     p.add_argument("--compile-blocks", nargs="?", const="auto", default=None, metavar="KIND",
                    help="compile the blocks as the trainer's --compile-blocks KIND does (auto, block or regions), "
                         "so that time and memory are measured for the code training runs (default: eager)")
+    p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
+                   help="the self-attention kernels, as the trainer's --attention (model/attention.py)")
     p.add_argument("--train-world-size", type=int, default=None,
                    help="GPUs of the training run the budget is for (ZeRO-3 shards scale with 1/N); "
                         "default: this run's world size, at least sequence_parallel_size (--estimate: at least 2)")

@@ -35,13 +35,16 @@ def build_model(cfg, args, mpu=None):
     import torch
 
     from ds_adaptiveload.model import WanModel
+    from ds_adaptiveload.model.attention import resolve_attention
     from ds_adaptiveload.train import sp as tsp
 
     torch.manual_seed(args.seed)
     model = WanModel(cfg, checkpoint_blocks=args.checkpoint_blocks)
     with torch.no_grad():  # the zero-initialised head would make every other gradient zero
         model.head.head.weight.normal_(std=0.02)
-    seq_shard = tsp.apply_ulysses(model, mpu, cfg.num_heads)
+    _, core = resolve_attention(getattr(args, "attention", "sdpa"))  # as the trainer does
+    model.set_attention(core)
+    seq_shard = tsp.apply_ulysses(model, mpu, cfg.num_heads, core)
     if getattr(args, "compile_blocks", None):  # as the trainer does, before deepspeed.initialize
         from ds_adaptiveload.model.compile import apply_compile, compile_kind
 

@@ -87,6 +87,7 @@ def run_meta(cfg, ds, args, sp, world):
             "deepspeed_config": args.deepspeed_config, "zero_stage": zero, "dtype": dtype, "sp": sp,
             "world_size": world, "checkpoint_blocks": bool(args.checkpoint_blocks),
             "compile_blocks": getattr(args, "compile_blocks", None) or "none",
+            "attention": getattr(args, "attention", "sdpa"),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "torch": ver("torch"), "deepspeed": ver("deepspeed"), "python": sys.version.split()[0],
             "ln_modulate": os.environ.get("DS_ADAPTIVELOAD_LN_MODULATE", "auto")}

@@ -8,6 +8,8 @@ _EXPORTS = {
     "WanModel": "ds_adaptiveload.model.wan",
     "SeqShard": "ds_adaptiveload.model.wan",
     "sdpa_attention": "ds_adaptiveload.model.wan",
+    "fa4_attention": "ds_adaptiveload.model.attention",
+    "resolve_attention": "ds_adaptiveload.model.attention",
     "load_wan_checkpoint": "ds_adaptiveload.model.checkpoint",
     "save_wan_checkpoint": "ds_adaptiveload.model.checkpoint",
 }

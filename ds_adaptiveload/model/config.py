@@ -5,6 +5,9 @@ from math import prod
 
 from ds_adaptiveload.errors import UserError
 
+# --attention of the trainer and calibrate: the self-attention kernels (model/attention.resolve_attention)
+ATTENTION_BACKENDS = ("auto", "sdpa", "fa4")
+
 
 @dataclass
 class WanConfig:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.model.attention import FA4_FORWARD_OP
 from ds_adaptiveload.model.config import WanConfig
 from ds_adaptiveload.model.layout import AttentionFn, BlockFns, Layout, modulate_rows
 from ds_adaptiveload.model.packed_ops import RowsLinear
@@ -141,7 +142,7 @@ class CrossAttention(SelfAttention):
 _SAVED_ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_flash_attention_forward", "_efficient_attention_forward") if hasattr(torch.ops.aten, name))
+    "_flash_attention_forward", "_efficient_attention_forward") if hasattr(torch.ops.aten, name)) + (FA4_FORWARD_OP,)
 
 
 def save_attention_policy(ctx, op, *args, **kwargs):

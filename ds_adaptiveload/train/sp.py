@@ -47,9 +47,9 @@ def init_sequence_parallel(dims: ParallelDims):
     return mpu
 
 
-def apply_ulysses(model, mpu, num_heads: int):
-    """Route the model's self-attention through DistributedAttention; returns the SeqShard to pass to
-    forward (None without SP)."""
+def apply_ulysses(model, mpu, num_heads: int, core=None):
+    """Route the model's self-attention through DistributedAttention around `core` (None: sdpa_attention; the
+    kernels model/attention.resolve_attention chose); returns the SeqShard to pass to forward (None without SP)."""
     if mpu is None:
         return None
     from deepspeed.sequence.layer import DistributedAttention
@@ -61,7 +61,8 @@ def apply_ulysses(model, mpu, num_heads: int):
     if num_heads % k:
         raise UserError(f"sequence_parallel_size {k} must divide the model's num_heads {num_heads}")
     # [B, S, heads, d]: batch dim 0, scatter heads (2), gather the sequence (1).
-    dist_attn = DistributedAttention(sdpa_attention, mpu.get_sequence_parallel_group(), scatter_idx=2, gather_idx=1)
+    dist_attn = DistributedAttention(core or sdpa_attention, mpu.get_sequence_parallel_group(), scatter_idx=2,
+                                     gather_idx=1)
 
     def attention(q, k_, v, **kwargs):
         return dist_attn(q, k_, v, 0, **kwargs)

@@ -27,6 +27,7 @@ class Trainer:
         import torch.distributed as dist
 
         from ds_adaptiveload.data import latents as data
+        from ds_adaptiveload.model.attention import resolve_attention
         from ds_adaptiveload.train.build import build_model
         from ds_adaptiveload.train import engine as eng, faults, metrics, sp
 
@@ -70,7 +71,12 @@ class Trainer:
             held = sum(p.ds_tensor.numel() for p in model.parameters())
             print(f"[train_wan] ZeRO-3: model built partitioned (zero.Init), {held:,} of "
                   f"{sum(p.ds_numel for p in model.parameters()):,} parameter elements on rank 0", flush=True)
-        self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads)
+        self.attention, core = resolve_attention(getattr(args, "attention", "sdpa"))
+        if self.rank == 0:
+            print(f"[train_wan] attention: {self.attention} (--attention {getattr(args, 'attention', 'sdpa')})",
+                  flush=True)
+        model.set_attention(core)
+        self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads, core)
         if getattr(args, "compile_blocks", False):
             from ds_adaptiveload.model.compile import apply_compile, compile_kind, load_compile_cache
 

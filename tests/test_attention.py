@@ -1,0 +1,131 @@
+"""model/attention.py: --attention's choice of kernels, and FlashAttention-4 as torch custom ops. On CPU the FA4
+kernels are stood in for by a float64 reference (`fake_fa4`), which tests the ops' autograd, the SP padding and
+that selective checkpointing keeps their output instead of running them again; tests/test_attention_cuda.py runs
+the real kernels."""
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.model import attention, wan
+
+
+def test_resolve_sdpa_and_auto_without_a_gpu():
+    assert attention.resolve_attention("sdpa") == ("sdpa", wan.sdpa_attention)
+    if not torch.cuda.is_available():
+        assert attention.resolve_attention("auto") == ("sdpa", wan.sdpa_attention)
+
+
+def test_resolve_rejects_unknown_and_unrunnable(monkeypatch):
+    with pytest.raises(UserError, match="--attention 'flash3'"):
+        attention.resolve_attention("flash3")
+    monkeypatch.setattr(attention, "fa4_unavailable", lambda device=None: "no CUDA device")
+    with pytest.raises(UserError, match="--attention fa4: FlashAttention-4 cannot run here: no CUDA device"):
+        attention.resolve_attention("fa4")
+    assert attention.resolve_attention("auto")[0] == "sdpa"
+
+
+@pytest.mark.parametrize("major, expected", [(9, "fa4"), (8, "sdpa"), (10, "sdpa")])
+def test_auto_takes_fa4_on_hopper_only(monkeypatch, major, expected):
+    monkeypatch.setattr(attention, "fa4_unavailable", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    name, fn = attention.resolve_attention("auto")
+    assert name == expected
+    assert fn is (attention.fa4_attention if expected == "fa4" else wan.sdpa_attention)
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    """flash_attn.cute.interface's two entry points in float64 math; counts the forward's calls."""
+    calls = {"fwd": 0, "bwd": 0}
+
+    def scores(q, k):  # [B, H, S, S_k]
+        return torch.einsum("bshd,bthd->bhst", q.double(), k.double()) / q.shape[-1] ** 0.5
+
+    def fwd(q, k, v, return_lse=False):
+        calls["fwd"] += 1
+        s = scores(q, k)
+        out = torch.einsum("bhst,bthd->bshd", s.softmax(-1), v.double()).to(q.dtype)
+        return out.contiguous(), s.logsumexp(-1).float(), None, None, None
+
+    def bwd(q, k, v, out, dout, lse):  # softmax attention's gradients written out (no autograd inside an op)
+        calls["bwd"] += 1
+        p = scores(q, k).softmax(-1)
+        do, v64 = dout.double(), v.double()
+        dv = torch.einsum("bhst,bshd->bthd", p, do)
+        dp = torch.einsum("bshd,bthd->bhst", do, v64)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) / q.shape[-1] ** 0.5
+        dq = torch.einsum("bhst,bthd->bshd", ds, k.double())
+        dk = torch.einsum("bhst,bshd->bthd", ds, q.double())
+        return tuple(g.to(q.dtype) for g in (dq, dk, dv))
+
+    monkeypatch.setattr(attention, "_interface", lambda: types.SimpleNamespace(_flash_attn_fwd=fwd,
+                                                                               _flash_attn_bwd=bwd))
+    return calls
+
+
+def _qkv(b=2, s=24, s_k=24, h=3, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, n, h, d, generator=g, dtype=torch.float64, requires_grad=True)
+            for n in (s, s_k, s_k)]
+
+
+@pytest.fixture
+def cuda_like(monkeypatch):
+    """fa4_attention's tensors taken for CUDA ones (it hands CPU and fp32 tensors to SDPA)."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(attention, "_HALF", (torch.float64,))
+
+
+def test_fa4_hands_fp32_and_cpu_tensors_to_sdpa(fake_fa4):
+    q, k, v = _qkv()
+    torch.testing.assert_close(attention.fa4_attention(q, k, v), wan.sdpa_attention(q, k, v))
+    assert fake_fa4["fwd"] == 0
+
+
+@pytest.mark.parametrize("valid_len", [None, 17])
+def test_fa4_op_matches_sdpa_with_gradients(fake_fa4, cuda_like, valid_len):
+    q, k, v = _qkv()
+    dout = torch.randn(q.shape, dtype=torch.float64)
+    got = attention.fa4_attention(q, k, v, valid_len=valid_len)
+    grads = torch.autograd.grad(got, (q, k, v), dout)
+    want = wan.sdpa_attention(q, k, v, valid_len=valid_len)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b)
+    if valid_len:  # the padded keys get no gradient
+        assert grads[1][:, valid_len:].abs().max() == 0
+    assert fake_fa4 == {"fwd": 1, "bwd": 1}
+
+
+def test_selective_checkpointing_keeps_the_fa4_output(fake_fa4, cuda_like):
+    """Under the attention policy (wan.save_attention_policy) the recompute in backward reuses the kernel's output
+    and logsumexp: the forward kernel runs once, and the gradients equal running without checkpointing."""
+    q, k, v = _qkv()
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+
+    def block(q, k, v):
+        return attention.fa4_attention(F.gelu(q @ w), k, v).sin()
+
+    out = checkpoint(block, q, k, v, use_reentrant=False,
+                     context_fn=lambda: create_selective_checkpoint_contexts(wan.save_attention_policy))
+    grads = torch.autograd.grad(out.sum(), (q, k, v, w))
+    assert fake_fa4["fwd"] == 1
+    want = torch.autograd.grad(block(q, k, v).sum(), (q, k, v, w))
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_fake_shapes_for_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, n, 4, 16, dtype=torch.bfloat16) for n in (40, 12, 12))
+        out, lse = attention._fa4_forward(q, k, v)
+        dq, dk, dv = attention._fa4_backward(out, q, k, v, out, lse)
+    assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dk.is_contiguous()
