@@ -114,3 +114,40 @@ def test_run_child_gives_the_child_a_port_of_its_own(monkeypatch):
         got, p = run_child(["-c", code], "PORT ")
     assert p.returncode == 0, p.stderr[-2000:]
     assert isinstance(got, int) and got != port
+
+
+def test_fa4_libraries_install_from_parts_split_over_two_calls(tmp_path, monkeypatch):
+    """--fa4: the CuTe DSL libraries' tar.xz may come in parts, the first left in FA4_PARTS by an earlier call on
+    the same machine; they are joined in name order and unpacked once, and every stage gets FA4_SITE and the
+    DSL's packages on PYTHONPATH. A missing part is an error naming both places, and the install reports False."""
+    import io
+    import lzma
+
+    run = _runner()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz") as tar:
+        data = b"lib" * 1000
+        info = tarfile.TarInfo("nvidia_cutlass_dsl/dsl_packages/cutlass/lib.so")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    blob = buf.getvalue()
+    assert lzma.decompress(blob)
+    fa4_dir, parts, site = tmp_path / "fa4", tmp_path / "parts", tmp_path / "site"
+    fa4_dir.mkdir(), parts.mkdir()
+    (parts / "cu13.tar.xz.part00").write_bytes(blob[:100])
+    (fa4_dir / "cu13.tar.xz.part01").write_bytes(blob[100:])
+    monkeypatch.setattr(run, "FA4_SITE", str(site))
+    monkeypatch.setattr(run, "FA4_PARTS", str(parts))
+    (fa4_dir / "flash_attn_4-0-py3-none-any.whl").write_bytes(b"")
+    pips = []
+    monkeypatch.setattr(run.subprocess, "run", lambda cmd, check: pips.append(cmd))
+    env, logged = {"PYTHONPATH": "/x"}, []
+    assert run.install_fa4(str(fa4_dir), env, logged.append)
+    (pip,) = pips
+    assert pip[-1].endswith("flash_attn_4-0-py3-none-any.whl") and pip[pip.index("--target") + 1] == str(site)
+    assert (site / "nvidia_cutlass_dsl/dsl_packages/cutlass/lib.so").read_bytes() == data
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(site), f"{site}/nvidia_cutlass_dsl/dsl_packages", "/x"]
+    (parts / "cu13.tar.xz.part00").unlink()
+    (site / ".done").unlink()
+    assert not run.install_fa4(str(fa4_dir), {}, logged.append)
+    assert "found parts ['cu13.tar.xz.part01']" in logged[-1] and str(parts) in logged[-1]

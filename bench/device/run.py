@@ -393,8 +393,9 @@ def _joined_parts(fa4_dir):
     parts = sorted(glob.glob(os.path.join(fa4_dir, "cu13.tar.xz.part*")) + glob.glob(f"{FA4_PARTS}/cu13.tar.xz.part*"),
                    key=os.path.basename)
     names = [os.path.basename(p) for p in parts]
-    if not parts or len(set(names)) != len(names):
-        raise FileNotFoundError(f"cu13.tar.xz: found parts {names} in {fa4_dir} and {FA4_PARTS}")
+    if not parts or names != [f"cu13.tar.xz.part{i:02d}" for i in range(len(parts))]:  # split -d's names, none missing
+        raise FileNotFoundError(f"cu13.tar.xz: found parts {names} in {fa4_dir} and {FA4_PARTS}, "
+                                f"expected part00, part01, ...")
     return io.BytesIO(b"".join(open(p, "rb").read() for p in parts))
 
 
@@ -406,9 +407,11 @@ def install_fa4(fa4_dir, env, log):
     env's PYTHONPATH; False when it failed."""
     try:
         if not os.path.exists(f"{FA4_SITE}/.done"):
+            wheels = sorted(glob.glob(os.path.join(fa4_dir, "*.whl")))
+            if not wheels:
+                raise FileNotFoundError(f"no wheels in {fa4_dir}")
             subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                            "--no-cache-dir", "--upgrade", "--target", FA4_SITE,
-                            *sorted(glob.glob(os.path.join(fa4_dir, "*.whl")))], check=True)
+                            "--no-cache-dir", "--upgrade", "--target", FA4_SITE, *wheels], check=True)
             with tarfile.open(fileobj=_joined_parts(fa4_dir), mode="r:xz") as tar:
                 tar.extractall(FA4_SITE, filter="data")
             open(f"{FA4_SITE}/.done", "w").close()
