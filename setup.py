@@ -47,6 +47,8 @@ setup(
     extras_require={
         "test": ["pytest", "hypothesis", "diffusers", "transformers", "tokenizers", "av", "matplotlib"],
         "dataset": ["av", "matplotlib"],
+        # --attention fa4 (auto takes it on Hopper): FlashAttention-4, CuTe DSL kernels (model/attention.py)
+        "fa4": ["flash-attn-4"],
         # `encode`: Wan's VAE (diffusers AutoencoderKLWan) and umT5 (transformers UMT5EncoderModel)
         "encode": ["av", "diffusers>=0.33", "transformers>=4.45", "tokenizers"],
     },
