@@ -161,6 +161,13 @@ def checkpoint_ks(tokens: int, samples: int, profile_memory: dict, num_layers: i
     return k, k
 
 
+def checkpoint_plan(tokens: int, samples: int, profile_memory: dict, num_layers: int, policy: str = "full") -> tuple:
+    """(k, k_full, k_ffn) of a micro-batch: checkpoint_ks, and how many of its checkpointed blocks keep their FFN
+    output (ffn_blocks; 0 under full). The one answer the trainer sets the model to and the planner costs."""
+    k, k_full = checkpoint_ks(tokens, samples, profile_memory, num_layers, policy)
+    return k, k_full, ffn_blocks(tokens, samples, profile_memory, num_layers, k, k_full)
+
+
 def recompute_factor(k: int, num_layers: int, recompute_frac: float = 0.0, k_full: int = None,
                      attention_frac: float = 0.0, k_ffn: int = 0, ffn_frac: float = 0.0) -> float:
     """t(k) / t(all checkpointed) = 1 - recompute_frac * (L - k) / L - attention_frac * (k - k_full) / L
@@ -210,23 +217,26 @@ class RecomputeCost:
         return cls(mem, L, profile.recompute_frac, profile.attention_recompute_frac, policy,
                    profile.ffn_recompute_frac)
 
-    def ks(self, tokens: int, samples: int) -> tuple:
-        """(k, k_full) as the trainer sets them (checkpoint_ks)."""
-        key = ("ks", tokens, samples)
+    def plan(self, tokens: int, samples: int) -> tuple:
+        """(k, k_full, k_ffn) as the trainer sets them (checkpoint_plan)."""
+        key = ("plan", tokens, samples)
         if key not in self._cache:
-            self._cache[key] = checkpoint_ks(tokens, samples, self.memory, self.L, self.policy)
+            self._cache[key] = checkpoint_plan(tokens, samples, self.memory, self.L, self.policy)
         return self._cache[key]
 
+    def ks(self, tokens: int, samples: int) -> tuple:
+        """(k, k_full) of plan()."""
+        return self.plan(tokens, samples)[:2]
+
     def ffn_blocks(self, tokens: int, samples: int) -> int:
-        """How many of the micro-batch's own checkpointed blocks keep their FFN output (ffn_blocks; 0 under full)."""
-        return ffn_blocks(tokens, samples, self.memory, self.L, *self.ks(tokens, samples))
+        """How many of the micro-batch's own checkpointed blocks keep their FFN output (plan()'s k_ffn)."""
+        return self.plan(tokens, samples)[2]
 
     def factor(self, tokens: int, samples: int, ks: tuple = None) -> float:
         """recompute_factor at ks (default: this micro-batch's own, its FFN-keeping blocks included)."""
         key = ("factor", tokens, samples) if ks is None else ("at", *ks)
         if key not in self._cache:
-            k, k_full = self.ks(tokens, samples) if ks is None else ks
-            k_ffn = self.ffn_blocks(tokens, samples) if ks is None else 0
+            k, k_full, k_ffn = self.plan(tokens, samples) if ks is None else (*ks, 0)
             self._cache[key] = recompute_factor(k, self.L, self.recompute_frac, k_full, self.attention_frac, k_ffn,
                                                 self.ffn_frac)
         return self._cache[key]

@@ -256,9 +256,9 @@ class Trainer:
         self._pred_peak_gib = max(self._pred_peak_gib, peak)
 
     def blocks_to_checkpoint(self, indices) -> tuple:
-        """(k, k_full, k_ffn) of a micro-batch (its sample indices) on this rank's tokens: schedule/memory.checkpoint_ks
-        and ffn_blocks (0 under the full policy, where k_full = k), which the planner costs the micro-batch with too."""
-        from ds_adaptiveload.schedule.memory import checkpoint_ks, ffn_blocks
+        """(k, k_full, k_ffn) of a micro-batch (its sample indices) on this rank's tokens: schedule/memory.checkpoint_plan,
+        which the planner costs the micro-batch with too (RecomputeCost.plan)."""
+        from ds_adaptiveload.schedule.memory import checkpoint_plan
 
         tokens = self.rank_tokens(indices)
         mem, L = self.profile.memory, self.model_cfg.num_layers
@@ -266,8 +266,7 @@ class Trainer:
             import torch
 
             mem = {**mem, "capacity_bytes": torch.cuda.get_device_properties(self.device).total_memory}
-        k, k_full = checkpoint_ks(tokens, len(indices), mem, L, getattr(self.args, "checkpoint_policy", "full"))
-        return k, k_full, ffn_blocks(tokens, len(indices), mem, L, k, k_full)
+        return checkpoint_plan(tokens, len(indices), mem, L, getattr(self.args, "checkpoint_policy", "full"))
 
     def rank_tokens(self, indices) -> int:
         """Tokens of a micro-batch on this rank: ceil(S / sp) of each sample."""
