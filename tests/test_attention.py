@@ -22,7 +22,7 @@ def test_resolve_sdpa_and_auto_without_a_gpu():
 def test_resolve_rejects_unknown_and_unrunnable(monkeypatch):
     with pytest.raises(UserError, match="--attention 'flash3'"):
         attention.resolve_attention("flash3")
-    monkeypatch.setattr(attention, "fa4_unavailable", lambda device=None: "no CUDA device")
+    monkeypatch.setattr(attention, "fa4_unavailable", lambda: "no CUDA device")
     with pytest.raises(UserError, match="--attention fa4: FlashAttention-4 cannot run here: no CUDA device"):
         attention.resolve_attention("fa4")
     assert attention.resolve_attention("auto")[0] == "sdpa"
@@ -30,7 +30,7 @@ def test_resolve_rejects_unknown_and_unrunnable(monkeypatch):
 
 @pytest.mark.parametrize("major, expected", [(9, "fa4"), (8, "sdpa"), (10, "sdpa")])
 def test_auto_takes_fa4_on_hopper_only(monkeypatch, major, expected):
-    monkeypatch.setattr(attention, "fa4_unavailable", lambda device=None: None)
+    monkeypatch.setattr(attention, "fa4_unavailable", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
     name, fn = attention.resolve_attention("auto")
     assert name == expected

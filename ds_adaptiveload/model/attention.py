@@ -12,6 +12,7 @@ import torch
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.config import ATTENTION_BACKENDS
+
 _HALF = (torch.float16, torch.bfloat16)  # the dtypes FA4 takes
 # auto takes FA4 on these compute capabilities only: where it was measured against cuDNN (Hopper, the H200)
 AUTO_FA4_MAJORS = (9,)
@@ -74,7 +75,7 @@ def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_len: 
     return _fa4_forward(q, k, v)[0]
 
 
-def fa4_unavailable(device: Optional[torch.device] = None) -> Optional[str]:
+def fa4_unavailable() -> Optional[str]:
     """Why FA4 cannot run here (None: it can): no CUDA device, or the flash-attn-4 package missing or broken."""
     if not torch.cuda.is_available():
         return "no CUDA device"
