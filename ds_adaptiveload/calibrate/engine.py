@@ -43,7 +43,6 @@ def build_model(cfg, args, mpu=None):
     with torch.no_grad():  # the zero-initialised head would make every other gradient zero
         model.head.head.weight.normal_(std=0.02)
     _, core = resolve_attention(getattr(args, "attention", "sdpa"))  # as the trainer does
-    model.set_attention(core)
     seq_shard = tsp.apply_ulysses(model, mpu, cfg.num_heads, core)
     if getattr(args, "compile_blocks", None):  # as the trainer does, before deepspeed.initialize
         from ds_adaptiveload.model.compile import apply_compile, compile_kind

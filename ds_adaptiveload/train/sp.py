@@ -48,21 +48,24 @@ def init_sequence_parallel(dims: ParallelDims):
 
 
 def apply_ulysses(model, mpu, num_heads: int, core=None):
-    """Route the model's self-attention through DistributedAttention around `core` (None: sdpa_attention; the
-    kernels model/attention.resolve_attention chose); returns the SeqShard to pass to forward (None without SP)."""
+    """Set the model's self-attention core to `core` (None: sdpa_attention; else the kernels
+    model/attention.resolve_attention chose), under SP wrapped in DistributedAttention; returns the SeqShard to pass
+    to forward (None without SP)."""
+    from ds_adaptiveload.model import SeqShard, sdpa_attention
+
+    core = core or sdpa_attention
+    model.set_attention(core)
     if mpu is None:
         return None
     from deepspeed.sequence.layer import DistributedAttention
 
     from ds_adaptiveload.errors import UserError
-    from ds_adaptiveload.model import SeqShard, sdpa_attention
 
     k = mpu.get_sequence_parallel_world_size()
     if num_heads % k:
         raise UserError(f"sequence_parallel_size {k} must divide the model's num_heads {num_heads}")
     # [B, S, heads, d]: batch dim 0, scatter heads (2), gather the sequence (1).
-    dist_attn = DistributedAttention(core or sdpa_attention, mpu.get_sequence_parallel_group(), scatter_idx=2,
-                                     gather_idx=1)
+    dist_attn = DistributedAttention(core, mpu.get_sequence_parallel_group(), scatter_idx=2, gather_idx=1)
 
     def attention(q, k_, v, **kwargs):
         return dist_attn(q, k_, v, 0, **kwargs)
