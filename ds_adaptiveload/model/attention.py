@@ -62,6 +62,14 @@ _fa4_forward.register_autograd(_backward, setup_context=_setup_context)
 FA4_FORWARD_OP = torch.ops.ds_adaptiveload.fa4_attention.default
 
 
+def drop_padding(k: torch.Tensor, v: torch.Tensor, valid_len: Optional[int]):
+    """k and v [B, S_k, heads, head_dim] without the keys at positions >= valid_len: sequence-parallel padding, always
+    at the end, so slicing is exact (a mask would take the kernels off their fast paths)."""
+    if valid_len is not None and valid_len < k.shape[1]:
+        return k[:, :valid_len], v[:, :valid_len]
+    return k, v
+
+
 def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_len: Optional[int] = None):
     """sdpa_attention's contract through FlashAttention-4: [B, S, heads, head_dim] in and out; keys and values at
     positions >= valid_len (sequence-parallel padding at the end) dropped. FA4 takes fp16 and bf16 CUDA tensors
@@ -70,9 +78,7 @@ def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_len: 
         from ds_adaptiveload.model.wan import sdpa_attention
 
         return sdpa_attention(q, k, v, valid_len=valid_len)
-    if valid_len is not None and valid_len < k.shape[1]:
-        k, v = k[:, :valid_len], v[:, :valid_len]
-    return _fa4_forward(q, k, v)[0]
+    return _fa4_forward(q, *drop_padding(k, v, valid_len))[0]
 
 
 def fa4_unavailable() -> Optional[str]:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.model.attention import FA4_FORWARD_OP
+from ds_adaptiveload.model.attention import FA4_FORWARD_OP, drop_padding
 from ds_adaptiveload.model.config import WanConfig
 from ds_adaptiveload.model.layout import AttentionFn, BlockFns, Layout, modulate_rows
 from ds_adaptiveload.model.packed_ops import RowsLinear
@@ -32,10 +32,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_len:
     """Default attention core. q, k, v: [B, S, heads, head_dim] -> [B, S, heads, head_dim].
 
     valid_len: keys/values at positions >= valid_len are padding (sequence padded to a multiple of the
-    SP world size) and are dropped. Padding is always at the end, so slicing is exact and keeps SDPA on
-    its flash/efficient kernels (a mask would not)."""
-    if valid_len is not None and valid_len < k.shape[1]:
-        k, v = k[:, :valid_len], v[:, :valid_len]
+    SP world size) and are dropped (attention.drop_padding)."""
+    k, v = drop_padding(k, v, valid_len)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2)
 
