@@ -75,21 +75,9 @@ class Trainer:
         if self.rank == 0:
             print(f"[train_wan] attention: {self.attention} (--attention {getattr(args, 'attention', 'sdpa')})",
                   flush=True)
-        model.set_attention(core)
         self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads, core)
         if getattr(args, "compile_blocks", False):
-            from ds_adaptiveload.model.compile import apply_compile, compile_kind, load_compile_cache
-
-            self.compile_kind = compile_kind(args.compile_blocks)  # block or regions
-            apply_compile(model, self.compile_kind, getattr(args, "compile_backend", "inductor"))
-            if self.rank == 0:
-                print(f"[train_wan] --compile-blocks: {self.compile_kind} (model/compile.py)", flush=True)
-                if self.compile_kind == "block" and self.al.policy == "packed":  # docs/model.md, compiled regions
-                    print("[train_wan] warning: --compile-blocks block compiles a graph per number of shape groups, "
-                          "and nearly every packed micro-batch is a new one; regions keep a few", file=sys.stderr,
-                          flush=True)
-            if load_compile_cache(getattr(args, "compile_cache", None)) and self.rank == 0:
-                print(f"[train_wan] compile cache loaded from {args.compile_cache}", flush=True)
+            self.apply_block_compile(model)
         self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
         self.lr_scale = self.install_lr_scaling()
         self.divisor = sp.grad_divisor(self.engine, self.dims)  # what DeepSpeed divides summed gradients by
@@ -104,6 +92,23 @@ class Trainer:
         self.plan_step = None  # the last step read: its sampler state is what a checkpoint saves
         self._k_step, self._k = None, None  # ZeRO-3, --checkpoint-blocks auto: the step whose count _k is
         self._dist = dist
+
+    def apply_block_compile(self, model):
+        """--compile-blocks: the blocks (or their regions) compiled before deepspeed.initialize, and the compile
+        cache loaded where --compile-cache names one."""
+        from ds_adaptiveload.model.compile import apply_compile, compile_kind, load_compile_cache
+
+        args = self.args
+        self.compile_kind = compile_kind(args.compile_blocks)  # block or regions
+        apply_compile(model, self.compile_kind, getattr(args, "compile_backend", "inductor"))
+        if self.rank == 0:
+            print(f"[train_wan] --compile-blocks: {self.compile_kind} (model/compile.py)", flush=True)
+            if self.compile_kind == "block" and self.al.policy == "packed":  # docs/model.md, compiled regions
+                print("[train_wan] warning: --compile-blocks block compiles a graph per number of shape groups, "
+                      "and nearly every packed micro-batch is a new one; regions keep a few", file=sys.stderr,
+                      flush=True)
+        if load_compile_cache(getattr(args, "compile_cache", None)) and self.rank == 0:
+            print(f"[train_wan] compile cache loaded from {args.compile_cache}", flush=True)
 
     def install_lr_scaling(self):
         """adaptive_load.lr_scaling_method linear / sqrt: the LR follows each step's sample count relative to
