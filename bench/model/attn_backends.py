@@ -95,7 +95,7 @@ def run_shape(shape, names, reps, log):
             row["status"] = f"crashed: {type(e).__name__}: {str(e)[:300]}"
             log(f"{shape} {name}: {row['status']}")
     timing = [n for n in names if "status" not in rows[n] and (n != "math" or SMOKE)]
-    for rnd, order in enumerate((timing, timing[::-1])):
+    for order in (timing, timing[::-1]):
         for name in order:
             fn, row = make_fn(name), rows[name]
             qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -109,7 +109,7 @@ def run_shape(shape, names, reps, log):
                 qq.grad = kk.grad = vv.grad = None
             timer = harness.time_cuda if dev == "cuda" else harness.time_cpu
             for part, f in (("fwd", fwd), ("fwdbwd", fwd_bwd)):
-                r = timer(f, warmup=2, rep=reps) if dev == "cuda" else timer(f, warmup=1, rep=reps)
+                r = timer(f, warmup=2 if dev == "cuda" else 1, rep=reps)
                 row.setdefault(f"{part}_ms_rounds", []).append(round(r["median"], 3))
     for name in timing:
         row = rows[name]
