@@ -67,6 +67,7 @@ def test_cpu_measuring_loop_with_tiny_model(tmp_path):
     prof = CostProfile.load(out)
     doc = yaml.safe_load(out.read_text())
     assert doc["meta"]["estimated"] is False and doc["meta"]["device"] == "cpu"
+    assert doc["meta"]["attention"] == "sdpa"  # --attention auto, recorded as the kernels that ran (CPU: SDPA)
     # The whole time model predicts a positive time, not one term of it: with the floor (fit.fit_time) NNLS may zero
     # fixed and per_token when the floor and the quadratic term carry the times (one suite run, 2026-12-02).
     rows = doc["fit"]["points"]

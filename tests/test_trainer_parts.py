@@ -414,6 +414,22 @@ def test_trainer_warns_when_the_profile_was_calibrated_with_other_compiled_block
         eager, "auto")[0]
 
 
+def test_trainer_warns_when_the_profile_was_calibrated_with_other_attention_kernels():
+    """The shipped H200 profiles ran SDPA: a run whose --attention resolves to fa4 is told, one on sdpa is not; a
+    profile that records no backend, or the unresolved flag auto, is left alone."""
+    from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.train.setup import attention_mismatch
+
+    path = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero2.yaml")
+    z2 = CostProfile.load(path)
+    assert z2.meta["attention"] == "sdpa" and attention_mismatch(z2, "sdpa", path) == []
+    (line,) = attention_mismatch(z2, "fa4", path)
+    assert line.startswith(f"warning: {path} was calibrated with --attention sdpa, this run's attention is fa4")
+    for recorded in (None, "auto"):
+        z2.meta = {k: v for k, v in z2.meta.items() if k != "attention"} | ({"attention": recorded} if recorded else {})
+        assert attention_mismatch(z2, "fa4") == []
+
+
 @pytest.mark.parametrize("policy", ["attention", "full"])
 def test_checkpoint_for_sets_the_ffn_blocks_the_memory_model_gives(policy):
     """--checkpoint-blocks auto, not ZeRO-3: the model gets (k, k_full, k_ffn) from schedule/memory (checkpoint_ks

@@ -86,6 +86,10 @@ def run(args) -> int:
         from ds_adaptiveload.train.config import default_alloc_conf
 
         default_alloc_conf()  # before the first CUDA allocation: the allocator the trainer uses
+        from ds_adaptiveload.model.attention import resolve_attention
+
+        # auto -> the kernels that will run, so meta.attention names them (the trainer compares it with its own)
+        args.attention = resolve_attention(args.attention)[0]
         prof = measure_profile(cfg, ds, args, shapes, heldout)
         if prof is None:  # not rank 0 of a multi-rank calibration
             return 0

@@ -11,8 +11,8 @@ import time
 from types import SimpleNamespace
 
 from ds_adaptiveload.train import failures
-from ds_adaptiveload.train.setup import end_loop, prepare_data, read_config, read_step, write_summary, \
-    write_synthetic
+from ds_adaptiveload.train.setup import attention_mismatch, end_loop, prepare_data, read_config, read_step, \
+    write_summary, write_synthetic
 
 
 class Trainer:
@@ -75,6 +75,9 @@ class Trainer:
         if self.rank == 0:
             print(f"[train_wan] attention: {self.attention} (--attention {getattr(args, 'attention', 'sdpa')})",
                   flush=True)
+            for line in attention_mismatch(self.profile, self.attention, self.al.resolve_profile(
+                    args.deepspeed_config)):
+                print(f"[train_wan] {line}", file=sys.stderr, flush=True)
         self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads, core)
         if getattr(args, "compile_blocks", False):
             self.apply_block_compile(model)
