@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model import WanConfig, WanModel
 from ds_adaptiveload.model.compile import compile_blocks
+from ds_adaptiveload.model.gelu_linear import GELU_LINEAR_OP
 from ds_adaptiveload.model.wan import _SAVED_ATTENTION_OPS
 
 
@@ -56,15 +57,17 @@ def assert_same(a, b):
 
 class CountOps(TorchDispatchMode):
     """Counts the attention kernels' forwards, aten.addmm (the forward's biased linears; the backward's own
-    matmuls are bias-free mm) and every op."""
+    matmuls are bias-free mm), the FFN's gelu_linear op, aten.gelu outside it and every op."""
 
     def __init__(self):
         super().__init__()
-        self.attention = self.addmm = self.ops = 0
+        self.attention = self.addmm = self.gelu_linear = self.gelu = self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.attention += func in _SAVED_ATTENTION_OPS
         self.addmm += func is torch.ops.aten.addmm.default
+        self.gelu_linear += func is GELU_LINEAR_OP
+        self.gelu += func is torch.ops.aten.gelu.default
         self.ops += 1
         return func(*args, **(kwargs or {}))
 
@@ -103,7 +106,8 @@ def test_unknown_policy_is_a_user_error():
 @pytest.mark.parametrize("packed", [False, True])
 def test_ffn_blocks_keep_their_ffn_output(packed):
     """checkpoint_ffn_blocks: the last n checkpointed blocks also keep the FFN's output (save_attention_ffn_policy):
-    the same outputs and gradients, and one matmul fewer recomputed per such block."""
+    the same outputs and gradients, and one gelu_linear op (the FFN's GELU and second matmul) fewer recomputed per
+    such block."""
     ref = run(tiny(False), packed)
     counts = {}
     for n in (0, 1, 2):
@@ -111,13 +115,14 @@ def test_ffn_blocks_keep_their_ffn_output(packed):
         model.checkpoint_full_blocks, model.checkpoint_ffn_blocks = 1, n  # block 0 whole: n <= 2 of blocks 1-2
         mode = CountOps()
         assert_same(run(model, packed, mode), ref)
-        counts[n] = mode.addmm
-    assert counts[0] - counts[1] == 1 and counts[1] - counts[2] == 1, counts
+        counts[n] = (mode.addmm, mode.gelu_linear)
+    assert counts[0][1] - counts[1][1] == 1 and counts[1][1] - counts[2][1] == 1, counts
+    assert counts[0][0] == counts[1][0] == counts[2][0], counts  # the other matmuls recomputed as before
     full = tiny(True, "full")
     full.checkpoint_ffn_blocks = 3  # ignored outside the attention policy
     mode = CountOps()
     run(full, packed, mode)
-    assert mode.addmm == counts[0], (mode.addmm, counts)  # every block's matmuls recomputed, as with none kept
+    assert (mode.addmm, mode.gelu_linear) == counts[0], (mode.addmm, counts)  # every block's, as with none kept
 
 
 def test_ffn_output_is_kept_under_compiled_blocks():

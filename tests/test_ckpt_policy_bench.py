@@ -1,37 +1,42 @@
-"""bench/model/ckpt_policy.py's sides (every block keeping its attention outputs, or its FFN output too) and
-model/wan.shrinking_matmul, the rule save_attention_ffn_policy keeps matmul outputs by; CPU, tiny model."""
+"""bench/model/ckpt_policy.py's sides (every block keeping its attention outputs, or its FFN output too), and what
+the replay of a block that keeps its FFN output runs; CPU, tiny model."""
 import os
 import sys
 
 import torch
 
-from ds_adaptiveload.model.wan import shrinking_matmul
 from tests.test_checkpoint_policy import CountOps, assert_same, run, tiny
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "model"))
 import ckpt_policy  # noqa: E402
 
 
-def test_sides_match_and_keep_ffn_skips_one_matmul_per_block():
+def test_sides_match_and_keep_ffn_skips_the_ffn_op_per_block():
+    """In backward, the attention side's replay runs every block's gelu_linear op again; keep-ffn's runs none, and
+    no GELU either: the one aten.gelu per block is the op's backward recomputing gelu(h). As an autograd.Function
+    the replay ran the GELU too, only to feed the matmul the policy had kept (two per block)."""
     model = tiny(True, "attention")
     counts, results = {}, {}
     for side in ("attention", "keep-ffn"):
         mode = CountOps()
         with ckpt_policy.policy_of(model, side):
             results[side] = run(model, True, mode)
-        counts[side] = mode.addmm
+        counts[side] = mode
         assert model.checkpoint_ffn_blocks == 0  # restored after each side
     assert_same(results["keep-ffn"], results["attention"])
-    assert counts["attention"] - counts["keep-ffn"] == model.cfg.num_layers, counts
+    L = model.cfg.num_layers
+    assert (counts["attention"].gelu_linear, counts["attention"].gelu) == (L, L)
+    assert (counts["keep-ffn"].gelu_linear, counts["keep-ffn"].gelu) == (0, L)
 
 
-def test_shrinking_matmul_reads_the_weight_shape():
-    a, wide, narrow = torch.zeros(4, 8), torch.zeros(8, 16), torch.zeros(8, 2)
-    bias = torch.zeros(2)
-    assert shrinking_matmul(torch.ops.aten.addmm.default, (bias, a, narrow))
-    assert shrinking_matmul(torch.ops.aten.mm.default, (a, narrow))
-    assert not shrinking_matmul(torch.ops.aten.mm.default, (a, wide))
-    assert not shrinking_matmul(torch.ops.aten.add.Tensor, (a, a))
+def test_matmuls_policy_replay_runs_no_matmul_and_no_ffn_op():
+    """save_matmuls_policy (open blocks, elementwise recompute): the replay runs the elementwise steps only."""
+    model = tiny(False, "attention")
+    model.open_recompute = "elementwise"
+    mode = CountOps()
+    run(model, True, mode)
+    assert (mode.addmm, mode.gelu_linear, mode.attention) == (0, 0, 0)
+    assert mode.gelu == model.cfg.num_layers
 
 
 def test_open_sides_set_and_restore_the_model():

@@ -1,12 +1,13 @@
-"""model/wan.py's GeluLinear (the FFN's GELU and second projection, recomputing the GELU in backward): the same
-values and gradients as nn.GELU then nn.Linear (gradcheck in float64, a whole model in fp32), one [T, ffn_dim]
-tensor fewer saved for backward per open block, and one [T, ffn_dim] temporary alive at a time in its backward."""
+"""model/gelu_linear.py (the FFN's GELU and second projection as one custom op, recomputing the GELU in backward):
+the same values and gradients as nn.GELU then nn.Linear (gradcheck in float64, a whole model in fp32), the op's
+registration (opcheck), one [T, ffn_dim] tensor fewer saved for backward per open block, and one [T, ffn_dim]
+temporary alive at a time in its backward."""
 import copy
 
 import torch
 from torch import nn
 
-from ds_adaptiveload.model.wan import GeluLinear, _GeluLinearFn
+from ds_adaptiveload.model.gelu_linear import GeluLinear, gelu_linear
 from tests.test_compile_blocks import check_against_eager, tiny
 from tests.test_compile_regions import MORE
 
@@ -16,8 +17,18 @@ def test_gelu_linear_gradcheck_in_float64():
     h = torch.randn(2, 5, 7, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(3, 7, dtype=torch.float64, generator=g, requires_grad=True)
     b = torch.randn(3, dtype=torch.float64, generator=g, requires_grad=True)
-    assert torch.autograd.gradcheck(_GeluLinearFn.apply, (h, w, b))
-    assert torch.autograd.gradcheck(lambda h, w: _GeluLinearFn.apply(h, w, None), (h, w))
+    assert torch.autograd.gradcheck(gelu_linear, (h, w, b))
+    assert torch.autograd.gradcheck(lambda h, w: gelu_linear(h, w, None), (h, w))
+
+
+def test_gelu_linear_op_registration():
+    """torch.library.opcheck: the fake (meta) implementation, the autograd registration and the schema agree with
+    the op as it runs, with and without a bias."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(3, 4, 6, generator=g, requires_grad=True)
+    w = torch.randn(5, 6, generator=g, requires_grad=True)
+    for bias in (torch.randn(5, generator=g, requires_grad=True), None):
+        torch.library.opcheck(gelu_linear, (h, w, bias))
 
 
 def _plain_ffn(model):

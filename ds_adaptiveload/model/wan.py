@@ -21,6 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.attention import FA4_FORWARD_OP, drop_padding
 from ds_adaptiveload.model.config import WanConfig
+from ds_adaptiveload.model.gelu_linear import GELU_LINEAR_OP, GeluLinear
 from ds_adaptiveload.model.layout import AttentionFn, BlockFns, Layout, modulate_rows
 from ds_adaptiveload.model.packed_ops import RowsLinear
 from ds_adaptiveload.model.packing import Packing, merge, plan_packing
@@ -147,20 +148,14 @@ def save_attention_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_MATMUL_FIRST = {torch.ops.aten.addmm.default: 1, torch.ops.aten.mm.default: 0}  # position of a in the args
-
-
-def shrinking_matmul(op, args) -> bool:
-    """addmm(bias, a, b) / mm(a, b) whose reduction dim exceeds its output's (b is [K, N], K > N). In a WanBlock
-    only the FFN's second projection (ffn_dim -> dim) is one: 2 x ffn_dim FLOPs of recompute per output element,
-    dim x 2 bytes per token to keep in bf16 (27.5 MFLOP against 3 KB at the 1.3B model's widths)."""
-    first = _MATMUL_FIRST.get(op)
-    return first is not None and args[first + 1].shape[0] > args[first + 1].shape[1]
+_MATMULS = (torch.ops.aten.addmm.default, torch.ops.aten.mm.default, GELU_LINEAR_OP)
 
 
 def save_attention_ffn_policy(ctx, op, *args, **kwargs):
-    """The attention policy, and the FFN's output kept too (shrinking_matmul), so its matmul is not run again."""
-    if op in _SAVED_ATTENTION_OPS or shrinking_matmul(op, args):
+    """The attention policy, and the FFN's output kept too (the gelu_linear op's: its shrinking matmul, ffn_dim ->
+    dim, 2 x ffn_dim FLOPs of recompute per output element for dim x 2 bytes per token in bf16), so neither that
+    matmul nor its GELU runs again in the replay."""
+    if op in _SAVED_ATTENTION_OPS or op is GELU_LINEAR_OP:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -169,7 +164,7 @@ def save_matmuls_policy(ctx, op, *args, **kwargs):
     """Every matmul's and attention kernel's output kept: the block recomputes only its elementwise steps (norms,
     modulation, RoPE, gates, GELU) in backward. For open blocks (WanModel.open_recompute "elementwise"): their
     [T, dim] inputs and intermediates of those steps are not held from forward to backward, only the matmuls'."""
-    if op in _SAVED_ATTENTION_OPS or op in _MATMUL_FIRST:
+    if op in _SAVED_ATTENTION_OPS or op in _MATMULS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -188,41 +183,6 @@ def save_attention_ffn_context():
 
 CHECKPOINT_POLICIES = ("full", "attention")
 OPEN_RECOMPUTE = ("none", "elementwise")  # WanModel.open_recompute
-
-
-class _GeluLinearFn(torch.autograd.Function):
-    """linear(gelu_tanh(h), weight, bias) that saves h and not gelu(h). Separately, GELU keeps h for its gradient
-    and the linear keeps gelu(h) for its weight gradient: two [T, ffn_dim] tensors per open block, 36 KB per token
-    at ffn_dim 8960 in bf16. Here gelu(h) is recomputed in backward from h, which costs one elementwise pass."""
-
-    @staticmethod
-    def forward(ctx, h, weight, bias):
-        ctx.save_for_backward(h, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(F.gelu(h, approximate="tanh"), weight, bias)
-
-    @staticmethod
-    def backward(ctx, dout):
-        # The weight gradient first, so gelu(h) is freed before dh exists, and dh written over dout @ weight: one
-        # [T, ffn_dim] temporary alive at a time, where dh first held two (tests/test_gelu_linear.py).
-        h, weight = ctx.saved_tensors
-        dh = dw = db = None
-        if ctx.needs_input_grad[1]:
-            dw = dout.flatten(0, -2).t() @ F.gelu(h, approximate="tanh").flatten(0, -2)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dout.flatten(0, -2).sum(0)
-        if ctx.needs_input_grad[0]:
-            dh = dout @ weight
-            torch.ops.aten.gelu_backward.grad_input(dh, h, approximate="tanh", grad_input=dh)
-        return dh, dw, db
-
-
-class GeluLinear(nn.Linear):
-    """The FFN's GELU (tanh) and second projection as one module: nn.Linear's parameters, applied to gelu(input)
-    through _GeluLinearFn. A module call of its own, so ZeRO-3 gathers its weight as it does a Linear's."""
-
-    def forward(self, h):
-        return _GeluLinearFn.apply(h, self.weight, self.bias)
 
 
 class WanBlock(nn.Module):
