@@ -64,3 +64,21 @@ def test_kernel_split_profiles_each_side_on_cpu():
     assert got["open-elementwise"]["kernels"] > got["open"]["kernels"]
     assert got["largest_differences_ms"] and {"kernel", "kind", "b_minus_a_ms"} <= set(got["largest_differences_ms"][0])
     assert model.open_recompute == "none"
+
+
+def test_function_sides_run_the_old_ffn_and_restore_the_op():
+    """keep-ffn-function: the same values as keep-ffn through the autograd.Function the op replaced, whose replay runs
+    the GELU again (one more aten.gelu per block); the op is back afterwards."""
+    from ds_adaptiveload.model.gelu_linear import GeluLinear
+
+    model = tiny(True, "attention")
+    forward = GeluLinear.forward
+    counts, results = {}, {}
+    for side in ("keep-ffn", "keep-ffn-function"):
+        mode = CountOps()
+        with ckpt_policy.policy_of(model, side):
+            results[side] = run(model, True, mode)
+        counts[side] = mode.gelu
+    assert GeluLinear.forward is forward
+    assert_same(results["keep-ffn-function"], results["keep-ffn"])
+    assert counts["keep-ffn-function"] - counts["keep-ffn"] == model.cfg.num_layers, counts

@@ -12,8 +12,12 @@ matmul and attention output kept, the norms, modulation, RoPE, gates and GELU re
 hold the most memory per token (the profile's memory.block_bytes_per_token); what the elementwise recompute saves
 of it, and what it costs in time, says whether the planner should open blocks that way.
 
+--compare keep-ffn-function:keep-ffn (and open-elementwise-function:open-elementwise) measures the FFN as a custom
+op (model/gelu_linear.py) against the autograd.Function it replaced, whose replay ran a GELU only to feed the
+matmul the policy kept.
+
     python3 bench/model/ckpt_policy.py --out OUT [--cases img32,480p81,720p81,mixed] [--pairs 3] [--budget-s 400]
-        [--compare attention:keep-ffn | open:open-elementwise]
+        [--compare attention:keep-ffn | open:open-elementwise | keep-ffn-function:keep-ffn | ...]
     CKPT_SMOKE=1 python3 bench/model/ckpt_policy.py --out /tmp/cp     # CPU: tiny model and shapes
 
 The bare bf16 model as calibrate builds it (calibrate.engine.build_model: every block checkpointed, compiled
@@ -46,10 +50,35 @@ CASES = ({"img32": [(4, 1, 32, 64)], "480p81": [(1, 9, 64, 96)], "720p81": [(1, 
 # side -> the model's settings: (checkpoint_blocks and checkpoint_ffn_blocks as shares of the blocks,
 # open_recompute); "half": the first half of the blocks checkpointed (attention policy), so that clips too large to
 # run with every block open still compare their open blocks
-SIDES = {"attention": (1, 0, "none"), "keep-ffn": (1, 1, "none"),
+SIDES = {"attention": (1, 0, "none"), "keep-ffn": (1, 1, "none"), "keep-ffn-function": (1, 1, "none"),
          "open": (0, 0, "none"), "open-elementwise": (0, 0, "elementwise"),
+         "open-elementwise-function": (0, 0, "elementwise"),
          "half": (0.5, 0, "none"), "half-elementwise": (0.5, 0, "elementwise")}
-COMPARE = ("attention:keep-ffn", "open:open-elementwise", "half:half-elementwise")
+COMPARE = ("attention:keep-ffn", "open:open-elementwise", "half:half-elementwise", "keep-ffn-function:keep-ffn",
+           "open-elementwise-function:open-elementwise")
+
+
+def _function_ffn():
+    """The FFN's GELU and second projection as they ran until the twenty-fourth session: an autograd.Function with
+    model/gelu_linear's math, whose replay under a policy that keeps the matmul's output still runs the GELU. The
+    "-function" sides run it, so one call measures what the custom op saves."""
+    import torch
+    import torch.nn.functional as F
+
+    from ds_adaptiveload.model import gelu_linear
+
+    class GeluLinearFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, weight, bias):
+            ctx.save_for_backward(h, weight)
+            ctx.has_bias = bias is not None
+            return F.linear(F.gelu(h, approximate="tanh"), weight, bias)
+
+        @staticmethod
+        def backward(ctx, dout):
+            return gelu_linear._backward(ctx, dout)  # the op's own backward: only the replay differs
+
+    return lambda self, h: GeluLinearFunction.apply(h, self.weight, self.bias)
 
 
 @contextmanager
@@ -59,15 +88,21 @@ def policy_of(model, side):
     "open-elementwise": none, each recomputing its elementwise steps (WanModel.open_recompute); "half" and
     "half-elementwise": likewise for the second half of the blocks, the first half checkpointed. Restores the
     model's settings afterwards."""
+    from ds_adaptiveload.model.gelu_linear import GeluLinear
+
     before = (model.checkpoint_blocks, model.checkpoint_ffn_blocks, model.open_recompute)
     blocks, ffn, open_recompute = SIDES[side]
     n = len(model.blocks)
     model.checkpoint_blocks, model.checkpoint_ffn_blocks = (True if blocks == 1 else int(blocks * n)), int(ffn * n)
     model.open_recompute = open_recompute
+    op_forward = GeluLinear.forward
+    if side.endswith("-function"):
+        GeluLinear.forward = _function_ffn()
     try:
         yield
     finally:
         model.checkpoint_blocks, model.checkpoint_ffn_blocks, model.open_recompute = before
+        GeluLinear.forward = op_forward
 
 
 def compared_blocks(side, n) -> int:
