@@ -2,8 +2,6 @@
 kernels are stood in for by a float64 reference (`fake_fa4`), which tests the ops' autograd, the SP padding and
 that selective checkpointing keeps their output instead of running them again; tests/test_attention_cuda.py runs
 the real kernels."""
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +9,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model import attention, wan
+from tests import fake_fa4 as fake_fa4_module
 
 
 def test_resolve_sdpa_and_auto_without_a_gpu():
@@ -39,31 +38,9 @@ def test_auto_takes_fa4_on_hopper_only(monkeypatch, major, expected):
 
 @pytest.fixture
 def fake_fa4(monkeypatch):
-    """flash_attn.cute.interface's two entry points in float64 math; counts the forward's calls."""
+    """flash_attn.cute.interface's two entry points in float64 math (tests/fake_fa4.py); counts their calls."""
     calls = {"fwd": 0, "bwd": 0}
-
-    def scores(q, k):  # [B, H, S, S_k]
-        return torch.einsum("bshd,bthd->bhst", q.double(), k.double()) / q.shape[-1] ** 0.5
-
-    def fwd(q, k, v, return_lse=False):
-        calls["fwd"] += 1
-        s = scores(q, k)
-        out = torch.einsum("bhst,bthd->bshd", s.softmax(-1), v.double()).to(q.dtype)
-        return out.contiguous(), s.logsumexp(-1).float(), None, None, None
-
-    def bwd(q, k, v, out, dout, lse):  # softmax attention's gradients written out (no autograd inside an op)
-        calls["bwd"] += 1
-        p = scores(q, k).softmax(-1)
-        do, v64 = dout.double(), v.double()
-        dv = torch.einsum("bhst,bshd->bthd", p, do)
-        dp = torch.einsum("bshd,bthd->bhst", do, v64)
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) / q.shape[-1] ** 0.5
-        dq = torch.einsum("bhst,bthd->bshd", ds, k.double())
-        dk = torch.einsum("bhst,bshd->bthd", ds, q.double())
-        return tuple(g.to(q.dtype) for g in (dq, dk, dv))
-
-    monkeypatch.setattr(attention, "_interface", lambda: types.SimpleNamespace(_flash_attn_fwd=fwd,
-                                                                               _flash_attn_bwd=bwd))
+    monkeypatch.setattr(attention, "_interface", lambda: fake_fa4_module.interface(calls))
     return calls
 
 
@@ -75,9 +52,8 @@ def _qkv(b=2, s=24, s_k=24, h=3, d=8, seed=0):
 
 @pytest.fixture
 def cuda_like(monkeypatch):
-    """fa4_attention's tensors taken for CUDA ones (it hands CPU and fp32 tensors to SDPA)."""
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    monkeypatch.setattr(attention, "_HALF", (torch.float64,))
+    """fa4_attention sending the test's float64 CPU tensors to the ops (it hands CPU and fp32 tensors to SDPA)."""
+    monkeypatch.setattr(attention, "fa4_takes", lambda q: True)
 
 
 def test_fa4_hands_fp32_and_cpu_tensors_to_sdpa(fake_fa4):

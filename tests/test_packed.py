@@ -224,16 +224,23 @@ def gloo_rank(rank, world, port):
     return tiny_cfg()
 
 
-def _packed_sp_worker(rank, world, port, result_path, regions=False):
+def _packed_sp_worker(rank, world, port, result_path, regions=False, fa4=False):
     """One SP rank running the packed forward through train/sp.py: DeepSpeed's DistributedAttention per group
-    (regions: the blocks' elementwise steps compiled, aot_eager, on this rank's padded token shards)."""
+    (regions: the blocks' elementwise steps compiled, aot_eager, on this rank's padded token shards; fa4: the core
+    is model/attention.fa4_attention, its kernels the float64 stand-in of tests/fake_fa4.py)."""
     import torch.distributed as dist
 
+    from ds_adaptiveload.model import attention
     from ds_adaptiveload.train import sp
+    from tests import fake_fa4
 
     cfg = gloo_rank(rank, world, port)
     m = perturbed_model(cfg)
-    shard = sp.apply_ulysses(m, sp.init_sequence_parallel(sp.ParallelDims(world, world, rank)), cfg.num_heads)
+    calls = {"fwd": 0, "bwd": 0}
+    if fa4:
+        fake_fa4.install(attention, calls, takes_all=True)
+    shard = sp.apply_ulysses(m, sp.init_sequence_parallel(sp.ParallelDims(world, world, rank)), cfg.num_heads,
+                             attention.fa4_attention if fa4 else None)
     if regions:
         from ds_adaptiveload.model.compile import compile_regions
 
@@ -245,12 +252,16 @@ def _packed_sp_worker(rank, world, port, result_path, regions=False):
     for v in g.values():                              # what DeepSpeed does over the SP group
         dist.all_reduce(v)
     if rank == 0:
-        torch.save({"ys": [y.detach() for y in ys], "grads": g}, result_path)
+        torch.save({"ys": [y.detach() for y in ys], "grads": g, "fa4_calls": calls}, result_path)
     dist.destroy_process_group()
 
 
 def _packed_sp_regions_worker(rank, world, port, result_path):
     _packed_sp_worker(rank, world, port, result_path, regions=True)
+
+
+def _packed_sp_fa4_worker(rank, world, port, result_path):
+    _packed_sp_worker(rank, world, port, result_path, fa4=True)
 
 
 # Odd token counts (45, 3, 15) need per-group padding to a multiple of 2; grids (3, 3, 5) and (3, 5, 3), and
@@ -259,10 +270,15 @@ SP_SHAPES = [(3, 6, 10), (1, 2, 6), (3, 10, 6), (3, 6, 10), (3, 2, 10), (1, 6, 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("worker", [_packed_sp_worker, _packed_sp_regions_worker], ids=["eager", "regions"])
+@pytest.mark.parametrize("worker", [_packed_sp_worker, _packed_sp_regions_worker, _packed_sp_fa4_worker],
+                         ids=["eager", "regions", "fa4"])
 def test_packed_sequence_parallel_matches_single_process(tmp_path, worker):
+    """sp = 2 against one process with SDPA. fa4: the FA4 ops under DistributedAttention, SP padding per group
+    included, with their kernels stood in for (the real kernels under SP need two GPUs)."""
     pytest.importorskip("deepspeed")
     res = spawn(worker, 2, tmp_path)
+    if worker is _packed_sp_fa4_worker:  # one self-attention forward per run of groups and block, and a backward
+        assert res["fa4_calls"]["fwd"] > 0 and res["fa4_calls"]["bwd"] == res["fa4_calls"]["fwd"], res["fa4_calls"]
 
     cfg = tiny_cfg()
     m = perturbed_model(cfg)

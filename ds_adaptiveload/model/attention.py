@@ -70,11 +70,16 @@ def drop_padding(k: torch.Tensor, v: torch.Tensor, valid_len: Optional[int]):
     return k, v
 
 
+def fa4_takes(q: torch.Tensor) -> bool:
+    """Whether FA4's kernels take q (and its k, v): fp16 and bf16 CUDA tensors only."""
+    return q.is_cuda and q.dtype in _HALF
+
+
 def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_len: Optional[int] = None):
     """sdpa_attention's contract through FlashAttention-4: [B, S, heads, head_dim] in and out; keys and values at
-    positions >= valid_len (sequence-parallel padding at the end) dropped. FA4 takes fp16 and bf16 CUDA tensors
-    only: others (an fp32 model, a model on the CPU) go to sdpa_attention."""
-    if not (q.is_cuda and q.dtype in _HALF):
+    positions >= valid_len (sequence-parallel padding at the end) dropped. Tensors FA4 does not take (fa4_takes: an
+    fp32 model, a model on the CPU) go to sdpa_attention."""
+    if not fa4_takes(q):
         from ds_adaptiveload.model.wan import sdpa_attention
 
         return sdpa_attention(q, k, v, valid_len=valid_len)
