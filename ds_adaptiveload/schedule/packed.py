@@ -13,9 +13,10 @@ target on its own (a 720p clip when memory holds about one) is heavy: heavy samp
 shape, which fill whole rounds.
 
 When a slot holds only a few samples (memory for about one long clip), no sand is fine enough to even the
-slots out. Light samples then come in runs of R of one shape too (`replicate`): LPT deals the R samples of
-a run one to each slot of a round, so the slots of a round hold copies of one mix of shapes and cost exactly
-the same.
+slots out. Light samples then come in runs of R of one token count too (`replicate`): LPT deals the R samples
+of a run one to each slot of a round, so the slots of a round hold copies of one mix of token counts and cost
+exactly the same. A slot that memory fills with small samples far below its round's cost is emptied and filled
+anew with larger ones (_densify).
 
 Pure Python, no torch: a function of (samples, profile, config, epoch), like the other policies.
 """
@@ -48,6 +49,9 @@ SAND_SLOTS = 32
 REMAINDER_BEFORE = 0.9
 # A slot this close (relative) to its round's mean (evening) or costliest slot (gap filling) is left alone.
 EVEN_TOL = 1e-3
+# A light slot below this fraction of its round's costliest is emptied and filled anew (_densify). With runs by
+# token count, at one clip per micro-batch 0.5 left 0.0060% idle (video-heavy, 8 ranks, G = 1), 0.7 0.0043%.
+DENSE_BELOW = 0.7
 # replicate=None: light samples come in runs of R when a slot holds fewer than this many on average. At
 # memory for one 720p clip (4.7 video-heavy samples a slot, 9.2 image-heavy) runs cut the predicted idle
 # 0.17-0.38% -> 0.00-0.17% at 8 and 64 ranks, and the wall time with it; with 20 or more a slot the sand
@@ -198,20 +202,31 @@ def _stream(keep, ctx, rng, heavy, run, replicate=False):
     that is 1 at the positions that continue a light run (replicate; all 0 otherwise).
 
     Classes are interleaved by key (j + u)/n for the j-th sample of a class of n (u uniform), so any prefix
-    holds each class at its share; light samples come one by one in shuffled order (or in runs of `run` of
-    one shape with `replicate`), heavy ones in runs of `run` of one shape (a run keeps one key, so it stays
-    contiguous)."""
+    holds each class at its share; light samples come one by one in shuffled order (or with `replicate` in runs
+    of `run` of one token count, but where counts meet), heavy ones in runs of `run` of one shape (a run keeps
+    one key, so it stays contiguous)."""
     shape, full = ctx.shape, ctx.full
     buckets = {}
     for i in keep:
         buckets.setdefault(shape[i], []).append(i)
-    classes = {}
+    classes, chain = {}, []
     for key in sorted(buckets):  # sorted: the plan does not depend on the manifest order of first sight
         b = buckets[key]
         if heavy[b[0]] or replicate:
             rng.shuffle(b)
+        if replicate and not heavy[b[0]]:
+            chain.append((-full[b[0]], key, b))
+            continue
+        if heavy[b[0]]:
             b = [b[j:j + run] for j in range(0, len(b), run)]
         classes.setdefault(token_class(full[b[0][0] if isinstance(b[0], list) else b[0]]), []).extend(b)
+    # Light runs: every light sample by token count, most first, cut into runs of `run`. A run then deals samples
+    # of one token count (one cost) to each slot but where one count ends and the next begins, and only the last
+    # run is short; runs of one shape left a short run per shape, each an uneven step (docs/benchmarks.md,
+    # twenty-fourth session).
+    flat = [i for *_, b in sorted(chain) for i in b]
+    for j in range(0, len(flat), run):
+        classes.setdefault(token_class(full[flat[j]]), []).append(flat[j:j + run])
     items, keys = [], array("d")
     rnd = rng.random
     for c in sorted(classes):
@@ -438,8 +453,10 @@ def _rounds(sl, ctx, r, draw, carry, replicate=False):
     for j in range(0, len(order), r):
         rd = order[j:j + r]
         _even(rd, sl, ctx)
-        if not replicate and not draw.done():  # a sample given back must have a next step to go to
-            _shed(rd, sl, ctx.shape, carry)
+        if not draw.done():  # a sample given back must have a next step to go to
+            if not replicate:
+                _shed(rd, sl, ctx.shape, carry)
+            _densify(rd, sl, draw.heavy, carry)
         _fill_gaps(rd, sl, draw)
         ranks = sorted(range(r), key=total.__getitem__)
         for rank, k in zip(ranks, sorted(rd, key=sl.load.__getitem__, reverse=True)):
@@ -494,6 +511,21 @@ def _shed(rd, sl, shape, out, tol=None):
             x = min(cover, key=cost.__getitem__) if cover else max(xs, key=cost.__getitem__)
             sl.add(k, x, -1)
             out.append(x)
+
+
+def _densify(rd, sl, heavy, out):
+    """Slots of a round below DENSE_BELOW of its costliest, holding two or more samples and none heavy, give
+    all but their costliest sample back (to `out`, the next step), so that _fill_gaps fills them anew from the
+    stream ahead, costliest first. Memory full of small samples caps a slot's cost well below one of few large
+    ones: beside a round of 720p clips, seven small samples made 4.3 s where two or three larger ones make 6-7 s."""
+    top, cost = max(sl.load[k] for k in rd), sl.cost
+    for k in rd:
+        mb = sl.samples[k]
+        if sl.load[k] < DENSE_BELOW * top and len(mb) > 1 and not any(heavy[i] for i in mb):
+            keep = max(mb, key=cost.__getitem__)
+            for i in [i for i in mb if i != keep]:
+                sl.add(k, i, -1)
+                out.append(i)
 
 
 def _fill_gaps(rd, sl, draw, tol=None):
