@@ -4,11 +4,13 @@ peak memory for 1M samples at 1024 ranks. Pure CPU.
 
     python bench/plan/plan_bench.py [--samples 200000] [--big 1000000] [--out bench/results/plan-DATE-cpu.json]
     python bench/plan/plan_bench.py --section packed [--out bench/results/plan-packed-DATE-cpu.json]
+    python bench/plan/plan_bench.py --section sizes [--out bench/results/plan-sizes-DATE-cpu.json]
 
 --section packed: the packed policy against equal-tokens and balanced under lockstep (ZeRO-3) with the
 calibrated H200 profile, memory for about six 720p clips (453,600 tokens) and for one (75,693: one
 81x720x1280 clip and its memory.sample_tokens), on the video-heavy and image-heavy mixes; at the one-clip
-budget also packed with replicate off (rows with "replicate": false).
+budget also packed with replicate off (rows with "replicate": false). --section sizes: packed against balanced
+at the one-clip budget on epochs of 10,000-40,000 samples (8 ranks).
 """
 import argparse
 import dataclasses
@@ -97,19 +99,38 @@ def packed_section(args):
     }
 
 
+def sizes_section(args):
+    """packed against balanced at the one-clip budget on smaller epochs (8 ranks, lockstep): where the runs'
+    remainders weigh more."""
+    profile = dataclasses.replace(CostProfile.load(CALIBRATED), budget_tokens=PACKED_BUDGETS[1])
+    rows = []
+    for n in (10000, 20000, 40000):
+        for mix in PACKED_MIXES:
+            samples = make_mix(mix, n)
+            for g in (1, 4):
+                for policy in ("balanced", "packed"):
+                    row = {**plan_row(samples, profile, policy, 8, g, True), "mix": mix,
+                           "budget_tokens": PACKED_BUDGETS[1], "lockstep": True}
+                    rows.append(row)
+                    print(f"{mix:11s} samples={n} G={g} {policy:9s} idle={row['idle_fraction']:.5f} "
+                          f"mix_tv={row['mix_tv']:.3f}", flush=True)
+    return {"what": "packed vs balanced at budget_tokens 75,693 (one 720p 81f clip), 8 ranks, lockstep, on epochs of "
+                    "10,000-40,000 samples", "profile": CALIBRATED, "rows": rows}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=200000)
     ap.add_argument("--big", type=int, default=1000000)
-    ap.add_argument("--section", choices=("all", "packed"), default="all")
+    ap.add_argument("--section", choices=("all", "packed", "sizes"), default="all")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
            "cpus": __import__("os").cpu_count(), "python": platform.python_version(),
            "load_avg_1min": __import__("os").getloadavg()[0]}
-    if args.section == "packed":
-        result = {**packed_section(args), **env}
-        out = args.out or f"bench/results/plan-packed-{result['date']}-cpu.json"
+    if args.section in ("packed", "sizes"):
+        result = {**(packed_section if args.section == "packed" else sizes_section)(args), **env}
+        out = args.out or f"bench/results/plan-{args.section}-{result['date']}-cpu.json"
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
         print("wrote", out)
