@@ -105,3 +105,16 @@ def test_fake_shapes_for_tracing():
         dq, dk, dv = attention._fa4_backward(out, q, k, v, out, lse)
     assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dk.is_contiguous()
+
+
+def test_flop_counter_counts_the_fa4_ops_as_sdpa(fake_fa4, cuda_like):
+    """FlopCounterMode sees the custom ops, not FA4's kernels: their formulas give what it counts for torch's fused
+    SDPA kernels on a GPU (torch.utils.flop_counter's SDPA formulas, the backward's recompute of the scores
+    included), in FA4's [B, S, heads, head_dim] layout."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    q, k, v = _qkv(b=2, s=24, s_k=40, h=3, d=8)
+    with FlopCounterMode(display=False) as counter:
+        attention.fa4_attention(q, k, v).sum().backward()
+    bhsd = [(2, 3, n, 8) for n in (24, 40, 40)]
+    assert counter.get_total_flops() == sdpa_flop_count(*bhsd) + sdpa_backward_flop_count(bhsd[0], *bhsd) > 0

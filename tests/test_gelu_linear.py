@@ -111,3 +111,22 @@ def test_backward_holds_one_ffn_sized_temporary_at_a_time():
     dh, dw = computing_dh_first()
     torch.testing.assert_close(h.grad, dh, rtol=0, atol=0)  # the same values, bit for bit
     torch.testing.assert_close(lin.weight.grad, dw, rtol=0, atol=0)
+
+
+def test_flop_counter_counts_the_op_as_linear():
+    """FlopCounterMode sees the op, not the matmul inside it: its formula gives nn.Linear's count, forward and
+    backward (the GELU counts nothing either way)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    g = torch.Generator().manual_seed(2)
+    lin = GeluLinear(12, 5)
+    h = torch.randn(3, 7, 12, generator=g, requires_grad=True)
+
+    def total(fn):
+        with FlopCounterMode(display=False) as counter:
+            fn(h).sum().backward()
+        return counter.get_total_flops()
+
+    plain = nn.Linear(12, 5)
+    plain.load_state_dict(lin.state_dict())
+    assert total(lin) == total(lambda x: plain(torch.nn.functional.gelu(x, approximate="tanh"))) == 3 * 2 * 21 * 12 * 5

@@ -9,6 +9,7 @@ custom ops (forward and backward) so that selective checkpointing's policies can
 from typing import Optional
 
 import torch
+from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.config import ATTENTION_BACKENDS
@@ -60,6 +61,22 @@ def _backward(ctx, dout, dlse):
 
 _fa4_forward.register_autograd(_backward, setup_context=_setup_context)
 FA4_FORWARD_OP = torch.ops.ds_adaptiveload.fa4_attention.default
+
+
+def _bhsd(shape):
+    """[B, S, H, D] -> [B, H, S, D], the layout torch.utils.flop_counter's SDPA formulas take."""
+    return shape[0], shape[2], shape[1], shape[3]
+
+
+# FlopCounterMode sees the two ops, not FA4's kernels: count them as it counts SDPA
+@register_flop_formula(torch.ops.ds_adaptiveload.fa4_attention)
+def _fa4_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(_bhsd(q_shape), _bhsd(k_shape), _bhsd(v_shape))
+
+
+@register_flop_formula(torch.ops.ds_adaptiveload.fa4_attention_backward)
+def _fa4_backward_flops(dout_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(_bhsd(dout_shape), _bhsd(q_shape), _bhsd(k_shape), _bhsd(v_shape))
 
 
 def drop_padding(k: torch.Tensor, v: torch.Tensor, valid_len: Optional[int]):

@@ -10,11 +10,13 @@ One op, for two reasons:
   [T, ffn_dim] elementwise pass wasted per such block (11.2 ms of a 480p 81f micro-batch on the H200 with every
   block under save_matmuls_policy; docs/benchmarks.md, twenty-third session).
 """
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import register_flop_formula
 
 
 @torch.library.custom_op("ds_adaptiveload::gelu_linear", mutates_args=())
@@ -51,6 +53,13 @@ def _backward(ctx, dout):
 
 gelu_linear.register_autograd(_backward, setup_context=_setup_context)
 GELU_LINEAR_OP = torch.ops.ds_adaptiveload.gelu_linear.default
+
+
+@register_flop_formula(torch.ops.ds_adaptiveload.gelu_linear)
+def _flops(h_shape, weight_shape, bias_shape, *args, out_shape=None, **kwargs) -> int:
+    """The matmul's, as torch.utils.flop_counter counts nn.Linear's (not the GELU): FlopCounterMode sees the op, not
+    the matmul inside it. Its backward runs plain matmuls, which the counter sees."""
+    return 2 * math.prod(h_shape[:-1]) * weight_shape[0] * weight_shape[1]
 
 
 class GeluLinear(nn.Linear):
