@@ -15,8 +15,8 @@ shape, which fill whole rounds.
 When a slot holds only a few samples (memory for about one long clip), no sand is fine enough to even the
 slots out. Light samples then come in runs of R of one token count too (`replicate`): LPT deals the R samples
 of a run one to each slot of a round, so the slots of a round hold copies of one mix of token counts and cost
-exactly the same. A slot that memory fills with small samples far below its round's cost is emptied and filled
-anew with larger ones (_densify).
+exactly the same. A slot that memory fills with small samples far below its round's cost gives all but its
+costliest back and is filled anew with larger ones (_densify).
 
 Pure Python, no torch: a function of (samples, profile, config, epoch), like the other policies.
 """
@@ -49,7 +49,7 @@ SAND_SLOTS = 32
 REMAINDER_BEFORE = 0.9
 # A slot this close (relative) to its round's mean (evening) or costliest slot (gap filling) is left alone.
 EVEN_TOL = 1e-3
-# A light slot below this fraction of its round's costliest is emptied and filled anew (_densify). With runs by
+# A light slot below this fraction of its round's costliest is filled anew (_densify). With runs by
 # token count, at one clip per micro-batch 0.5 left 0.0060% idle (video-heavy, 8 ranks, G = 1), 0.7 0.0043%.
 DENSE_BELOW = 0.7
 # replicate=None: light samples come in runs of R when a slot holds fewer than this many on average. At
