@@ -9,11 +9,12 @@ from ds_adaptiveload.errors import UserError
 
 
 def read_config(args, world, rank):
-    """The DeepSpeed JSON, its adaptive_load section, the model and the profile (no collectives: the
-    caller agrees on the UserError)."""
+    """The DeepSpeed JSON, its adaptive_load section, the model, the profile and the self-attention kernels
+    (--attention resolved: model/attention.resolve_attention) (no collectives: the caller agrees on the UserError)."""
     from types import SimpleNamespace
 
     from ds_adaptiveload.model import WanConfig
+    from ds_adaptiveload.model.attention import resolve_attention
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.train import config, faults, sp
     from ds_adaptiveload.train.config import zero_stage
@@ -38,6 +39,8 @@ def read_config(args, world, rank):
     path = al.resolve_profile(args.deepspeed_config)
     profile, lines = profile_for_run(CostProfile.load(path), stage, dims, path)  # every rank: the same plan
     lines += compile_mismatch(profile, getattr(args, "compile_blocks", None), path)
+    attention, core = resolve_attention(getattr(args, "attention", "sdpa"))  # fa4 where it cannot run: agreed here
+    lines += attention_mismatch(profile, attention, path)
     fault = faults.Faults(args.fault, rank)
     for line in lines if rank == 0 else ():
         print(f"[train_wan] {line}", file=sys.stderr)
@@ -45,7 +48,8 @@ def read_config(args, world, rank):
         print(f"[train_wan] batch keys set to count micro-batches (docs/training.md): "
               f"{ {k: v for k, (_, v) in changed.items()} } (config had { {k: o for k, (o, _) in changed.items()} })")
     return SimpleNamespace(ds_cfg=ds_cfg, al=al, dims=dims, G=ds_cfg["gradient_accumulation_steps"],
-                           model_cfg=model_cfg, profile=profile, fault=fault)
+                           model_cfg=model_cfg, profile=profile, fault=fault, attention=attention,
+                           attention_core=core)
 
 
 def profile_for_run(profile, stage: int, dims, source: str = "profile"):

@@ -11,8 +11,8 @@ import time
 from types import SimpleNamespace
 
 from ds_adaptiveload.train import failures
-from ds_adaptiveload.train.setup import attention_mismatch, end_loop, prepare_data, read_config, read_step, \
-    write_summary, write_synthetic
+from ds_adaptiveload.train.setup import end_loop, prepare_data, read_config, read_step, write_summary, \
+    write_synthetic
 
 
 class Trainer:
@@ -27,7 +27,6 @@ class Trainer:
         import torch.distributed as dist
 
         from ds_adaptiveload.data import latents as data
-        from ds_adaptiveload.model.attention import resolve_attention
         from ds_adaptiveload.train.build import build_model
         from ds_adaptiveload.train import engine as eng, faults, metrics, sp
 
@@ -71,14 +70,11 @@ class Trainer:
             held = sum(p.ds_tensor.numel() for p in model.parameters())
             print(f"[train_wan] ZeRO-3: model built partitioned (zero.Init), {held:,} of "
                   f"{sum(p.ds_numel for p in model.parameters()):,} parameter elements on rank 0", flush=True)
-        self.attention, core = resolve_attention(getattr(args, "attention", "sdpa"))
+        self.attention = c.attention
         if self.rank == 0:
             print(f"[train_wan] attention: {self.attention} (--attention {getattr(args, 'attention', 'sdpa')})",
                   flush=True)
-            for line in attention_mismatch(self.profile, self.attention, self.al.resolve_profile(
-                    args.deepspeed_config)):
-                print(f"[train_wan] {line}", file=sys.stderr, flush=True)
-        self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads, core)
+        self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads, c.attention_core)
         if getattr(args, "compile_blocks", False):
             self.apply_block_compile(model)
         self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
