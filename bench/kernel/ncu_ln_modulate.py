@@ -1,7 +1,8 @@
-"""Nsight Compute look at the op's forward and backward kernels at (1, 75600, 5120) bf16, beside torch's copy
-kernel on the same bytes: DRAM throughput, issue activity and warp stall reasons (where the time goes).
+"""Nsight Compute look at the op's forward, backward and reduce kernels, beside an elementwise kernel that moves
+the forward's bytes (x read, y written), at the shapes asked: DRAM throughput, issue activity and warp stall
+reasons (where the time goes). Default: the small per-sample shapes that #18 leaves under target.
 
-    python bench/kernel/ncu_ln_modulate.py --out DIR     # after the op is built; writes DIR/ncu.txt
+    python bench/kernel/ncu_ln_modulate.py --out DIR [--shapes 2x16380x1536,...]   # writes DIR/ncu.txt
 """
 import argparse
 import glob
@@ -13,29 +14,35 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats", "SchedulerStats")
-SUMMARY = re.compile(r"^  [a-z_].*\(|DRAM Throughput|Duration|Issue Slots|Achieved Occupancy|Registers Per|Stall|"
-                     r"One or More|No Eligible")
+SUMMARY = re.compile(r"^  [a-z_].*\(|DRAM Throughput|Duration|Issue Slots|Achieved Occupancy|Registers Per|"
+                     r"Waves Per SM|Grid Size|Block Size|Stall|One or More|No Eligible")
+SHAPES = "2x16380x1536,8x4680x1536,32x1560x1536,1x32760x1536"
+# The op's kernels (tiles, flat row space, general and reduce ones) and torch's elementwise reference.
+KERNELS = "regex:fwd_|bwd_|reduce_|elementwise"
 
 
-def target():
-    """The profiled region: the second iteration (the first loads the op and warms up)."""
+def target(shapes):
+    """The profiled region: per shape, the second iteration (the first loads the op and warms up)."""
     import torch
 
     sys.path.insert(0, ROOT)
     from ds_adaptiveload.ops import ln_modulate
 
-    x = torch.randn(1, 75600, 5120, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    sc = torch.randn(1, 1, 5120, device="cuda", requires_grad=True)
-    sh = torch.randn(1, 1, 5120, device="cuda", requires_grad=True)
-    dy, z = torch.randn_like(x), torch.empty_like(x)
-    for it in range(2):
-        if it == 1:
+    for shape in shapes:
+        B, S, D = shape
+        x = torch.randn(B, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        sc = torch.randn(B, 1, D, device="cuda", requires_grad=True)
+        sh = torch.randn(B, 1, D, device="cuda", requires_grad=True)
+        dy, z = torch.randn_like(x), torch.empty_like(x)
+        for it in range(2):
+            if it == 1:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
+            torch.autograd.grad(ln_modulate(x, sc, sh), [x, sc, sh], dy)
+            torch.mul(x, 1.0, out=z)  # an elementwise kernel on the forward's bytes (copy_ would be a memcpy)
             torch.cuda.synchronize()
-            torch.cuda.profiler.start()
-        torch.autograd.grad(ln_modulate(x, sc, sh), [x, sc, sh], dy)
-        z.copy_(x)  # the copy kernel, same bytes as the forward
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+            if it == 1:
+                torch.cuda.profiler.stop()
 
 
 def find_ncu():
@@ -45,13 +52,22 @@ def find_ncu():
     return found
 
 
+def parse_shapes(text):
+    try:
+        return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
+    except ValueError:
+        raise SystemExit(f"--shapes: expected BxSxD[,BxSxD...], got {text!r}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default=SHAPES, help="comma list of BxSxD (bf16 x, fp32 [B,1,D] modulation)")
     ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    shapes = parse_shapes(args.shapes)
     if args.target:
-        return target()
+        return target(shapes)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "ncu.txt")
     ncu = find_ncu()
@@ -59,13 +75,14 @@ def main():
         print("ncu: not found on this machine")
         open(path, "w").write("ncu: not found on this machine\n")
         return 0
-    cmd = [ncu, "--target-processes", "all", "--profile-from-start", "off", "-k", "regex:fwd_vec|bwd_vec|copy"]
-    cmd += [a for s in SECTIONS for a in ("--section", s)] + [sys.executable, os.path.abspath(__file__), "--target"]
+    cmd = [ncu, "--target-processes", "all", "--profile-from-start", "off", "-k", KERNELS]
+    cmd += [a for s in SECTIONS for a in ("--section", s)]
+    cmd += [sys.executable, os.path.abspath(__file__), "--target", "--shapes", args.shapes]
     with open(path, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
     print(f"ncu rc={rc}")
     with open(path, errors="replace") as f:
-        print("".join([ln for ln in f if SUMMARY.search(ln)][:60]), end="")
+        print("".join([ln for ln in f if SUMMARY.search(ln)][:400]), end="")
     return rc
 
 
