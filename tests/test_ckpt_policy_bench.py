@@ -68,17 +68,20 @@ def test_kernel_split_profiles_each_side_on_cpu():
 
 def test_function_sides_run_the_old_ffn_and_restore_the_op():
     """keep-ffn-function: the same values as keep-ffn through the autograd.Function the op replaced, whose replay runs
-    the GELU again (one more aten.gelu per block); the op is back afterwards."""
+    the GELU again (one more aten.gelu per block) but not the kept matmul (as many addmm as keep-ffn: the side keeps
+    the FFN output, as the old policy did); the op and the policy are back afterwards."""
+    from ds_adaptiveload.model import wan
     from ds_adaptiveload.model.gelu_linear import GeluLinear
 
     model = tiny(True, "attention")
-    forward = GeluLinear.forward
+    forward, policy = GeluLinear.forward, wan.save_attention_ffn_policy
     counts, results = {}, {}
     for side in ("keep-ffn", "keep-ffn-function"):
         mode = CountOps()
         with ckpt_policy.policy_of(model, side):
             results[side] = run(model, True, mode)
-        counts[side] = mode.gelu
-    assert GeluLinear.forward is forward
+        counts[side] = (mode.gelu, mode.addmm)
+    assert GeluLinear.forward is forward and wan.save_attention_ffn_policy is policy
     assert_same(results["keep-ffn-function"], results["keep-ffn"])
-    assert counts["keep-ffn-function"] - counts["keep-ffn"] == model.cfg.num_layers, counts
+    assert counts["keep-ffn-function"][0] - counts["keep-ffn"][0] == model.cfg.num_layers, counts
+    assert counts["keep-ffn-function"][1] == counts["keep-ffn"][1], counts

@@ -81,6 +81,23 @@ def _function_ffn():
     return lambda self, h: GeluLinearFunction.apply(h, self.weight, self.bias)
 
 
+def _shrinking_matmul_policy(base):
+    """The FFN policy as it ran with the Function: the policy sees the addmm / mm inside the Function, not the op, and
+    kept the one whose reduction dim exceeds its output's (weight.t() [K, N], K > N: the FFN's second projection).
+    Without it the "-function" side would keep no FFN output at all: the attention policy's memory and recompute."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    first = {torch.ops.aten.addmm.default: 1, torch.ops.aten.mm.default: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        i = first.get(op)
+        if i is not None and args[i + 1].shape[0] > args[i + 1].shape[1]:
+            return CheckpointPolicy.MUST_SAVE
+        return base(ctx, op, *args, **kwargs)
+    return policy
+
+
 @contextmanager
 def policy_of(model, side):
     """side "attention": every block checkpointed, keeping its attention outputs only; "keep-ffn": its FFN output too
@@ -88,6 +105,7 @@ def policy_of(model, side):
     "open-elementwise": none, each recomputing its elementwise steps (WanModel.open_recompute); "half" and
     "half-elementwise": likewise for the second half of the blocks, the first half checkpointed. Restores the
     model's settings afterwards."""
+    from ds_adaptiveload.model import wan
     from ds_adaptiveload.model.gelu_linear import GeluLinear
 
     before = (model.checkpoint_blocks, model.checkpoint_ffn_blocks, model.open_recompute)
@@ -95,14 +113,15 @@ def policy_of(model, side):
     n = len(model.blocks)
     model.checkpoint_blocks, model.checkpoint_ffn_blocks = (True if blocks == 1 else int(blocks * n)), int(ffn * n)
     model.open_recompute = open_recompute
-    op_forward = GeluLinear.forward
+    op_forward, ffn_policy = GeluLinear.forward, wan.save_attention_ffn_policy
     if side.endswith("-function"):
         GeluLinear.forward = _function_ffn()
+        wan.save_attention_ffn_policy = _shrinking_matmul_policy(ffn_policy)
     try:
         yield
     finally:
         model.checkpoint_blocks, model.checkpoint_ffn_blocks, model.open_recompute = before
-        GeluLinear.forward = op_forward
+        GeluLinear.forward, wan.save_attention_ffn_policy = op_forward, ffn_policy
 
 
 def compared_blocks(side, n) -> int:
