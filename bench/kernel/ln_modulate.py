@@ -252,12 +252,13 @@ def ours_direct(sets, layout):
     return out
 
 
-def ours_stream(B, S, D, dtype, layout, k=8, nsets=4):
+def ours_stream(B, S, D, dtype, layout, k=8, nsets=4, tune=None):
     """Kernel time in a stream of launches: k forward (backward) calls captured in one CUDA graph over nsets input
     sets in turn, so each call reads inputs last touched nsets - 1 calls before (three calls' bytes, at least
     ~300 MB here, against a 50 MB L2). One replay of a one-kernel graph (ours_kernel at these shapes) also times the
     graph's own launch, a few us against the small shapes' ~50 us floors; a training step runs these kernels back to
-    back in a stream. The copy of x (copy_stream) is timed the same way, as the like-for-like reference."""
+    back in a stream. The copy of x (copy_stream) is timed the same way, as the like-for-like reference. tune: kernel
+    choices (_tuning.tuned) for the timed calls."""
     op = lnm.load_op()
     xs, scs, shs, dys = make_inputs(B, S, D, dtype, layout, nsets)
     code = lnm._DTYPE_CODE[dtype]
@@ -281,14 +282,38 @@ def ours_stream(B, S, D, dtype, layout, k=8, nsets=4):
             i[0] += 1
         return call
     try:
-        out["ours_stream_fwd_ms"] = graph_replay_ms(turn(lambda j: flat[j][1]()), k)
-        out["ours_stream_bwd_ms"] = graph_replay_ms(turn(lambda j: flat[j][2]()), k)
+        with _tuning.tuned(**(tune or {})):  # the backward's statistics above come from the default forward
+            out["ours_stream_fwd_ms"] = graph_replay_ms(turn(lambda j: flat[j][1]()), k)
+            out["ours_stream_bwd_ms"] = graph_replay_ms(turn(lambda j: flat[j][2]()), k)
         out["ours_stream_fwdbwd_ms"] = out["ours_stream_fwd_ms"] + out["ours_stream_bwd_ms"]
-        bufs = [torch.empty_like(f[0]) for f in flat]
-        out["copy_stream_ms"] = graph_replay_ms(turn(lambda j: bufs[j].copy_(flat[j][0])), k)
+        if tune is None:
+            bufs = [torch.empty_like(f[0]) for f in flat]
+            out["copy_stream_ms"] = graph_replay_ms(turn(lambda j: bufs[j].copy_(flat[j][0])), k)
     except Exception as err:  # noqa: BLE001 - a result, not a crash of the benchmark
         out["ours_stream_error"] = f"{type(err).__name__}: {str(err)[:200]}"
     return out
+
+
+def tile_sweep(B, S, D, dtype, layout, bw):
+    """--tile-sweep: every compile-time tile of width D, forward and backward, timed in a stream (ours_stream under
+    _tuning's tile choice); % of the forward's and the backward's byte floors. The default tile is the first per D."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    fb, fbb = floor_bytes(B, S, D, esize, layout)
+    rows = []
+    for backward, floor in ((False, fb), (True, fbb - fb)):
+        for i, (d, vpt, wpr, pf) in enumerate(_tuning.fast_tiles(backward)):
+            if d != D:
+                continue
+            r = ours_stream(B, S, D, dtype, layout, tune={"tile": (-1, i) if backward else (i, -1)})
+            key = "ours_stream_bwd_ms" if backward else "ours_stream_fwd_ms"
+            row = {"B": B, "S": S, "D": D, "dtype": str(dtype).replace("torch.", ""), "layout": layout,
+                   "pass": "bwd" if backward else "fwd", "tile": [vpt, wpr, pf],
+                   "ms": r.get(key, r.get("ours_stream_error"))}
+            if isinstance(row["ms"], float):
+                row["bw%"] = round(100 * floor / (row["ms"] * 1e-3) / bw, 1)
+            rows.append(row)
+            print("tile", json.dumps(row), flush=True)
+    return rows
 
 
 def ln_only(sets, provs):
@@ -431,6 +456,8 @@ def main(argv=None):
     ap.add_argument("--layouts", default="sample,token")
     ap.add_argument("--no-host", action="store_true", help="skip the host-overhead / compile / CUDA-graph part")
     ap.add_argument("--apex-only", action="store_true", help="only build apex (warms its JIT cache) and exit")
+    ap.add_argument("--tile-sweep", action="store_true",
+                    help="only time every compile-time tile of each shape's width in a stream (fwd and bwd)")
     args = ap.parse_args(argv)
     t0 = time.time()
     if args.apex_only:
@@ -456,6 +483,11 @@ def main(argv=None):
     provs = providers(apex_mod, apex_err)
     args.ln_provs = ln_providers(apex_mod, apex_err)
     groups = [(lay, getattr(torch, d)) for lay in args.layouts.split(",") for d in args.dtypes.split(",")]
+    if args.tile_sweep:
+        res["tiles"] = [row for layout, dtype in groups for B, S, D in shapes
+                        for row in tile_sweep(B, S, D, dtype, layout, bw)]
+        save()
+        return
     for k, (layout, dtype) in enumerate(groups):
         for B, S, D in shapes:
             row = shape_row(B, S, D, dtype, layout, provs, bw, args, t0)
