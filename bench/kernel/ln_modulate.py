@@ -8,7 +8,9 @@ ours_grid (the per-sample grid of 2026-11-30 at B >= 2, for A-B), ours_v2 (the 2
 the Wan eager chain (LN_fp32(x).to(x.dtype).float() * (1 + scale) + shift -> x.dtype), torch.compile(dynamic=True)
 of it, and LN then modulate with F.layer_norm, Liger's LayerNorm and apex contrib's FastLayerNorm (built from
 --apex-src). A crashing baseline is reported as its error. Then host overhead per call (a tiny shape, where the
-GPU is idle) and what torch.compile and CUDA graphs make of small shapes.
+GPU is idle) and what torch.compile and CUDA graphs make of small shapes. Ours is also timed kernel-only: one replay
+of a CUDA graph (ours_kernel), and in a stream of launches (ours_stream, beside copy_stream); --tile-sweep times only
+every compile-time tile of each shape's width in a stream.
 Byte floor: bytes that must move (forward: x read + y written + the modulation read; backward: x and dy read, dx
 written, the modulation read and its gradients written) over the copy bandwidth. Medians of CUDA-event timings;
 inputs rotate between two sets when one set fits in L2."""
