@@ -222,27 +222,37 @@ def graph_replay_ms(fn, k=1, side=None):
     return bench_ms(g.replay, warmup=3, rep=20) / k
 
 
-def ours_direct(sets, layout):
-    """ours' kernels without autograd or the Python wrapper: the module's forward / backward called directly and
-    replayed from a CUDA graph (kernel-only, ms per call; 8 calls per graph for small shapes, run from L2 there),
-    and the autograd pass fwd+bwd through a CUDA graph. Errors are recorded, never raised."""
-    out = {}
+def direct_calls(x, sc, sh, dy):
+    """The compiled module's forward and backward on one input set, without autograd or the Python wrapper:
+    (x as [B*S, D], fwd(), bwd()). Runs the forward once for the statistics the backward reads."""
     op = lnm.load_op()
-    x, sc, sh, dy = (t[0].detach() for t in sets)
+    x, sc, sh, dy = (t.detach() for t in (x, sc, sh, dy))
     B, S, D = x.shape
     x2, dy2 = x.reshape(B * S, D), dy.reshape(B * S, D)
     sc_mode, sb, ss, sc_t = lnm._layout(sc, B, S, D, 3)
     sh_mode, hb, hs, sh_t = lnm._layout(sh, B, S, D, 3)
     code = lnm._DTYPE_CODE[x.dtype]
-    k = 8 if x.numel() < 2**25 else 1
 
     def fwd():
         return op.forward(x2, sc_t, sh_t, None, None, B, S, sb, ss, hb, hs, EPS, code, True, -1, -1, None)
+    _, mean, rstd = fwd()
+
+    def bwd():
+        return op.backward(dy2, x2, sc_t, None, None, mean, rstd, B, S, sb, ss, sc_mode, sh_mode, False, False, EPS,
+                           -1, -1, None)
+    return x2, fwd, bwd
+
+
+def ours_direct(sets, layout):
+    """ours' kernels without autograd or the Python wrapper (direct_calls) replayed from a CUDA graph (kernel-only,
+    ms per call; 8 calls per graph for small shapes, run from L2 there), and the autograd pass fwd+bwd through a
+    CUDA graph. Errors are recorded, never raised."""
+    out = {}
+    k = 8 if sets[0][0].numel() < 2**25 else 1
     try:
-        _, mean, rstd = fwd()
+        _, fwd, bwd = direct_calls(*(t[0] for t in sets))
         out["ours_kernel_fwd_ms"] = graph_replay_ms(fwd, k)
-        out["ours_kernel_bwd_ms"] = graph_replay_ms(lambda: op.backward(
-            dy2, x2, sc_t, None, None, mean, rstd, B, S, sb, ss, sc_mode, sh_mode, False, False, EPS, -1, -1, None), k)
+        out["ours_kernel_bwd_ms"] = graph_replay_ms(bwd, k)
         out["ours_kernel_fwdbwd_ms"] = out["ours_kernel_fwd_ms"] + out["ours_kernel_bwd_ms"]
     except Exception as err:  # noqa: BLE001 - a result, not a crash of the benchmark
         out["ours_kernel_error"] = f"{type(err).__name__}: {str(err)[:200]}"
@@ -261,20 +271,7 @@ def ours_stream(B, S, D, dtype, layout, k=8, nsets=4, tune=None):
     graph's own launch, a few us against the small shapes' ~50 us floors; a training step runs these kernels back to
     back in a stream. The copy of x (copy_stream) is timed the same way, as the like-for-like reference. tune: kernel
     choices (_tuning.tuned) for the timed calls."""
-    op = lnm.load_op()
-    xs, scs, shs, dys = make_inputs(B, S, D, dtype, layout, nsets)
-    code = lnm._DTYPE_CODE[dtype]
-    flat = []
-    for x, sc, sh, dy in zip(xs, scs, shs, dys):
-        sc_mode, sb, ss, sc_t = lnm._layout(sc.detach(), B, S, D, 3)
-        sh_mode, hb, hs, sh_t = lnm._layout(sh.detach(), B, S, D, 3)
-        x2, dy2 = x.detach().reshape(B * S, D), dy.reshape(B * S, D)
-        fwd = (lambda x2=x2, sc_t=sc_t, sh_t=sh_t, sb=sb, ss=ss, hb=hb, hs=hs: op.forward(
-            x2, sc_t, sh_t, None, None, B, S, sb, ss, hb, hs, EPS, code, True, -1, -1, None))
-        _, mean, rstd = fwd()
-        bwd = (lambda dy2=dy2, x2=x2, sc_t=sc_t, mean=mean, rstd=rstd, sb=sb, ss=ss, m=(sc_mode, sh_mode): op.backward(
-            dy2, x2, sc_t, None, None, mean, rstd, B, S, sb, ss, m[0], m[1], False, False, EPS, -1, -1, None))
-        flat.append((x2, fwd, bwd))
+    flat = [direct_calls(*one) for one in zip(*make_inputs(B, S, D, dtype, layout, nsets))]
     out = {}
     i = [0]
 
@@ -504,9 +501,9 @@ def main(argv=None):
 
 
 def markdown(res):
-    cols = ["ours", "ours_kernel", "ours_graph", "ours_stream", "ours_grid", "ours_v2", "ours_customop", "wan_eager",
-            "wan_compile_dynamic", "torch_ln_mod", "liger_ln_mod", "apex_fast_ln_mod", "torch_ln", "liger_ln",
-            "apex_fast_ln"]
+    cols = ["ours", "ours_kernel", "ours_graph", "ours_stream", "ours_grid", "ours_v2", "ours_customop",
+            "wan_eager", "wan_compile_dynamic", "torch_ln_mod", "liger_ln_mod", "apex_fast_ln_mod", "torch_ln",
+            "liger_ln", "apex_fast_ln"]
     lines = [f"Copy bandwidth {res['copy_TBps']:.2f} TB/s, {res['device']}, torch {res['torch']}, {res['date']}. "
              "Times in ms (median); bw% = byte floor / time / copy bandwidth.", "",
              "| shape | dtype | layout | pass | floor | " + " | ".join(cols) + " | ours bw% |",
