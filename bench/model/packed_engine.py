@@ -26,7 +26,8 @@ shapes), packed and its comparison are timed alternately A B B A (--pairs), so c
 - mixed-plain: the mixed pack against its three one-shape micro-batches as `mixed`, through a bare bf16 copy of the
   model in the same process (no DeepSpeed: loss.backward, the gradients dropped after each micro-batch), so that
   one machine shows what the engine's micro-step adds to each side.
-Writes OUT/packed-engine-<config>.json per config (every timing, fwd+bwd and step ms apart, peaks)."""
+Writes OUT/packed-engine-<config>.json per config (every timing, fwd+bwd and step ms apart, peaks; each side's wall
+span, with its mean SM clock and power from OUT/gpu-<config>.csv, nvidia-smi sampled every 0.5 s)."""
 import argparse
 import json
 import os
@@ -41,6 +42,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # bench/, for harness
 import harness  # noqa: E402
+import mfu_e2e  # noqa: E402  (its nvidia-smi monitor)
 
 
 CASES = ("mixed", "image-heavy", "image-heavy-equal", "mixed-split", "mixed-small", "mixed-plain")  # comparisons
@@ -163,13 +165,16 @@ def child(args) -> dict:
             if time.perf_counter() - t0 > args.budget_s:
                 rec["status"] = "cut: time budget"
                 break
-            got = {}
+            got, span = {}, {}
             for key, mbs in ((("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))):
+                t_start = time.time()  # wall clock: lines the side up with a GPU clock / power log
                 got[key] = run_case(step, mbs)
+                span[key] = [round(t_start, 3), round(time.time(), 3)]
             (fa, sa, pa), (fb, sb, pb) = got["a"], got["b"]
             rec["pairs"].append({"a_fwd_bwd_ms": round(fa, 1), "b_fwd_bwd_ms": round(fb, 1), "a_step_ms": round(sa, 1),
                                  "b_step_ms": round(sb, 1), "a_peak_gib": round(pa / 2**30, 2),
-                                 "b_peak_gib": round(pb / 2**30, 2), "ratio": round(tok_a / fa / (tok_b / fb), 5)})
+                                 "b_peak_gib": round(pb / 2**30, 2), "ratio": round(tok_a / fa / (tok_b / fb), 5),
+                                 "a_wall": span["a"], "b_wall": span["b"]})
         if rec["pairs"]:
             # above 1: packed trains its tokens faster (fwd+bwd) than its comparison
             rec["ratio_median"] = round(statistics.median(p["ratio"] for p in rec["pairs"]), 5)
@@ -179,6 +184,18 @@ def child(args) -> dict:
         out["comparisons"].append(rec)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
+
+
+def gpu_by_side(res, gpu_csv):
+    """Each pair's sides get the mean SM clock and power of the nvidia-smi samples inside their wall span (a_gpu,
+    b_gpu), so a side that ran at lower clocks (power cap) shows; nothing without the log."""
+    for c in res.get("comparisons", []):
+        for pair in c["pairs"]:
+            for side in ("a", "b"):
+                t0, t1 = pair[f"{side}_wall"]
+                got = mfu_e2e.gpu_per_step(gpu_csv, [{"step": side, "end_time": t1, "step_ms": (t1 - t0) * 1e3}])
+                if got:
+                    pair[f"{side}_gpu"] = {k: v for k, v in got[0].items() if k != "step"}
 
 
 def main(argv=None):
@@ -206,12 +223,19 @@ def main(argv=None):
         # each config an equal share of what is left (the fifteenth session's first config took all but ZeRO-3's
         # image-heavy pairs); the child's --budget-s: argparse keeps the last one
         left = (args.budget_s - (time.perf_counter() - t0)) / (len(configs) - i)
-        res, p = harness.run_child([os.path.abspath(__file__), *(argv or sys.argv[1:]), "--child", config, "--budget-s",
-                            str(max(left, 0.0))], "RESULT ")
+        name = os.path.splitext(os.path.basename(config))[0]
+        gpu_csv = os.path.join(args.out, f"gpu-{name}.csv")
+        mon = mfu_e2e.gpu_monitor(gpu_csv, interval=0.5)
+        try:
+            res, p = harness.run_child([os.path.abspath(__file__), *(argv or sys.argv[1:]), "--child", config,
+                                        "--budget-s", str(max(left, 0.0))], "RESULT ")
+        finally:
+            if mon is not None:
+                mon.terminate()
         if res is None:
             res, rc = {"config": config, "rc": p.returncode, "stderr_tail": p.stderr[-4000:]}, 1
         res["env"] = harness.environment(gpu=True)
-        name = os.path.splitext(os.path.basename(config))[0]
+        gpu_by_side(res, gpu_csv)
         with open(os.path.join(args.out, f"packed-engine-{name}.json"), "w") as f:
             json.dump(res, f, indent=1)
         for c in res.get("comparisons", []):
