@@ -151,3 +151,39 @@ def test_fa4_libraries_install_from_parts_split_over_two_calls(tmp_path, monkeyp
     (site / ".done").unlink()
     assert not run.install_fa4(str(fa4_dir), {}, logged.append)
     assert "found parts ['cu13.tar.xz.part01']" in logged[-1] and str(parts) in logged[-1]
+
+
+def test_ref_stages_run_in_the_reference_tree_with_their_own_build(tmp_path):
+    """--ref DIR: NAME-ref runs NAME's commands in DIR, DIR's package first on the path, the op JIT-built apart
+    (TORCH_EXTENSIONS_DIR), each tree's build in front of its own op stages; a DIR without the package is refused."""
+    run = _runner()
+    S = run.Stage
+    show = ("import os; print('cwd', os.getcwd()); print('path0', os.environ['PYTHONPATH'].split(os.pathsep)[0]); "
+            "print('ext', os.environ.get('TORCH_EXTENSIONS_DIR', '-'))")
+    stages = {"build": S(_py("print('built')"), 20, "build"), "bench": S(_py(show), 20, "op stage", op=True)}
+    ref = tmp_path / "ref"
+    (ref / "ds_adaptiveload").mkdir(parents=True)
+    (ref / "ds_adaptiveload" / "__init__.py").write_text("")
+    both = run.with_ref(stages, str(ref))
+    assert run.parse_stages("bench,bench-ref", both) == [[("build", None)], [("build-ref", None)], [("bench", None)],
+                                                        [("bench-ref", None)]]
+    assert run.parse_stages("bench", both) == [[("build", None)], [("bench", None)]]
+    out = tmp_path / "out"
+    rc = run.main(["--stages", "bench,bench-ref", "--out", str(out), "--budget-s", "60", "--ref", str(ref),
+                   "--wheels", str(tmp_path / "no-wheels")], stages=stages)
+    assert rc == 0
+    logs = {}
+    for f in os.listdir(out):
+        if f.endswith(".tgz"):
+            with tarfile.open(out / f) as t:
+                logs.update({m.name: t.extractfile(m).read().decode() for m in t.getmembers() if m.isfile()})
+    assert f"cwd {ROOT}\n" in logs["bench/stage.log"] and f"path0 {ROOT}\n" in logs["bench/stage.log"]
+    assert f"ext {run.REF_EXTENSIONS}" not in logs["bench/stage.log"]
+    assert f"cwd {ref}\n" in logs["bench-ref/stage.log"] and f"path0 {ref}\n" in logs["bench-ref/stage.log"]
+    assert f"ext {run.REF_EXTENSIONS}\n" in logs["bench-ref/stage.log"] and "built" in logs["build-ref/stage.log"]
+    try:
+        run.with_ref(stages, str(tmp_path))
+    except SystemExit as e:
+        assert "no ds_adaptiveload package" in str(e)
+    else:
+        raise AssertionError("a tree without the package was taken as --ref")

@@ -6,6 +6,8 @@ into at most 6 files under --out (the device tool returns 8 files of 16 MiB at m
     python bench/device/run.py --stages e2e=400 --args e2e="--variants balanced,equal-tokens" --out $OUT
     python bench/device/run.py --stages calib,e2e --args e2e="--profile $OUT/calib/h200-wan1.3b-calibrated.yaml"
     python bench/device/run.py --list                       # the stages, their seconds and commands
+    python bench/device/run.py --ref .ref --stages build+build-ref,verify16,verify16-ref --out $OUT
+        # A-B on one machine: .ref is another tree of the repository (git archive main | tar -x -C .ref)
 
 --stages: comma list in order; a+b runs a and b side by side (e.g. calibration on GPU 0 beside the kernel
 tests on GPU 1); name=S gives a stage S seconds instead of its default. A stage whose seconds do not fit what
@@ -48,6 +50,24 @@ class Stage:
     needs_file: str = None      # skipped with a note while this file is absent (stages other helpers add)
     margin: int = 0
     collect: tuple = ()         # globs copied into the stage folder afterwards (logs of runs kept in /tmp)
+    root: str = None            # the tree it runs in (--ref's stages NAME-ref); None: this checkout
+
+
+REF_EXTENSIONS = "/tmp/dsal-ref-extensions"  # the reference tree's JIT-built op, apart from this checkout's
+
+
+def with_ref(stages, ref_dir):
+    """stages plus NAME-ref for each: NAME's commands run in ref_dir, another tree of the repository (e.g. `git
+    archive main | tar -x -C .ref`, carried), with ref_dir's package first on the path and its op JIT-built into
+    REF_EXTENSIONS, so a kernel change and its reference are built and timed on one machine in one call."""
+    from dataclasses import replace
+
+    root = os.path.abspath(ref_dir)
+    if not os.path.isfile(os.path.join(root, "ds_adaptiveload", "__init__.py")):
+        raise SystemExit(f"error: --ref {ref_dir}: no ds_adaptiveload package there (a tree of this repository)")
+    ref = {f"{n}-ref": replace(st, root=root, env={**st.env, "TORCH_EXTENSIONS_DIR": REF_EXTENSIONS})
+           for n, st in stages.items()}
+    return {**stages, **ref}
 
 
 def py(*args):
@@ -232,12 +252,12 @@ def _pump(proc, log_file, prefix):
         print(prefix + line, end="", flush=True)
 
 
-def _run_cmd(argv, env, limit, log_file, prefix):
+def _run_cmd(argv, env, limit, log_file, prefix, cwd=ROOT):
     """One command in its own session (a cut command's children go with it); exit code or 'timeout'."""
     log_file.write("$ " + shlex.join(argv) + "\n")
     log_file.flush()
     try:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace", start_new_session=True)
     except OSError as e:  # e.g. compute-sanitizer not on PATH
         log_file.write(f"cannot start: {e}\n")
@@ -276,6 +296,8 @@ def run_stage(name, st, limit, out, env, extra):
             "{limit}": str(int(limit)), "{inner}": str(max(int(limit - st.margin), 10)),
             "{gpu1}": "1" if gpu_count() > 1 else "0"}
     env = {**env, **{k: _sub(v, subs) for k, v in st.env.items()}, "OUT": d, **compile_caches(name)}
+    if st.root:  # the reference tree's package instead of this checkout's
+        env["PYTHONPATH"] = os.pathsep.join(st.root if p == ROOT else p for p in env["PYTHONPATH"].split(os.pathsep))
     cmds = [list(c) for c in st.cmds]
     cmds[-1] += extra
     t0 = time.monotonic()
@@ -283,7 +305,7 @@ def run_stage(name, st, limit, out, env, extra):
     with open(os.path.join(d, "stage.log"), "w") as f:
         for argv in cmds:
             argv = [_sub(a, subs) for a in argv]
-            r = _run_cmd(argv, env, limit - (time.monotonic() - t0), f, f"[{name}] ")
+            r = _run_cmd(argv, env, limit - (time.monotonic() - t0), f, f"[{name}] ", st.root or ROOT)
             if r == "timeout":
                 status, rc = f"timeout after {limit:.0f} s", r
                 break
@@ -325,10 +347,17 @@ def parse_stages(spec, stages):
             g.append((name, float(secs) if secs else None))
         groups.append(g)
     names = [n for g in groups for n, _ in g]
-    present = [n for n in names if not stages[n].needs_file or os.path.exists(os.path.join(ROOT, stages[n].needs_file))]
-    if "build" in stages and "build" not in names and any(stages[n].op for n in present):
-        groups.insert(0, [("build", None)])
+    present = [n for n in names if not stages[n].needs_file or os.path.exists(stage_file(stages[n]))]
+    for build, ref in (("build-ref", True), ("build", False)):  # this checkout's build first, then the reference's
+        if build in stages and build not in names and any(stages[n].op and bool(stages[n].root) == ref
+                                                          for n in present):
+            groups.insert(0, [(build, None)])
     return groups
+
+
+def stage_file(st):
+    """The stage's needs_file in the tree it runs in."""
+    return os.path.join(st.root or ROOT, st.needs_file)
 
 
 def pack(out, names, log):
@@ -360,7 +389,7 @@ def run_group(group, stages, budget, out, env, extra, log):
     for name, secs in group:
         st = stages[name]
         limit = secs or st.seconds
-        if st.needs_file and not os.path.exists(os.path.join(ROOT, st.needs_file)):
+        if st.needs_file and not os.path.exists(stage_file(st)):
             records[name] = {"stage": name, "status": f"skipped: {st.needs_file} not there yet"}
         elif not budget.fits(limit):
             records[name] = {"stage": name, "status": f"skipped: needs {limit:.0f} s, {budget.left():.0f} s left"}
@@ -434,8 +463,12 @@ def main(argv=None, stages=None):
                     help="more arguments for the stage's last command, one shell-quoted string")
     ap.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="folder of wheels to install first")
     ap.add_argument("--fa4", default="", metavar="DIR", help="install FlashAttention-4 from DIR first (install_fa4)")
+    ap.add_argument("--ref", default="", metavar="DIR",
+                    help="another tree of the repository: stages NAME-ref run NAME there, with its own op build")
     ap.add_argument("--list", action="store_true", help="print the stages and exit")
     a = ap.parse_args(argv)
+    if a.ref:
+        stages = with_ref(stages, a.ref)
     if a.list:
         for n, st in stages.items():
             print(f"{n:13s} {st.seconds:4d} s  {st.doc}\n" + "".join(f"{'':20s}{shlex.join(c)}\n" for c in st.cmds))
@@ -453,6 +486,7 @@ def main(argv=None, stages=None):
     for group in groups if env is not None else []:
         records += run_group(group, stages, budget, a.out, env, extra, log)
         if group[0][0] == "build" and records[-1]["status"] != "ok" and "skipped" not in records[-1]["status"]:
+            # (a failed build-ref leaves the reference's stages to retry it and fail on their own)
             # every later process would retry the build: they run the PyTorch chain, and say so
             env = {**env, "DS_ADAPTIVELOAD_LN_MODULATE": "torch"}
             log("op build failed: later stages run with DS_ADAPTIVELOAD_LN_MODULATE=torch")
