@@ -397,6 +397,39 @@ def test_packed_engine_bench_smoke(tmp_path):
         want = c["tokens_a"] / p["a_fwd_bwd_ms"] / (c["tokens_b"] / p["b_fwd_bwd_ms"])
         assert p["ratio"] == pytest.approx(want, rel=0.01)
     assert c["ratio_median"] == pytest.approx(sum(p["ratio"] for p in c["pairs"]) / 2, abs=1e-5)
+    for i, p in enumerate(c["pairs"]):  # each side's wall span, in the pair's ABBA order
+        first, second = (p["a_wall"], p["b_wall"]) if i % 2 == 0 else (p["b_wall"], p["a_wall"])
+        assert first[0] < first[1] <= second[0] < second[1], p
+        assert "a_gpu" not in p  # no nvidia-smi here
+
+
+def test_packed_engine_gives_each_side_its_gpu_samples(tmp_path):
+    """packed_engine.gpu_by_side: each pair's side gets the mean SM clock and power of the nvidia-smi samples inside
+    its wall span (bench/mfu_e2e's reader), so a power-capped side shows; a side with no sample gets nothing."""
+    import datetime
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("packed_engine", os.path.join(root, "bench/model/packed_engine.py"))
+    pe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pe)
+    t0 = datetime.datetime(2026, 12, 5, 6, 0, 0, tzinfo=datetime.timezone.utc)
+    rows = ["timestamp, clocks.current.sm [MHz], clocks.current.memory [MHz], temperature.gpu, power.draw [W], "
+            "utilization.gpu [%], memory.used [MiB], clocks_event_reasons.active"]
+    for i, (mhz, watts, reason) in enumerate([(1980, 650.0, 0), (1960, 660.0, 0), (1700, 699.0, 4), (1720, 700.0, 4)]):
+        t = t0 + datetime.timedelta(seconds=i)
+        rows.append(f"{t.strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]}, {mhz} MHz, 3201 MHz, 60, {watts:.2f} W, 100 %, "
+                    f"90000 MiB, 0x{reason:016x}")
+    csv = tmp_path / "gpu.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    s = t0.timestamp()
+    res = {"comparisons": [{"pairs": [{"a_wall": [s - 0.5, s + 1.5], "b_wall": [s + 1.5, s + 3.5]},
+                                      {"a_wall": [s + 10, s + 11], "b_wall": [s + 11, s + 12]}]}]}
+    pe.gpu_by_side(res, str(csv))
+    first, late = res["comparisons"][0]["pairs"]
+    assert first["a_gpu"] == {"sm_mhz": 1970, "power_w": 655.0, "power_capped": False, "samples": 2}
+    assert first["b_gpu"] == {"sm_mhz": 1710, "power_w": 699.5, "power_capped": True, "samples": 2}
+    assert "a_gpu" not in late and "b_gpu" not in late
 
 
 def test_checkpointing_the_first_k_blocks_keeps_outputs_and_gradients(monkeypatch):
