@@ -486,8 +486,8 @@ def main(argv=None, stages=None):
     for group in groups if env is not None else []:
         records += run_group(group, stages, budget, a.out, env, extra, log)
         if group[0][0] == "build" and records[-1]["status"] != "ok" and "skipped" not in records[-1]["status"]:
-            # (a failed build-ref leaves the reference's stages to retry it and fail on their own)
-            # every later process would retry the build: they run the PyTorch chain, and say so
+            # every later process would retry the build: they run the PyTorch chain, and say so (a failed
+            # build-ref is left to the reference's stages, which retry it and fail on their own)
             env = {**env, "DS_ADAPTIVELOAD_LN_MODULATE": "torch"}
             log("op build failed: later stages run with DS_ADAPTIVELOAD_LN_MODULATE=torch")
     tars = pack(a.out, ["install"] + [r["stage"] for r in records], log)
