@@ -187,3 +187,27 @@ def test_ref_stages_run_in_the_reference_tree_with_their_own_build(tmp_path):
         assert "no ds_adaptiveload package" in str(e)
     else:
         raise AssertionError("a tree without the package was taken as --ref")
+
+
+def test_kernel_compare_tables_two_runs(tmp_path):
+    """bench/kernel/compare.py: the rows both runs hold, each stream time of both and its change, the fwd+bwd %;
+    rows in one run only are named; a run without rows is refused with its path."""
+    def row(B, dtype, fwd, bwd, pct):
+        return {"B": B, "S": 1560, "D": 1536, "dtype": dtype, "layout": "sample", "ours_stream_fwd_ms": fwd,
+                "ours_stream_bwd_ms": bwd, "ours_stream_fwdbwd_bw%": pct}
+
+    new, ref, sweep = tmp_path / "new.json", tmp_path / "ref.json", tmp_path / "sweep.json"
+    new.write_text(json.dumps({"rows": [row(32, "bfloat16", 0.0825, 0.1338, 83.0),
+                                        row(64, "bfloat16", 0.16, 0.26, 84.0)]}))
+    ref.write_text(json.dumps({"rows": [row(32, "bfloat16", 0.0830, 0.1436, 79.4),
+                                        row(300, "float16", 0.74, 1.16, 88.7)]}))
+    sweep.write_text(json.dumps({"rows": [], "tiles": [{"B": 32}]}))
+    script = os.path.join(ROOT, "bench", "kernel", "compare.py")
+    res = subprocess.run([sys.executable, script, str(new), str(ref), "--names", "branch,main"], capture_output=True,
+                         text=True, check=True)
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("| shape | dtype | layout | fwd branch, us | fwd main, us | change | bwd branch, us")
+    assert lines[2] == "| 32x1560x1536 | bf16 | sample | 82.5 | 83.0 | -0.6% | 133.8 | 143.6 | -6.8% | 83.0 / 79.4 |"
+    assert lines[-1] == "In one run only: 64x1560x1536 bfloat16 sample, 300x1560x1536 float16 sample"
+    bad = subprocess.run([sys.executable, script, str(sweep), str(ref)], capture_output=True, text=True)
+    assert bad.returncode != 0 and f"{sweep}: no 'rows'" in bad.stderr
