@@ -189,13 +189,12 @@ def child(args) -> dict:
 def gpu_by_side(res, gpu_csv):
     """Each pair's sides get the mean SM clock and power of the nvidia-smi samples inside their wall span (a_gpu,
     b_gpu), so a side that ran at lower clocks (power cap) shows; nothing without the log."""
-    for c in res.get("comparisons", []):
-        for pair in c["pairs"]:
-            for side in ("a", "b"):
-                t0, t1 = pair[f"{side}_wall"]
-                got = mfu_e2e.gpu_per_step(gpu_csv, [{"step": side, "end_time": t1, "step_ms": (t1 - t0) * 1e3}])
-                if got:
-                    pair[f"{side}_gpu"] = {k: v for k, v in got[0].items() if k != "step"}
+    sides = [(pair, side) for c in res.get("comparisons", []) for pair in c["pairs"] for side in ("a", "b")]
+    spans = [pair[f"{side}_wall"] for pair, side in sides]
+    recs = [{"step": i, "end_time": t1, "step_ms": (t1 - t0) * 1e3} for i, (t0, t1) in enumerate(spans)]
+    for got in mfu_e2e.gpu_per_step(gpu_csv, recs):  # one read of the log; sides without samples are left out
+        pair, side = sides[got.pop("step")]
+        pair[f"{side}_gpu"] = got
 
 
 def main(argv=None):
