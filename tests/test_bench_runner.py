@@ -22,6 +22,16 @@ def _py(code):
     return [[sys.executable, "-c", code]]
 
 
+def _packed_files(out):
+    """{member name: text} of every .tgz the runner left in `out`."""
+    members = {}
+    for f in os.listdir(out):
+        if f.endswith(".tgz"):
+            with tarfile.open(out / f) as t:
+                members.update({m.name: t.extractfile(m).read().decode() for m in t.getmembers() if m.isfile()})
+    return members
+
+
 def test_runner_fits_skips_fails_and_packs(tmp_path, capsys):
     run = _runner()
     S = run.Stage
@@ -54,11 +64,7 @@ def test_runner_fits_skips_fails_and_packs(tmp_path, capsys):
     assert status["later"] == "skipped: bench/no_such_script.py not there yet"
     assert sorted(rep["files"]) == files
     # 5 stage folders ran: the 3 largest packed alone, the other 2 together
-    members = {}
-    for f in files:
-        if f.endswith(".tgz"):
-            with tarfile.open(out / f) as t:
-                members.update({m.name: t.extractfile(m).read().decode() for m in t.getmembers() if m.isfile()})
+    members = _packed_files(out)
     assert members["fits/result.txt"] == "a" and members["fits2/result.txt"] == "b"
     assert "second command" in members["fits/stage.log"] and "boom" in members["fails/stage.log"]
     assert "args ['--x', 'a b']" in members["fits3/stage.log"]
@@ -172,11 +178,7 @@ def test_ref_stages_run_in_the_reference_tree_with_their_own_build(tmp_path):
     rc = run.main(["--stages", "bench,bench-ref", "--out", str(out), "--budget-s", "60", "--ref", str(ref),
                    "--wheels", str(tmp_path / "no-wheels")], stages=stages)
     assert rc == 0
-    logs = {}
-    for f in os.listdir(out):
-        if f.endswith(".tgz"):
-            with tarfile.open(out / f) as t:
-                logs.update({m.name: t.extractfile(m).read().decode() for m in t.getmembers() if m.isfile()})
+    logs = _packed_files(out)
     assert f"cwd {ROOT}\n" in logs["bench/stage.log"] and f"path0 {ROOT}\n" in logs["bench/stage.log"]
     assert f"ext {run.REF_EXTENSIONS}" not in logs["bench/stage.log"]
     assert f"cwd {ref}\n" in logs["bench-ref/stage.log"] and f"path0 {ref}\n" in logs["bench-ref/stage.log"]
