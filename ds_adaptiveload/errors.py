@@ -1,3 +1,6 @@
+"""The error type for bad user input, which the CLI reports as one line instead of a traceback."""
+
+
 class UserError(ValueError):
     """Bad input from the user (file, line, sample id or argument named in the message).
 
