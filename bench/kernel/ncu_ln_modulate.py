@@ -2,7 +2,8 @@
 the forward's bytes (x read, y written), at the shapes asked: DRAM throughput, issue activity and warp stall
 reasons (where the time goes). Default: the small per-sample shapes that #18 leaves under target.
 
-    python bench/kernel/ncu_ln_modulate.py --out DIR [--shapes 2x16380x1536,...]   # writes DIR/ncu.txt
+    python bench/kernel/ncu_ln_modulate.py --out DIR [--shapes 2x16380x1536,...] [--clock-control none]
+        [--sections SourceCounters,...]   # writes DIR/ncu.txt
 """
 import argparse
 import glob
@@ -63,6 +64,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default=SHAPES, help="comma list of BxSxD (bf16 x, fp32 [B,1,D] modulation)")
+    # ncu locks the SM clock at base (1.47 GHz on the H200) by default; none profiles at the clock training runs at.
+    ap.add_argument("--clock-control", choices=("base", "none"), default="base")
+    ap.add_argument("--sections", default="", help="more ncu sections, comma list (SourceCounters: stalls per line)")
     ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shapes = parse_shapes(args.shapes)
@@ -75,8 +79,10 @@ def main():
         print("ncu: not found on this machine")
         open(path, "w").write("ncu: not found on this machine\n")
         return 0
-    cmd = [ncu, "--target-processes", "all", "--profile-from-start", "off", "-k", KERNELS]
-    cmd += [a for s in SECTIONS for a in ("--section", s)]
+    cmd = [ncu, "--target-processes", "all", "--profile-from-start", "off", "--clock-control", args.clock_control,
+           "-k", KERNELS]
+    sections = SECTIONS + tuple(s for s in args.sections.split(",") if s)
+    cmd += [a for s in sections for a in ("--section", s)]
     cmd += [sys.executable, os.path.abspath(__file__), "--target", "--shapes", args.shapes]
     with open(path, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
