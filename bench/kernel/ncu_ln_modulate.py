@@ -3,7 +3,7 @@ the forward's bytes (x read, y written), at the shapes asked: DRAM throughput, i
 reasons (where the time goes). Default: the small per-sample shapes that #18 leaves under target.
 
     python bench/kernel/ncu_ln_modulate.py --out DIR [--shapes 2x16380x1536,...] [--clock-control none]
-        [--sections SourceCounters,...]   # writes DIR/ncu.txt
+        [--sections SourceCounters,...] [--fwd-tiles]   # writes DIR/ncu.txt
 """
 import argparse
 import glob
@@ -22,13 +22,16 @@ SHAPES = "2x16380x1536,8x4680x1536,32x1560x1536,1x32760x1536"
 KERNELS = "regex:fwd_|bwd_|reduce_|elementwise"
 
 
-def target(shapes):
-    """The profiled region: per shape, the second iteration (the first loads the op and warms up)."""
+def target(shapes, fwd_tiles=False):
+    """The profiled region: per shape, the second iteration (the first loads the op and warms up). fwd_tiles: the
+    forward alone under each compile-time tile of the shape's D instead (the tile is in the kernel's name)."""
     import torch
 
     sys.path.insert(0, ROOT)
-    from ds_adaptiveload.ops import ln_modulate
+    from ds_adaptiveload.ops import _tuning, ln_modulate
 
+    if fwd_tiles:
+        return tile_target(shapes, torch, _tuning, ln_modulate)
     for shape in shapes:
         B, S, D = shape
         x = torch.randn(B, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -43,6 +46,23 @@ def target(shapes):
             torch.mul(x.detach(), 1.0, out=z)  # an elementwise kernel on the forward's bytes (copy_ would be a memcpy)
             torch.cuda.synchronize()
             if it == 1:
+                torch.cuda.profiler.stop()
+
+
+def tile_target(shapes, torch, _tuning, ln_modulate):
+    """Per shape and forward tile of its D: one warm-up call, then one profiled call (bf16, no autograd)."""
+    for B, S, D in shapes:
+        x = torch.randn(B, S, D, device="cuda", dtype=torch.bfloat16)
+        sc, sh = torch.randn(B, 1, D, device="cuda"), torch.randn(B, 1, D, device="cuda")
+        for i, tile in enumerate(_tuning.fast_tiles(False)):
+            if tile[0] != D:
+                continue
+            with _tuning.tuned(tile=(i, -1)):
+                ln_modulate(x, sc, sh)  # warm-up, not profiled
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
+                ln_modulate(x, sc, sh)
+                torch.cuda.synchronize()
                 torch.cuda.profiler.stop()
 
 
@@ -67,11 +87,12 @@ def main():
     # ncu locks the SM clock at base (1.47 GHz on the H200) by default; none profiles at the clock training runs at.
     ap.add_argument("--clock-control", choices=("base", "none"), default="base")
     ap.add_argument("--sections", default="", help="more ncu sections, comma list (SourceCounters: stalls per line)")
+    ap.add_argument("--fwd-tiles", action="store_true", help="the forward alone under each compile-time tile")
     ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shapes = parse_shapes(args.shapes)
     if args.target:
-        return target(shapes)
+        return target(shapes, args.fwd_tiles)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "ncu.txt")
     ncu = find_ncu()
@@ -84,6 +105,7 @@ def main():
     sections = SECTIONS + tuple(s for s in args.sections.split(",") if s)
     cmd += [a for s in sections for a in ("--section", s)]
     cmd += [sys.executable, os.path.abspath(__file__), "--target", "--shapes", args.shapes]
+    cmd += ["--fwd-tiles"] if args.fwd_tiles else []
     with open(path, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
     print(f"ncu rc={rc}")
