@@ -57,16 +57,18 @@ __global__ void __launch_bounds__(32 * WPR * fast_rpc(32 * WPR), min_ctas(32 * W
   for (int64_t a = r0; a < r1;) {  // one segment: this share's rows of sample b
     b = a / p.S;
     const int64_t e = r1 < (b + 1) * p.S ? r1 : (b + 1) * p.S;
-    if constexpr (!TOK) {
-      if (a != r0) __syncthreads();  // every row group is done with the previous sample's modulation
-      stage_mod<D, NT>(mod_a, static_cast<const float*>(p.scale) + b * p.sc_sb, 1.f);
-      stage_mod<D, NT>(mod_t, static_cast<const float*>(p.shift) + b * p.sh_sb, 0.f);
-    }
+    // The segment's first rows go out before the restage and its barriers (registers only: the ring is empty
+    // here), so their DRAM round trip overlaps the modulation's.
     int64_t row = a + group;
 #pragma unroll
     for (int r = 0; r < PF; ++r)
       if (row + r * rpc < e) { load_x(r, row + r * rpc); load_mod(r, row + r * rpc); }
-    if constexpr (!TOK) __syncthreads();
+    if constexpr (!TOK) {
+      if (a != r0) __syncthreads();  // every row group is done with the previous sample's modulation
+      stage_mod<D, NT>(mod_a, static_cast<const float*>(p.scale) + b * p.sc_sb, 1.f);
+      stage_mod<D, NT>(mod_t, static_cast<const float*>(p.shift) + b * p.sh_sb, 0.f);
+      __syncthreads();
+    }
     while (row < e) {
 #pragma unroll
       for (int r = 0; r < PF; ++r, row += rpc) {
@@ -141,6 +143,11 @@ __global__ void __launch_bounds__(32 * WPR, min_ctas(32 * WPR, 640)) bwd_flat_ke
     const int64_t r1 = share_start(blockIdx.x + 1, R, gridDim.x);
     b = a / p.S;
     const int64_t e = r1 < (b + 1) * p.S ? r1 : (b + 1) * p.S;
+    // The segment's first rows go out before the restage and its barriers (the ring is empty here).
+    int64_t row = a;
+#pragma unroll
+    for (int r = 0; r < PF; ++r)
+      if (row + r < e) { load_row(r, row + r); load_mod(r, row + r); }
     if constexpr (!TOK) {
       if (a != r0) __syncthreads();  // every thread is done with the previous sample's modulation
       stage_mod<D, TPR>(mod_a, static_cast<const float*>(p.scale) + b * p.sc_sb, 1.f);
@@ -151,10 +158,6 @@ __global__ void __launch_bounds__(32 * WPR, min_ctas(32 * WPR, 640)) bwd_flat_ke
     for (int i = 0; i < (TOK ? 1 : VPT); ++i)
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc_sc[i][j] = acc_sh[i][j] = 0.f;
-    int64_t row = a;
-#pragma unroll
-    for (int r = 0; r < PF; ++r)
-      if (row + r < e) { load_row(r, row + r); load_mod(r, row + r); }
     while (row < e) {
 #pragma unroll
       for (int r = 0; r < PF; ++r, ++row) {
@@ -258,8 +261,20 @@ FastCfg flat_cfg(const P& p, FastCfg (*tok_cfg)(const P&, bool), FastCfg (*cfg)(
 FastCfg fwd_cfg(const FwdParams& p) {
   return flat_cfg(p, &fwd_tile_cfg<FlatKernels<true>>, &fwd_tile_cfg<FlatKernels<false>>);
 }
+// On the flat row space the backward at D = 1536 takes [1 vector, 6 warps, 3 rows ahead] unless a tile is picked.
+// Tile sweep in a stream on the H200 (2026-12-05), per-sample modulation, % of the backward's byte floor at
+// 32x1560 / 300x1560: bf16 80.5 / 85.0 against 75.0 / 81.0 for the first tile [2, 3, 1]; fp16 81.3 / 86.2 against
+// 80.4 / 87.2. On the grid (B = 2, 8 at 16380 / 4680 rows) [2, 3, 1] stays ahead, 79-81 against 69-73. The choice
+// of grid or flat rows is made with the first tile's occupancy, as before.
+constexpr int kFlatBwdTile1536 = 2;
+static_assert(kBwdTiles[kFlatBwdTile1536].D == 1536 && kBwdTiles[kFlatBwdTile1536].vpt == 1 &&
+              kBwdTiles[kFlatBwdTile1536].wpr == 6 && kBwdTiles[kFlatBwdTile1536].pf == 3, "flat backward tile");
 FastCfg bwd_cfg(const BwdParams& p) {
-  return flat_cfg(p, &bwd_tile_cfg<FlatKernels<true>>, &bwd_tile_cfg<FlatKernels<false>>);
+  const FastCfg c = flat_cfg(p, &bwd_tile_cfg<FlatKernels<true>>, &bwd_tile_cfg<FlatKernels<false>>);
+  if (c.k == nullptr || p.tile >= 0 || p.D != 1536 || !bwd_tiles_apply(p, false)) return c;
+  BwdParams q = p;  // per-sample / global modulation on the flat rows: the tile above
+  q.tile = kFlatBwdTile1536;
+  return bwd_tile_cfg<FlatKernels<false>>(q, false);
 }
 
 // One wave: resident CTAs per SM (occupancy of the kernel) x SMs, at most `most`.
