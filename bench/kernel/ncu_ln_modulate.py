@@ -38,15 +38,22 @@ def target(shapes, fwd_tiles=False):
         sc = torch.randn(B, 1, D, device="cuda", requires_grad=True)
         sh = torch.randn(B, 1, D, device="cuda", requires_grad=True)
         dy, z = torch.randn_like(x), torch.empty_like(x)
-        for it in range(2):
-            if it == 1:
-                torch.cuda.synchronize()
-                torch.cuda.profiler.start()
+
+        def step():
             torch.autograd.grad(ln_modulate(x, sc, sh), [x, sc, sh], dy)
             torch.mul(x.detach(), 1.0, out=z)  # an elementwise kernel on the forward's bytes (copy_ would be a memcpy)
-            torch.cuda.synchronize()
-            if it == 1:
-                torch.cuda.profiler.stop()
+
+        profile_second(torch, step)
+
+
+def profile_second(torch, fn):
+    """fn once as a warm-up (the first call loads the op), then once inside the profiled region."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 def tile_target(shapes, torch, _tuning, ln_modulate):
@@ -58,12 +65,7 @@ def tile_target(shapes, torch, _tuning, ln_modulate):
             if tile[0] != D:
                 continue
             with _tuning.tuned(tile=(i, -1)):
-                ln_modulate(x, sc, sh)  # warm-up, not profiled
-                torch.cuda.synchronize()
-                torch.cuda.profiler.start()
-                ln_modulate(x, sc, sh)
-                torch.cuda.synchronize()
-                torch.cuda.profiler.stop()
+                profile_second(torch, lambda: ln_modulate(x, sc, sh))
 
 
 def find_ncu():
