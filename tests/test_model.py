@@ -10,6 +10,7 @@ import torch
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model import WanConfig, WanModel, load_wan_checkpoint, save_wan_checkpoint
 from ds_adaptiveload.model.convert import diffusers_config, from_diffusers, to_diffusers
+from tests.launcher import spawn_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "wan_tiny.yaml")
@@ -292,13 +293,11 @@ def _sp_worker(rank, world, port, result_path):
 
 
 def test_sequence_parallel_matches_single_process(tmp_path):
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "sp.pt")
-    mp.spawn(_sp_worker, args=(2, port, out), nprocs=2, join=True)
+    spawn_ranks(_sp_worker, 2, port, out)
     res = torch.load(out)
 
     cfg = tiny_cfg()

@@ -11,6 +11,7 @@ from ds_adaptiveload.model import WanModel, sdpa_attention
 from ds_adaptiveload.model.packing import plan_packing
 from ds_adaptiveload.train import flow
 from ds_adaptiveload.train.engine import free_port
+from tests.launcher import spawn_ranks
 from tests.test_model import inputs, perturbed_model, rel_err, tiny_cfg
 
 # Mixed shapes with repeats that are not adjacent: grouping must reorder and restore the input order. Grids
@@ -315,11 +316,9 @@ def _zero3_worker(rank, world, port, result_path):
 
 def spawn(worker, world, tmp_path):
     """Run worker(rank, world, port, result_path) on `world` processes; returns what rank 0 saved."""
-    import torch.multiprocessing as mp
-
     port = free_port()
     out = str(tmp_path / "result.pt")
-    mp.spawn(worker, args=(world, port, out), nprocs=world, join=True)
+    spawn_ranks(worker, world, port, out)
     return torch.load(out)
 
 

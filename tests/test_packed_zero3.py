@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ds_adaptiveload.model import WanModel
-from ds_adaptiveload.train.failures import leave
 from tests.test_model import perturbed_model, rel_err, tiny_cfg
 from tests.test_packed import SHAPES, gloo_rank, loss_of, packed_inputs
 
@@ -124,10 +123,6 @@ def _two_rank_worker(rank, world, port, result_path, regions=False):
         assert compile_stats()["block_graphs"] > 0  # the regions ran compiled
     if rank == 0:
         torch.save(grads, result_path)
-    torch.distributed.destroy_process_group()
-    # Leave without interpreter teardown: one rank in a suite run aborted there ("terminate called without an
-    # active exception", SIGABRT) after everything was saved, as the diffusers example did (2026-12-01).
-    leave(0)
 
 
 def _two_rank_regions_worker(rank, world, port, result_path):
@@ -137,8 +132,8 @@ def _two_rank_regions_worker(rank, world, port, result_path):
 def _spawn(worker, port, tmp_path, timeout=240):
     """worker on 2 ranks in a fresh interpreter, killed after `timeout` s (a hang fails, it does not block)."""
     out = tmp_path / "result.pt"
-    code = (f"import torch.multiprocessing as mp, tests.test_packed_zero3 as t; "
-            f"mp.spawn(t.{worker.__name__}, args=(2, {port}, {str(out)!r}), nprocs=2, join=True)")
+    code = (f"import tests.test_packed_zero3 as t, tests.launcher as l; "
+            f"l.spawn_ranks(t.{worker.__name__}, 2, {port}, {str(out)!r})")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -44,4 +44,10 @@ def main(out):
 
 
 if __name__ == "__main__":
+    from ds_adaptiveload.train.failures import leave, teardown
+
     main(sys.argv[-1])
+    # As train_wan ends: the group destroyed, then no interpreter teardown, where rank 1 of a CI run aborted
+    # after writing its file ("terminate called without an active exception", exit -6; 2026-12-05).
+    teardown()
+    leave(0)
