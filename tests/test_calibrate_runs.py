@@ -147,8 +147,8 @@ def loss(engine, x0, *a, **k):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
     return orig_loss(engine, x0, *a, **k)
 flow.flow_matching_loss = loss
-from ds_adaptiveload.cli import main
-raise SystemExit(main())
+import runpy  # ends as `python -m ds_adaptiveload` does: the group destroyed, then no interpreter teardown
+runpy.run_module("ds_adaptiveload", run_name="__main__", alter_sys=True)
 """
 
 
