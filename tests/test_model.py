@@ -2,7 +2,6 @@
 activation checkpointing, parameter / FLOP accounting and the sequence-parallel hook."""
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model import WanConfig, WanModel, load_wan_checkpoint, save_wan_checkpoint
 from ds_adaptiveload.model.convert import diffusers_config, from_diffusers, to_diffusers
+from ds_adaptiveload.train.engine import free_port
 from tests.launcher import spawn_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -293,11 +293,8 @@ def _sp_worker(rank, world, port, result_path):
 
 
 def test_sequence_parallel_matches_single_process(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "sp.pt")
-    spawn_ranks(_sp_worker, 2, port, out)
+    spawn_ranks(_sp_worker, 2, free_port(), out)
     res = torch.load(out)
 
     cfg = tiny_cfg()
