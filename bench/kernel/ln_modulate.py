@@ -293,25 +293,35 @@ def ours_stream(B, S, D, dtype, layout, k=8, nsets=4, tune=None):
     return out
 
 
-def tile_sweep(B, S, D, dtype, layout, bw):
+def tile_sweep(B, S, D, dtype, layout, bw, waves=(1,), batch_paths=("auto",), passes=("fwd", "bwd")):
     """--tile-sweep: every compile-time tile of width D, forward and backward, timed in a stream (ours_stream under
-    _tuning's tile choice); % of the forward's and the backward's byte floors. The default tile is the first per D."""
+    _tuning's tile choice); % of the forward's and the backward's byte floors. The default tile is the first per D.
+    batch_paths: each tile under each of these (_tuning batch_path; "flat" puts every B on the flat row space);
+    waves: on the paths other than "auto", the forward at each of these grid sizes (_tuning waves: the flat row
+    space's grid in waves of resident CTAs). Rows other than "auto" carry "waves" and "batch_path"."""
     esize = torch.empty(0, dtype=dtype).element_size()
     fb, fbb = floor_bytes(B, S, D, esize, layout)
     rows = []
     for backward, floor in ((False, fb), (True, fbb - fb)):
+        if ("bwd" if backward else "fwd") not in passes:
+            continue
         for i, (d, vpt, wpr, pf) in enumerate(_tuning.fast_tiles(backward)):
             if d != D:
                 continue
-            r = ours_stream(B, S, D, dtype, layout, tune={"tile": (-1, i) if backward else (i, -1)})
-            key = "ours_stream_bwd_ms" if backward else "ours_stream_fwd_ms"
-            row = {"B": B, "S": S, "D": D, "dtype": str(dtype).replace("torch.", ""), "layout": layout,
-                   "pass": "bwd" if backward else "fwd", "tile": [vpt, wpr, pf],
-                   "ms": r.get(key, r.get("ours_stream_error"))}
-            if isinstance(row["ms"], float):
-                row["bw%"] = round(100 * floor / (row["ms"] * 1e-3) / bw, 1)
-            rows.append(row)
-            print("tile", json.dumps(row), flush=True)
+            for batch_path, w in [(bp, w) for bp in batch_paths
+                                  for w in ((1,) if backward or bp == "auto" else waves)]:
+                tune = {"tile": (-1, i) if backward else (i, -1), "batch_path": batch_path, "waves": w}
+                r = ours_stream(B, S, D, dtype, layout, tune=tune)
+                key = "ours_stream_bwd_ms" if backward else "ours_stream_fwd_ms"
+                row = {"B": B, "S": S, "D": D, "dtype": str(dtype).replace("torch.", ""), "layout": layout,
+                       "pass": "bwd" if backward else "fwd", "tile": [vpt, wpr, pf],
+                       "ms": r.get(key, r.get("ours_stream_error"))}
+                if w != 1 or batch_path != "auto":
+                    row.update(waves=w, batch_path=batch_path)
+                if isinstance(row["ms"], float):
+                    row["bw%"] = round(100 * floor / (row["ms"] * 1e-3) / bw, 1)
+                rows.append(row)
+                print("tile", json.dumps(row), flush=True)
     return rows
 
 
@@ -457,6 +467,10 @@ def main(argv=None):
     ap.add_argument("--apex-only", action="store_true", help="only build apex (warms its JIT cache) and exit")
     ap.add_argument("--tile-sweep", action="store_true",
                     help="only time every compile-time tile of each shape's width in a stream (fwd and bwd)")
+    ap.add_argument("--waves", default="1", help="--tile-sweep: the forward also at these grid sizes, e.g. 1,2,4")
+    ap.add_argument("--batch-paths", default="auto", help="--tile-sweep: each tile under these _tuning batch paths "
+                    "(auto, grid, flat), e.g. auto,flat")
+    ap.add_argument("--passes", default="fwd,bwd", help="--tile-sweep: fwd, bwd or both")
     args = ap.parse_args(argv)
     t0 = time.time()
     if args.apex_only:
@@ -484,7 +498,8 @@ def main(argv=None):
     groups = [(lay, getattr(torch, d)) for lay in args.layouts.split(",") for d in args.dtypes.split(",")]
     if args.tile_sweep:
         res["tiles"] = [row for layout, dtype in groups for B, S, D in shapes
-                        for row in tile_sweep(B, S, D, dtype, layout, bw)]
+                        for row in tile_sweep(B, S, D, dtype, layout, bw, [int(w) for w in args.waves.split(",")],
+                                              args.batch_paths.split(","), args.passes.split(","))]
         save()
         return
     for k, (layout, dtype) in enumerate(groups):

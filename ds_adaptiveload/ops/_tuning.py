@@ -6,6 +6,7 @@ compiled module, so set them through `tuned(...)`, which restores the previous c
 1 = the general kernels only, 2 = the 2026-11-29 baseline kernels; tile = an index into fast_tiles() (-1: the
 default for D); stages = rows staged ahead by cp.async (-1 / 0: off). batch_path: "auto" (the tiles over the
 flat row space for B >= 2), "grid" (the per-sample grid (C, B) of 2026-11-30 at every B), "flat" (also at B = 1).
+waves: the flat row space's forward grid in waves of resident CTAs (1, the default: one wave).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from contextlib import contextmanager
 from ds_adaptiveload.ops.layernorm_modulate import load_op, op_error
 
 BATCH_PATHS = {"auto": 0, "grid": 1, "flat": 2}
-DEFAULTS = {"variant": (0, 0), "tile": (-1, -1), "stages": (-1, -1), "batch_path": "auto"}
+DEFAULTS = {"variant": (0, 0), "tile": (-1, -1), "stages": (-1, -1), "batch_path": "auto", "waves": 1}
 
 
 def _op():
@@ -26,9 +27,10 @@ def _op():
 
 def get() -> dict:
     """The current choices, in the keys of DEFAULTS."""
-    variant, tile, stages, batch = _op()._get_tuning()
+    variant, tile, stages, batch, waves = _op()._get_tuning()
     names = {v: k for k, v in BATCH_PATHS.items()}
-    return {"variant": tuple(variant), "tile": tuple(tile), "stages": tuple(stages), "batch_path": names[batch]}
+    return {"variant": tuple(variant), "tile": tuple(tile), "stages": tuple(stages), "batch_path": names[batch],
+            "waves": waves}
 
 
 def set_choices(**kw) -> None:
@@ -39,7 +41,8 @@ def set_choices(**kw) -> None:
     cur = {**get(), **kw}
     if cur["batch_path"] not in BATCH_PATHS:
         raise ValueError(f"ln_modulate tuning: batch_path {cur['batch_path']!r} not in {sorted(BATCH_PATHS)}")
-    _op()._set_tuning(list(cur["variant"]), list(cur["tile"]), list(cur["stages"]), BATCH_PATHS[cur["batch_path"]])
+    _op()._set_tuning(list(cur["variant"]), list(cur["tile"]), list(cur["stages"]), BATCH_PATHS[cur["batch_path"]],
+                      int(cur["waves"]))
 
 
 @contextmanager

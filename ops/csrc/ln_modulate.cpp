@@ -24,9 +24,10 @@ int dtype_code(const at::ScalarType t) {
 // variant 0 = default (compile-time tiles where they apply, else the general kernels), 1 = the general kernels
 // only, 2 = the 2026-11-29 baseline kernels (fwd_vec_kernel / bwd_vec_kernel); tile = index into the tile
 // table (-1: the default for D); stages = rows staged ahead by cp.async (-1 / 0: off); batch path 0 = auto
-// (the flat row space for B >= 2), 1 = the per-sample grid (C, B), 2 = the flat row space also at B = 1.
+// (the flat row space for B >= 2), 1 = the per-sample grid (C, B), 2 = the flat row space also at B = 1; waves =
+// the flat forward's grid in waves of resident CTAs (1: one wave, the default).
 struct Tuning {
-  int variant[2] = {0, 0}, tile[2] = {-1, -1}, stages[2] = {-1, -1}, batch_path = 0;
+  int variant[2] = {0, 0}, tile[2] = {-1, -1}, stages[2] = {-1, -1}, batch_path = 0, waves = 1;
 };
 Tuning g_tuning;
 
@@ -104,6 +105,7 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& scale, co
   p.variant = g_tuning.variant[0];
   p.tile = g_tuning.tile[0];
   p.batch_path = g_tuning.batch_path;
+  p.waves = g_tuning.waves;
   const char* err = lnmod::fwd_launch(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, err ? err : "");
   return {y, mean, rstd};
@@ -182,7 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &backward, "gradients of forward");
   // Benchmark-only (ds_adaptiveload/ops/_tuning.py is the one caller): kernel choices for A-B comparison.
   m.def("_set_tuning", [](std::vector<int64_t> variant, std::vector<int64_t> tile, std::vector<int64_t> stages,
-                          int64_t batch_path) {
+                          int64_t batch_path, int64_t waves) {
     TORCH_CHECK(variant.size() == 2 && tile.size() == 2 && stages.size() == 2, "_set_tuning: (fwd, bwd) pairs");
     Tuning t;
     for (int i = 0; i < 2; ++i) {
@@ -195,12 +197,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
     TORCH_CHECK(batch_path >= 0 && batch_path <= 2, "_set_tuning: batch path 0, 1 or 2");
     t.batch_path = int(batch_path);
+    TORCH_CHECK(waves >= 1 && waves <= 64, "_set_tuning: waves 1 to 64");
+    t.waves = int(waves);
     g_tuning = t;
   });
   m.def("_get_tuning", []() {
     const Tuning& t = g_tuning;
     return pybind11::make_tuple(pybind11::make_tuple(t.variant[0], t.variant[1]), pybind11::make_tuple(t.tile[0], t.tile[1]),
-                                pybind11::make_tuple(t.stages[0], t.stages[1]), t.batch_path);
+                                pybind11::make_tuple(t.stages[0], t.stages[1]), t.batch_path, t.waves);
   });
   m.def("_fast_tiles", [](bool backward) { return lnmod::fast_tiles(backward); },
         "the compile-time tiles (D, vpt, wpr, rows ahead) of the forward or the backward, the default per D first");

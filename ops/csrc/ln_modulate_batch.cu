@@ -277,9 +277,9 @@ FastCfg bwd_cfg(const BwdParams& p) {
   return bwd_tile_cfg<FlatKernels<false>>(q, false);
 }
 
-// One wave: resident CTAs per SM (occupancy of the kernel) x SMs, at most `most`.
-int64_t wave_ctas(const FastCfg& c, int64_t most) {
-  const int64_t wave = int64_t(cached_num_sms()) * cached_occupancy(c.k, c.threads, c.smem);
+// `waves` waves: resident CTAs per SM (occupancy of the kernel) x SMs x waves, at most `most`.
+int64_t wave_ctas(const FastCfg& c, int64_t most, int waves = 1) {
+  const int64_t wave = int64_t(cached_num_sms()) * cached_occupancy(c.k, c.threads, c.smem) * waves;
   return wave < most ? wave : (most > 0 ? most : 1);
 }
 
@@ -290,7 +290,9 @@ bool batch_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err)
   if (c.k == nullptr) return false;
   *err = ensure_smem(c.k, c.smem);
   if (*err != cudaSuccess) return true;
-  const int64_t C = wave_ctas(c, (p.B * p.S + c.rpc - 1) / c.rpc);
+  // p.waves > 1 (tuning): more, shorter shares than one wave, handed to SMs as CTAs finish (as a copy kernel's
+  // blocks are), against the one-wave tail where the slowest SM's share sets the end.
+  const int64_t C = wave_ctas(c, (p.B * p.S + c.rpc - 1) / c.rpc, p.waves > 1 ? p.waves : 1);
   void* args[] = {const_cast<FwdParams*>(&p)};
   *err = cudaLaunchKernel(c.k, dim3(unsigned(C)), dim3(c.threads), args, c.smem, stream);
   return true;
