@@ -309,14 +309,14 @@ def tile_sweep(B, S, D, dtype, layout, bw, waves=(1,), batch_paths=("auto",), pa
             if d != D:
                 continue
             for batch_path, w in [(bp, w) for bp in batch_paths
-                                  for w in ((1,) if backward or bp == "auto" else waves)]:
+                                  for w in ((0,) if backward or bp == "auto" else waves)]:
                 tune = {"tile": (-1, i) if backward else (i, -1), "batch_path": batch_path, "waves": w}
                 r = ours_stream(B, S, D, dtype, layout, tune=tune)
                 key = "ours_stream_bwd_ms" if backward else "ours_stream_fwd_ms"
                 row = {"B": B, "S": S, "D": D, "dtype": str(dtype).replace("torch.", ""), "layout": layout,
                        "pass": "bwd" if backward else "fwd", "tile": [vpt, wpr, pf],
                        "ms": r.get(key, r.get("ours_stream_error"))}
-                if w != 1 or batch_path != "auto":
+                if batch_path != "auto":
                     row.update(waves=w, batch_path=batch_path)
                 if isinstance(row["ms"], float):
                     row["bw%"] = round(100 * floor / (row["ms"] * 1e-3) / bw, 1)
@@ -467,7 +467,8 @@ def main(argv=None):
     ap.add_argument("--apex-only", action="store_true", help="only build apex (warms its JIT cache) and exit")
     ap.add_argument("--tile-sweep", action="store_true",
                     help="only time every compile-time tile of each shape's width in a stream (fwd and bwd)")
-    ap.add_argument("--waves", default="1", help="--tile-sweep: the forward also at these grid sizes, e.g. 1,2,4")
+    ap.add_argument("--waves", default="0", help="--tile-sweep: the forward at these grid sizes off the auto path, "
+                    "e.g. 0,1,8 (0: the op's rule)")
     ap.add_argument("--batch-paths", default="auto", help="--tile-sweep: each tile under these _tuning batch paths "
                     "(auto, grid, flat), e.g. auto,flat")
     ap.add_argument("--passes", default="fwd,bwd", help="--tile-sweep: fwd, bwd or both")

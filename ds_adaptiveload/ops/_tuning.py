@@ -6,7 +6,7 @@ compiled module, so set them through `tuned(...)`, which restores the previous c
 1 = the general kernels only, 2 = the 2026-11-29 baseline kernels; tile = an index into fast_tiles() (-1: the
 default for D); stages = rows staged ahead by cp.async (-1 / 0: off). batch_path: "auto" (the tiles over the
 flat row space for B >= 2), "grid" (the per-sample grid (C, B) of 2026-11-30 at every B), "flat" (also at B = 1).
-waves: the flat row space's forward grid in waves of resident CTAs (1, the default: one wave).
+waves: the flat row space's forward grid in waves of resident CTAs (0, the default: the op's rule, several waves).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from ds_adaptiveload.ops.layernorm_modulate import load_op, op_error
 
 BATCH_PATHS = {"auto": 0, "grid": 1, "flat": 2}
-DEFAULTS = {"variant": (0, 0), "tile": (-1, -1), "stages": (-1, -1), "batch_path": "auto", "waves": 1}
+DEFAULTS = {"variant": (0, 0), "tile": (-1, -1), "stages": (-1, -1), "batch_path": "auto", "waves": 0}
 
 
 def _op():

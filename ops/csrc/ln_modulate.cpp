@@ -25,9 +25,9 @@ int dtype_code(const at::ScalarType t) {
 // only, 2 = the 2026-11-29 baseline kernels (fwd_vec_kernel / bwd_vec_kernel); tile = index into the tile
 // table (-1: the default for D); stages = rows staged ahead by cp.async (-1 / 0: off); batch path 0 = auto
 // (the flat row space for B >= 2), 1 = the per-sample grid (C, B), 2 = the flat row space also at B = 1; waves =
-// the flat forward's grid in waves of resident CTAs (1: one wave, the default).
+// the flat forward's grid in waves of resident CTAs (0: the default rule, ln_modulate_batch.cu's fwd_ctas).
 struct Tuning {
-  int variant[2] = {0, 0}, tile[2] = {-1, -1}, stages[2] = {-1, -1}, batch_path = 0, waves = 1;
+  int variant[2] = {0, 0}, tile[2] = {-1, -1}, stages[2] = {-1, -1}, batch_path = 0, waves = 0;
 };
 Tuning g_tuning;
 
@@ -197,7 +197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
     TORCH_CHECK(batch_path >= 0 && batch_path <= 2, "_set_tuning: batch path 0, 1 or 2");
     t.batch_path = int(batch_path);
-    TORCH_CHECK(waves >= 1 && waves <= 64, "_set_tuning: waves 1 to 64");
+    TORCH_CHECK(waves >= 0 && waves <= 64, "_set_tuning: waves 0 (the default rule) to 64");
     t.waves = int(waves);
     g_tuning = t;
   });

@@ -35,7 +35,7 @@ struct FwdParams {
   int variant;          // tuning: 0 = default (tiles, then general); 1 = no tiles; 2 = the 2026-11-29 baseline kernels
   int tile;             // tuning: index into the forward tile table (-1 = the default for D)
   int batch_path;       // tuning: 0 = auto (tiles over the flat row space for B >= 2), 1 = per-sample grid, 2 = flat
-  int waves;            // tuning: the flat row space's grid, in waves of resident CTAs (<= 1: one wave)
+  int waves;            // tuning: the flat forward's grid in waves of resident CTAs (0: the default rule)
 };
 
 struct BwdParams {

@@ -235,7 +235,8 @@ struct FlatKernels {  // TOK: only tiles of at most kTokMaxVpt vectors per threa
   }
 };
 
-// At B >= 2 in auto mode the per-sample grid (ln_modulate_fast.cu) instead, where its (C, B) CTAs fill the wave:
+// The backward at B >= 2 in auto mode takes the per-sample grid (ln_modulate_fast.cu) instead, where its (C, B)
+// CTAs fill the wave:
 // its busiest row group's rows within 3% of the flat space's even share (idle slots and the rounding of S to
 // C * rpc both count). There it skips the restaging at sample boundaries: at (4, 18900, 5120) bf16 on H200
 // (2026-12-01) the grid took 93.5 / 96.8% of the byte floor (fwd / fwd+bwd), the flat space 80.9 / 82.2%.
@@ -247,19 +248,23 @@ bool grid_fills_wave(const FastCfg& c, int64_t B, int64_t S) {
   return double(B) * double(S) >= 0.97 * double(busiest) * double(wave) * c.rpc;
 }
 
-// Per-token modulation takes the flat space at every B (there is nothing to stage per sample), unless the tuning
-// module asks for the grid (then the general kernels, as before); per-sample / global ones from B = 2 where the
-// grid would leave the wave underfilled (forced by the tuning module: batch_path 1 / 2).
-template <typename P>
-FastCfg flat_cfg(const P& p, FastCfg (*tok_cfg)(const P&, bool), FastCfg (*cfg)(const P&, bool)) {
+// Backward: per-token modulation takes the flat space at every B (there is nothing to stage per sample), unless
+// the tuning module asks for the grid (then the general kernels, as before); per-sample / global ones from B = 2
+// where the grid would leave the wave underfilled (forced by the tuning module: batch_path 1 / 2).
+FastCfg flat_bwd_cfg(const BwdParams& p) {
   if (p.batch_path == 1 || p.B * p.S == 0) return FastCfg{};
-  const FastCfg tok = tok_cfg(p, true);
+  const FastCfg tok = bwd_tile_cfg<FlatKernels<true>>(p, true);
   if (tok.k || !flat_rows(p)) return tok;
-  const FastCfg c = cfg(p, false);
+  const FastCfg c = bwd_tile_cfg<FlatKernels<false>>(p, false);
   return c.k && p.batch_path == 0 && grid_fills_wave(c, p.B, p.S) ? FastCfg{} : c;
 }
+// The forward takes the flat row space at every B, B = 1 included, unless the tuning module asks for the grid: with
+// its grid in several waves (fwd_ctas) it ran ahead of the one-wave grid at every measured shape (tile sweep on
+// the H100, 2026-12-05: D = 1536 small shapes 87 -> 92-94% of the forward's byte floor; docs/kernel.md).
 FastCfg fwd_cfg(const FwdParams& p) {
-  return flat_cfg(p, &fwd_tile_cfg<FlatKernels<true>>, &fwd_tile_cfg<FlatKernels<false>>);
+  if (p.batch_path == 1 || p.B * p.S == 0) return FastCfg{};
+  const FastCfg tok = fwd_tile_cfg<FlatKernels<true>>(p, true);
+  return tok.k ? tok : fwd_tile_cfg<FlatKernels<false>>(p, false);
 }
 // On the flat row space the backward at D = 1536 takes [1 vector, 6 warps, 3 rows ahead] unless a tile is picked.
 // Tile sweep in a stream on the H200 (2026-12-05), per-sample modulation, % of the backward's byte floor at
@@ -270,17 +275,32 @@ constexpr int kFlatBwdTile1536 = 2;
 static_assert(kBwdTiles[kFlatBwdTile1536].D == 1536 && kBwdTiles[kFlatBwdTile1536].vpt == 1 &&
               kBwdTiles[kFlatBwdTile1536].wpr == 6 && kBwdTiles[kFlatBwdTile1536].pf == 3, "flat backward tile");
 FastCfg bwd_cfg(const BwdParams& p) {
-  const FastCfg c = flat_cfg(p, &bwd_tile_cfg<FlatKernels<true>>, &bwd_tile_cfg<FlatKernels<false>>);
+  const FastCfg c = flat_bwd_cfg(p);
   if (c.k == nullptr || p.tile >= 0 || p.D != 1536 || !bwd_tiles_apply(p, false)) return c;
   BwdParams q = p;  // per-sample / global modulation on the flat rows: the tile above
   q.tile = kFlatBwdTile1536;
   return bwd_tile_cfg<FlatKernels<false>>(q, false);
 }
 
-// `waves` waves: resident CTAs per SM (occupancy of the kernel) x SMs x waves, at most `most`.
-int64_t wave_ctas(const FastCfg& c, int64_t most, int waves = 1) {
-  const int64_t wave = int64_t(cached_num_sms()) * cached_occupancy(c.k, c.threads, c.smem) * waves;
+// One wave: resident CTAs per SM (occupancy of the kernel) x SMs, at most `most`.
+int64_t wave_ctas(const FastCfg& c, int64_t most) {
+  const int64_t wave = int64_t(cached_num_sms()) * cached_occupancy(c.k, c.threads, c.smem);
   return wave < most ? wave : (most > 0 ? most : 1);
+}
+
+// The forward's grid: many short shares rather than one wave of long ones. The hardware hands each SM a new CTA
+// as one finishes, so SMs that get less of the DRAM bandwidth simply run fewer CTAs, as a copy kernel's blocks
+// do; with one wave the slowest SM's share sets the end (the small shapes' missing 5%). Each CTA restages the
+// modulation (2 * D fp32 from L2) and refills its rows-ahead ring, so a share keeps kFwdRowsPerGroup rows per
+// row group; at most kFwdMaxWaves waves, at least one. Tile sweep on the H100 (2026-12-05): 3 rows per group
+// beat 1.5 and 5 at 32,760-49,920 rows; 16 waves beat 8 at 75,600 x 5120 and 468,000 x 1536.
+// waves >= 1 (tuning) fixes the grid at that many waves instead.
+constexpr int64_t kFwdRowsPerGroup = 3, kFwdMaxWaves = 16;
+int64_t fwd_ctas(const FastCfg& c, int64_t R, int waves) {
+  const int64_t groups = (R + c.rpc - 1) / c.rpc, wave = wave_ctas(c, groups);
+  int64_t C = waves >= 1 ? wave * waves : (R + c.rpc * kFwdRowsPerGroup - 1) / (c.rpc * kFwdRowsPerGroup);
+  if (waves < 1) C = C < wave ? wave : (C > kFwdMaxWaves * wave ? kFwdMaxWaves * wave : C);
+  return C < groups ? C : groups;
 }
 
 }  // namespace
@@ -290,9 +310,7 @@ bool batch_fwd_launch(const FwdParams& p, cudaStream_t stream, cudaError_t* err)
   if (c.k == nullptr) return false;
   *err = ensure_smem(c.k, c.smem);
   if (*err != cudaSuccess) return true;
-  // p.waves > 1 (tuning): more, shorter shares than one wave, handed to SMs as CTAs finish (as a copy kernel's
-  // blocks are), against the one-wave tail where the slowest SM's share sets the end.
-  const int64_t C = wave_ctas(c, (p.B * p.S + c.rpc - 1) / c.rpc, p.waves > 1 ? p.waves : 1);
+  const int64_t C = fwd_ctas(c, p.B * p.S, p.waves);
   void* args[] = {const_cast<FwdParams*>(&p)};
   *err = cudaLaunchKernel(c.k, dim3(unsigned(C)), dim3(c.threads), args, c.smem, stream);
   return true;
