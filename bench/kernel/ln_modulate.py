@@ -516,6 +516,13 @@ def main(argv=None):
     print(markdown(res))
 
 
+def cell_text(v):
+    """A baseline's error as a table cell: a missing package is not a crash of the baseline."""
+    if "ModuleNotFoundError" in v:
+        return "not installed"
+    return "crash" if v.startswith("error") else v
+
+
 def markdown(res):
     cols = ["ours", "ours_kernel", "ours_graph", "ours_stream", "ours_grid", "ours_v2", "ours_customop",
             "wan_eager", "wan_compile_dynamic", "torch_ln_mod", "liger_ln_mod", "apex_fast_ln_mod", "torch_ln",
@@ -529,7 +536,7 @@ def markdown(res):
             cells = []
             for c in cols:
                 v = r.get(f"{c}_{mode}_ms", "-")
-                cells.append(f"{v:.3f}" if isinstance(v, float) else ("crash" if str(v).startswith("error") else str(v)))
+                cells.append(f"{v:.3f}" if isinstance(v, float) else cell_text(str(v)))
             lines.append(f"| {r['B']}x{r['S']}x{r['D']} | {r['dtype']} | {r['layout']} | {mode} | "
                          f"{r[f'floor_{mode}_ms']:.3f} | " + " | ".join(cells) + f" | {r.get(f'ours_{mode}_bw%', '-')} |")
     return "\n".join(lines)
