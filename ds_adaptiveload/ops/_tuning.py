@@ -5,7 +5,8 @@ compiled module, so set them through `tuned(...)`, which restores the previous c
 (forward, backward): variant 0 = default (compile-time tiles where they apply, else the general kernels),
 1 = the general kernels only, 2 = the 2026-11-29 baseline kernels; tile = an index into fast_tiles() (-1: the
 default for D); stages = rows staged ahead by cp.async (-1 / 0: off). batch_path: "auto" (the tiles over the
-flat row space for B >= 2), "grid" (the per-sample grid (C, B) of 2026-11-30 at every B), "flat" (also at B = 1).
+flat row space: the forward at every B, the backward for B >= 2), "grid" (the per-sample grid (C, B) of 2026-11-30
+at every B), "flat" (the backward also at B = 1).
 waves: the flat row space's forward grid in waves of resident CTAs (0, the default: the op's rule, several waves).
 """
 from __future__ import annotations

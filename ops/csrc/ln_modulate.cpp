@@ -24,7 +24,8 @@ int dtype_code(const at::ScalarType t) {
 // variant 0 = default (compile-time tiles where they apply, else the general kernels), 1 = the general kernels
 // only, 2 = the 2026-11-29 baseline kernels (fwd_vec_kernel / bwd_vec_kernel); tile = index into the tile
 // table (-1: the default for D); stages = rows staged ahead by cp.async (-1 / 0: off); batch path 0 = auto
-// (the flat row space for B >= 2), 1 = the per-sample grid (C, B), 2 = the flat row space also at B = 1; waves =
+// (the flat row space: the forward at every B, the backward for B >= 2), 1 = the per-sample grid (C, B), 2 = the
+// flat row space also for the backward at B = 1; waves =
 // the flat forward's grid in waves of resident CTAs (0: the default rule, ln_modulate_batch.cu's fwd_ctas).
 struct Tuning {
   int variant[2] = {0, 0}, tile[2] = {-1, -1}, stages[2] = {-1, -1}, batch_path = 0, waves = 0;

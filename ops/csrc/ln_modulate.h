@@ -34,7 +34,7 @@ struct FwdParams {
   int stages;           // rows of x staged ahead in shared memory by cp.async (<= 0: off, the default)
   int variant;          // tuning: 0 = default (tiles, then general); 1 = no tiles; 2 = the 2026-11-29 baseline kernels
   int tile;             // tuning: index into the forward tile table (-1 = the default for D)
-  int batch_path;       // tuning: 0 = auto (tiles over the flat row space for B >= 2), 1 = per-sample grid, 2 = flat
+  int batch_path;       // tuning: 0 = auto (the flat row space at every B), 1 = per-sample grid, 2 = flat
   int waves;            // tuning: the flat forward's grid in waves of resident CTAs (0: the default rule)
 };
 
