@@ -6,6 +6,7 @@
 // crosses a sample boundary the CTA restages the modulation (one barrier and one L2 round trip per boundary,
 // at most ceil(share / S) + 1 per CTA). The backward flushes its dscale / dshift partial sums per (CTA, sample)
 // and a second small kernel sums each sample's partials in a fixed order: deterministic, no atomics.
+#include <algorithm>
 #include <array>
 #include <vector>
 #include "ln_modulate_tiles.cuh"
@@ -298,9 +299,9 @@ int64_t wave_ctas(const FastCfg& c, int64_t most) {
 constexpr int64_t kFwdRowsPerGroup = 3, kFwdMaxWaves = 16;
 int64_t fwd_ctas(const FastCfg& c, int64_t R, int waves) {
   const int64_t groups = (R + c.rpc - 1) / c.rpc, wave = wave_ctas(c, groups);
-  int64_t C = waves >= 1 ? wave * waves : (R + c.rpc * kFwdRowsPerGroup - 1) / (c.rpc * kFwdRowsPerGroup);
-  if (waves < 1) C = C < wave ? wave : (C > kFwdMaxWaves * wave ? kFwdMaxWaves * wave : C);
-  return C < groups ? C : groups;
+  const int64_t per_rows = (R + c.rpc * kFwdRowsPerGroup - 1) / (c.rpc * kFwdRowsPerGroup);
+  const int64_t C = waves >= 1 ? wave * waves : std::clamp(per_rows, wave, kFwdMaxWaves * wave);
+  return std::min(C, groups);
 }
 
 }  // namespace

@@ -135,8 +135,9 @@ struct GridKernels {
   static const void* bwd() { return reinterpret_cast<const void*>(bwd_fast_kernel<TX, VPT, WPR, PF>); }
 };
 
-// The per-sample grid takes what the flat row space (tried first: ln_modulate_batch.cu) leaves: B = 1, B >= 2 where
-// the grid fills the wave, or when the tuning module asks for it; never when it forces the flat space.
+// The per-sample grid takes what the flat row space (tried first: ln_modulate_batch.cu) leaves: for the backward
+// B = 1 and B >= 2 where the grid fills the wave; for the forward (flat at every B since 2026-12-05) only what the
+// tuning module asks for (batch_path "grid", the benchmark's ours_grid); never when it forces the flat space.
 FastCfg fwd_cfg(const FwdParams& p) { return p.batch_path == 2 ? FastCfg{} : fwd_tile_cfg<GridKernels>(p, false); }
 FastCfg bwd_cfg(const BwdParams& p) { return p.batch_path == 2 ? FastCfg{} : bwd_tile_cfg<GridKernels>(p, false); }
 
