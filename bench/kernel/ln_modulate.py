@@ -170,7 +170,7 @@ def shape_row(B, S, D, dtype, layout, provs, bw, args, t0):
     fb, fbb = floor_bytes(B, S, D, esize, layout)
     row = {"B": B, "S": S, "D": D, "dtype": str(dtype).replace("torch.", ""), "layout": layout,
            "floor_fwd_ms": fb / bw * 1e3, "floor_fwdbwd_ms": fbb / bw * 1e3}
-    baselines = dtype == torch.bfloat16 and layout == "sample"
+    baselines = args.baselines == "all" or f"{row['dtype']}:{layout}" in args.baselines.split(",")
     row.update(ours_direct(sets, layout))
     # One copy kernel of x's bytes at this size: what a single bandwidth-bound launch reaches here (launch and
     # ramp are a visible share of the small shapes' ~50 us floors).
@@ -460,6 +460,8 @@ def main(argv=None):
     ap.add_argument("--out", default=f"bench/results/ln_modulate-{datetime.date.today()}-h200.json")
     ap.add_argument("--apex-src", default=None, help="folder with apex/contrib/csrc/layer_norm's files")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip remaining baselines after this many seconds")
+    ap.add_argument("--baselines", default="all", help="the groups that time the baselines (within --budget-s): "
+                    "'all' or e.g. bfloat16:sample,float16:token")
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 1x75600x5120,8x4680x1536")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--layouts", default="sample,token")
