@@ -1,5 +1,5 @@
 """Markdown table of one or more --tile-sweep JSON files (bench/kernel/ln_modulate.py): one row per (shape, dtype,
-pass, tile), one column per (file, batch path, waves), % of the pass's byte floor in a stream.
+layout, pass, tile), one column per (file, batch path, waves), % of the pass's byte floor in a stream.
 
     python bench/kernel/sweep_table.py bench/results/ln_modulate-...-tiles.json [more.json] [--names a,b]
         [--tiles 3x2x1,2x3x1]
@@ -12,7 +12,7 @@ from collections import defaultdict
 
 
 def columns(paths, names):
-    """{(B, S, D, dtype, pass, tile): {column: bw%}} and the columns in first-seen order."""
+    """{(B, S, D, dtype, layout, pass, tile): {column: bw%}} and the columns in first-seen order."""
     cells, order = defaultdict(dict), []
     for path, name in zip(paths, names):
         with open(path) as f:
@@ -22,18 +22,19 @@ def columns(paths, names):
             col = name if path_name == "auto" else f"{name}:{path_name}{r.get('waves', 0)}"
             if col not in order:
                 order.append(col)
-            key = (r["B"], r["S"], r["D"], r["dtype"], r["pass"], tuple(r["tile"]))
+            key = (r["B"], r["S"], r["D"], r["dtype"], r.get("layout", "sample"), r["pass"], tuple(r["tile"]))
             cells[key][col] = r.get("bw%", "-")
     return cells, order
 
 
 def table(cells, order, tiles=None):
-    lines = ["| shape | dtype | pass | tile | " + " | ".join(order) + " |", "|---|---|---|---|" + "---:|" * len(order)]
-    for (B, S, D, dtype, pas, tile), row in cells.items():
+    lines = ["| shape | dtype | layout | pass | tile | " + " | ".join(order) + " |",
+             "|---|---|---|---|---|" + "---:|" * len(order)]
+    for (B, S, D, dtype, layout, pas, tile), row in cells.items():
         if tiles and tile not in tiles:
             continue
         vals = " | ".join(str(row.get(c, "-")) for c in order)
-        lines.append(f"| {B}x{S}x{D} | {dtype} | {pas} | [{', '.join(map(str, tile))}] | {vals} |")
+        lines.append(f"| {B}x{S}x{D} | {dtype} | {layout} | {pas} | [{', '.join(map(str, tile))}] | {vals} |")
     return "\n".join(lines)
 
 
