@@ -527,26 +527,27 @@ def test_cuda_flat_rows(cuda_op, kernel_choice, B, S, layout, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("B,S", [(2, 16380), (37, 1560), (300, 7), (3, 1)])
+@pytest.mark.parametrize("B,S", [(2, 16380), (37, 1560), (200, 1560), (300, 7), (3, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_flat_forward_waves(cuda_op, kernel_choice, B, S, dtype):
     """The flat forward's grid in one or several waves of CTAs (_tuning waves; 0: the default rule, more and
-    shorter shares; S = 1 and 7 among them): every row is computed alone, so the output and the saved statistics
-    must be the one-wave grid's bits (poisoned before each call), and that one against float64."""
+    shorter shares; S = 1 and 7 among them; at 200 x 1560 rows the rule runs past 16 waves, and 64 is its cap):
+    every row is computed alone, so the output and the saved statistics must be the one-wave grid's bits
+    (poisoned before each call), and that one against float64."""
     op = kernel_choice(0)
     D = 1536
     x = (torch.randn(B * S, D, device="cuda") * 2 + 0.5).to(dtype)
     sc, sh = 0.5 * torch.randn(B, 1, D, device="cuda"), 0.5 * torch.randn(B, 1, D, device="cuda")
     code = lnm_mod._DTYPE_CODE[dtype]
     outs = {}
-    for waves in (1, 0, 2, 3, 8):
+    for waves in (1, 0, 2, 3, 8, 64):
         with _tuning.tuned(batch_path="flat", waves=waves):
             assert _tuning.get()["waves"] == waves
             poison("cuda", B * S * D * x.element_size())
             outs[waves] = op.forward(x, sc, sh, None, None, B, S, D, 0, D, 0, 1e-6, code, True, -1, -1, None)
     assert _tuning.get()["waves"] == 0, "tuned() did not restore the default"
     assert rel(outs[1][0].view(B, S, D), ref64(x.view(B, S, D), sc, sh, None, None)) < TOL[dtype][0]
-    for waves in (0, 2, 3, 8):
+    for waves in (0, 2, 3, 8, 64):
         assert all(torch.equal(a, b) for a, b in zip(outs[waves], outs[1])), f"waves {waves} differ from one wave"
 
 
