@@ -461,7 +461,7 @@ def main(argv=None):
     ap.add_argument("--apex-src", default=None, help="folder with apex/contrib/csrc/layer_norm's files")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip remaining baselines after this many seconds")
     ap.add_argument("--baselines", default="all", help="the groups that time the baselines (within --budget-s): "
-                    "'all' or e.g. bfloat16:sample,float16:token")
+                    "'all', 'none' or e.g. bfloat16:sample,float16:token")
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 1x75600x5120,8x4680x1536")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--layouts", default="sample,token")
@@ -475,6 +475,10 @@ def main(argv=None):
                     "(auto, grid, flat), e.g. auto,flat")
     ap.add_argument("--passes", default="fwd,bwd", help="--tile-sweep: fwd, bwd or both")
     args = ap.parse_args(argv)
+    groups_ok = {f"{d}:{lay}" for d in args.dtypes.split(",") for lay in args.layouts.split(",")}
+    bad = [g for g in args.baselines.split(",") if g not in groups_ok | {"all", "none"}]
+    if bad:  # checked before any GPU work: a typo would otherwise time no baseline, silently
+        raise SystemExit(f"--baselines: {','.join(bad)} is not 'all', 'none' or one of {sorted(groups_ok)}")
     t0 = time.time()
     if args.apex_only:
         mod, secs, err = build_apex(args.apex_src)
