@@ -170,7 +170,6 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
     or data_efficiency.data_sampling.adaptive_load); default the engine's. num_workers / pin_memory: default
     data_efficiency.data_sampling.num_workers / pin_memory, as DeepSpeed's loader, else 0 / False."""
     from ds_adaptiveload.data import latents
-    from ds_adaptiveload.schedule.planner import PlanConfig
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.schedule.sampler import AdaptiveSampler
     from ds_adaptiveload.train import config as train_config, lr_scaling, sp
@@ -195,11 +194,7 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
     for line in lines if dims.rank == 0 else ():
         print(f"[ds_adaptiveload] {line}", file=sys.stderr)
     G = engine.gradient_accumulation_steps()
-    # ZeRO-2/3 synchronise ranks at every micro-batch: plan rounds, not totals (as train_wan).
-    plan_cfg = PlanConfig(policy=al.policy, world_size=dims.world, sp=dims.sp, grad_accum=G, seed=al.seed,
-                          on_oversize=al.on_oversize, window=al.window, fill=al.fill, replicate=al.replicate,
-                          pack_tokens=al.pack_tokens,
-                          lockstep=engine.zero_optimization_stage() >= 2)
+    plan_cfg = al.plan_config(dims.world, dims.sp, G, engine.zero_optimization_stage())
     sampler = AdaptiveSampler(samples, profile, plan_cfg, dims.dp_rank)
     lr = lr_scaling.install(engine, al.lr_scaling_method, al.lr_reference_batch_size)
     if collate_fn is None:

@@ -6,6 +6,7 @@ import sys
 import time
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.train.config import AdaptiveLoadConfig, add_flag, flag_name
 
 
 def add_arguments(p):
@@ -16,21 +17,14 @@ def add_arguments(p):
     p.add_argument("--world-size", type=int, required=True, help="GPUs (data-parallel size = N / sp)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step (G)")
-    p.add_argument("--policy", default="packed", choices=["packed", "balanced", "dual", "equal-tokens"])
-    p.add_argument("--seed", type=int, default=0)
+    # the flags of adaptive_load keys come from its schema (train/config.py), checked by it in run()
+    for key in ("policy", "seed", "on_oversize", "window", "fill"):
+        add_flag(p, key)
     p.add_argument("--epoch", type=int, default=0)
-    p.add_argument("--on-oversize", default="error", choices=["error", "skip"],
-                   help="a sample over the memory budget: stop with an error, or skip and report it")
-    p.add_argument("--window", type=int, default=None,
-                   help="balanced with G=1 or --lockstep: steps per cost-sorting window (default: whole epoch)")
-    p.add_argument("--fill", type=float, default=None, help="balanced, G>=2: slot fill target per step")
-    p.add_argument("--replicate", default="auto", choices=["auto", "on", "off"],
-                   help="packed: light samples in runs of R of one shape, so that a round's micro-batches are "
-                        "copies (auto: when a micro-batch holds fewer than about 10 samples)")
-    p.add_argument("--pack-tokens", default=None, metavar="N|auto",
-                   help="packed: the memory a micro-batch may fill, in tokens (default: the profile's budget); auto: "
-                        "the cap with the least predicted time per token (with --checkpoint auto, smaller "
-                        "micro-batches skip recompute)")
+    add_flag(p, "replicate", default="auto", choices=["auto", "on", "off"], type=None,
+             help="packed: light samples in runs of R of one shape, so that a round's micro-batches are copies (auto: "
+                  "when a micro-batch holds fewer than about 10 samples)")
+    add_flag(p, "pack_tokens", metavar="N|auto", type=str)  # pack_tokens_arg reads it
     p.add_argument("--lockstep", action="store_true",
                    help="ranks synchronise at every micro-batch (ZeRO-2/3; the trainer sets this from the "
                         "DeepSpeed config): plan and predict per micro-batch round")
@@ -62,19 +56,19 @@ def load_samples(args, geometry):
 
 def run(args):
     from ds_adaptiveload.schedule.memory import RecomputeCost
-    from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+    from ds_adaptiveload.schedule.planner import make_plan
     from ds_adaptiveload.schedule.profile import CostProfile
 
     if args.dump:
         check_dump_path(args.dump)  # before planning: a wrong path fails in a second, not after the plan
     profile = CostProfile.load(args.profile)
     samples = load_samples(args, profile.geometry)
-    extra = {k: v for k, v in (("window", args.window), ("fill", args.fill)) if v is not None}
-    cfg = PlanConfig(policy=args.policy, world_size=args.world_size, sp=args.sp, grad_accum=args.grad_accum,
-                     seed=args.seed, on_oversize=args.on_oversize, lockstep=args.lockstep,
-                     checkpoint=args.checkpoint, checkpoint_policy=args.checkpoint_policy,
-                     replicate={"auto": None, "on": True, "off": False}[args.replicate],
-                     pack_tokens=pack_tokens_arg(args.pack_tokens), **extra)
+    keys = {k: getattr(args, k) for k in ("profile", "policy", "seed", "on_oversize", "window", "fill")}
+    keys.update(pack_tokens=pack_tokens_arg(args.pack_tokens),
+                replicate={"auto": None, "on": True, "off": False}[args.replicate])
+    al = AdaptiveLoadConfig.checked(keys, flag_name)
+    cfg = al.plan_config(args.world_size, args.sp, args.grad_accum, lockstep=args.lockstep,
+                         checkpoint=args.checkpoint, checkpoint_policy=args.checkpoint_policy)
     profile = run_profile(profile, args.zero_stage, args.world_size, args.profile)  # after cfg checked --world-size
     if args.checkpoint != "all" and RecomputeCost.of(profile, args.checkpoint_policy) is None:
         print(f"{args.profile}: no time_ms.recompute_frac, memory.block_bytes_per_token, capacity_bytes or "
@@ -97,7 +91,7 @@ def run(args):
 
 
 def pack_tokens_arg(v):
-    """--pack-tokens: None, "auto" or an int (PlanConfig checks it is positive)."""
+    """--pack-tokens: None, "auto" or an int (the schema checks it is positive)."""
     if v is None or v == "auto":
         return v
     try:

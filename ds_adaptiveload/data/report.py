@@ -9,6 +9,7 @@ import os
 import statistics
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.train.config import AdaptiveLoadConfig, add_flag, flag_name
 
 POLICIES = ("equal-tokens", "dual", "balanced")
 WORLD_SIZES = (8, 64, 1024)  # reported next to --world-size: one node, a small and a large cluster
@@ -25,7 +26,7 @@ def add_arguments(parser):
     parser.add_argument("--sp", type=int, default=1, help="dataset report: sequence-parallel degree (default 1)")
     parser.add_argument("--grad-accum", type=int, default=1,
                         help="dataset report: micro-batches per rank per step, G (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="dataset report: planner seed (default 0)")
+    add_flag(parser, "seed", help="dataset report: planner seed (default 0)")
 
 
 def run(args) -> int:
@@ -37,15 +38,18 @@ def run(args) -> int:
 
     from ds_adaptiveload.schedule.geometry import per_gpu_tokens
     from ds_adaptiveload.schedule.manifest import load_manifest
-    from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+    from ds_adaptiveload.schedule.planner import make_plan
     from ds_adaptiveload.plan_cli import run_profile
     from ds_adaptiveload.schedule.profile import CostProfile
 
     base = CostProfile.load(args.profile)
     samples = load_manifest(args.manifest, base.geometry)
     sp, n = args.sp, args.world_size
-    cfg = dict(sp=sp, grad_accum=args.grad_accum, seed=args.seed, on_oversize="skip")
-    PlanConfig(world_size=n, **cfg)  # validates --world-size/--sp/--grad-accum with the planner's messages
+
+    def plan_config(policy, world):
+        keys = {"profile": args.profile, "policy": policy, "seed": args.seed, "on_oversize": "skip"}
+        return AdaptiveLoadConfig.checked(keys, flag_name).plan_config(world, sp, args.grad_accum)
+    plan_config("balanced", n)  # validates --seed/--world-size/--sp/--grad-accum with the planner's messages
     profile = run_profile(base, None, n, args.profile)  # this run's budget (schedule/zero.py)
     os.makedirs(args.out, exist_ok=True)
 
@@ -55,7 +59,7 @@ def run(args) -> int:
         if w % sp == 0:
             prof_w = profile if w == n else profile_at(base, w)
             for policy in POLICIES if prof_w else ():
-                plans[w, policy] = make_plan(samples, prof_w, PlanConfig(policy=policy, world_size=w, **cfg))
+                plans[w, policy] = make_plan(samples, prof_w, plan_config(policy, w))
 
     figs = dict(hist="tokens_hist.png", load="load_per_rank.png", idle="idle_fraction.png")
     plot_token_hist(os.path.join(args.out, figs["hist"]), samples, tokens, profile.budget_tokens * sp)

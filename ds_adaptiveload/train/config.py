@@ -6,12 +6,17 @@ train_batch_size = G * dp. DeepSpeed uses them only for its own bookkeeping (`gl
 samples axis of its monitor events, throughput log lines); its LR schedules step per optimizer step and
 are unaffected. True sample and token counts are in our step log and monitor events.
 """
+import difflib
+import json
 import os
-from dataclasses import asdict, dataclass, fields
+from typing import Annotated, Literal, Optional, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
-from ds_adaptiveload.schedule.planner import check_pack_tokens
+from ds_adaptiveload.schedule.planner import POLICIES
 from ds_adaptiveload.train.lr_scaling import METHODS as LR_SCALING_METHODS
 
 
@@ -31,80 +36,110 @@ def default_alloc_conf():
     return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
 
 
-@dataclass
-class AdaptiveLoadConfig:
-    """The `adaptive_load` section of the DeepSpeed JSON."""
+def setting(default=..., must=None, plan=False, **constraints):
+    """A field of AdaptiveLoadConfig: `must` completes "adaptive_load.KEY must be ..." in errors (a Literal's choices
+    need none); plan=True: the key shapes the plan, so a resume must keep it (layout_keys)."""
+    return Field(default, json_schema_extra={"must": must, "plan": plan}, **constraints)
 
-    profile: str
+
+class AdaptiveLoadConfig(BaseModel):
+    """The `adaptive_load` section of the DeepSpeed JSON: types, ranges, choices and unknown keys checked
+    (strict: `"seed": true` or `"window": "4"` are refused, not converted). A new key is one field here."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True,
+                              validate_assignment=True)
+
+    profile: str = setting(must="the path of a cost profile YAML", min_length=1, plan=True)
     """Cost profile YAML (profile.py); a relative path is looked up from the working directory, then
     from the JSON file's folder."""
-    policy: str = "packed"
+    policy: Literal[POLICIES] = setting("packed", plan=True)
     """packed | balanced | dual | equal-tokens (schedule/packed.py, schedule/planner.py). packed (the default since
     2026-12-02: docs/benchmarks.md) fills micro-batches with samples of several shapes, which the model runs as one
     packed forward; a model that takes one shape per micro-batch needs balanced."""
-    seed: int = 0
+    seed: int = setting(0, must="a non-negative integer below 2**64", ge=0, lt=2**64, plan=True)
     """Plan shuffling seed, and the seed of model init, noise and timesteps. `data_efficiency.seed`, when
-    given, sets it (DeepSpeed's data-efficiency seed)."""
-    on_oversize: str = "error"
+    given, sets it (DeepSpeed's data-efficiency seed). At most 2**64 - 1, torch.manual_seed's range."""
+    on_oversize: Literal["error", "skip"] = setting("error", plan=True)
     """error | skip: a sample whose per-GPU tokens exceed the profile's memory budget."""
-    window: int = None
-    """balanced with G = 1, or G >= 2 under ZeRO-2/3 (lockstep): steps per cost-sorting window (None = whole
+    window: Optional[int] = setting(None, must="an integer >= 0 or null", ge=0, plan=True)
+    """balanced with G = 1, or G >= 2 under ZeRO-2/3 (lockstep): steps per cost-sorting window (None or 0 = whole
     epoch; smaller keeps steps closer to the data's composition, at some balance)."""
-    fill: float = None
+    fill: Optional[float] = setting(None, must="a number in [0.1, 1] or null", ge=0.1, le=1.0, plan=True)
     """balanced with G >= 2: fraction of a step's R*G micro-batch slots to fill (None: the planner
     chooses by predicted wall time, see balanced.FILL_CHOICES)."""
-    replicate: bool = None
+    replicate: Optional[bool] = setting(None, must="true, false or null", plan=True)
     """packed: light samples in runs of R of one shape, so that the micro-batches of a round are copies and
     cost the same (None: when a micro-batch holds fewer than about 10 samples, as with memory for one long
     clip; schedule/packed.py)."""
-    pack_tokens: object = None
+    pack_tokens: Union[None, Literal["auto"], Annotated[int, Field(ge=1)]] = setting(
+        None, must='a positive integer, "auto" or null', plan=True)
     """packed: the memory a micro-batch may fill, in tokens: null (the profile's budget), an integer (at most the
     budget), or "auto": the cap with the least predicted time per token (schedule/packed.pack_cap). With
     --checkpoint-blocks auto and a profile with time_ms.recompute_frac, smaller micro-batches leave blocks open and
     skip their recompute; steps then hold fewer samples (G micro-batches each)."""
-    on_bad_sample: str = "error"
+    on_bad_sample: Literal["error", "skip"] = setting("error")
     """error | skip: a sample that cannot be read (missing or truncated shard, missing tensor, shape or
     dtype not matching the manifest, NaN/Inf values) or a non-finite loss. skip drops samples found
     bad before training from the plan, and skips a whole step on every rank when one is found during
     training (docs/reliability.md); both are counted and reported."""
-    on_oom: str = "error"
+    on_oom: Literal["error", "skip"] = setting("error")
     """error | skip: an accelerator out-of-memory error in a micro-batch. skip drops that step on every
     rank (no optimizer update) and continues; needs ZeRO-3 (docs/reliability.md)."""
-    loss_weighting: str = "none"
+    loss_weighting: Literal[LOSS_WEIGHTINGS] = setting("none")
     """none | bell: per-sample loss weight by timestep. bell is the bell-shaped weighting of
     DiffSynth-Studio's Wan training, centred on t = 0.5, zero at t = 1, mean 1 over the training
     timesteps (flow.timestep_weight)."""
-    lr_scaling_method: str = "none"
+    lr_scaling_method: Literal[LR_SCALING_METHODS] = setting("none")
     """none | linear | sqrt: scale each step's learning rate by (N / lr_reference_batch_size) or its square
     root, N the step's samples over all ranks (DeepSpeed's dynamic_batching.lr_scaling_method; DeepSpeed's
     default is linear, ours none, so the configured LR is the LR applied)."""
-    lr_reference_batch_size: int = None
+    lr_reference_batch_size: Optional[int] = setting(None, must="a positive integer or null", ge=1)
     """Samples per step that the configured LR refers to; None: the engine's train_batch_size(), as
     DeepSpeed's dynamic batching uses."""
 
+    @model_validator(mode="after")
+    def _pack_tokens_for_packed(self):
+        if self.pack_tokens is not None and self.policy != "packed":
+            raise PydanticCustomError("related", f"applies to the packed policy only (policy is {self.policy!r})",
+                                      {"key": "pack_tokens"})
+        return self
+
     @classmethod
-    def from_dict(cls, d, source) -> "AdaptiveLoadConfig":
+    def from_dict(cls, d, source, prefix="adaptive_load.", names=None) -> "AdaptiveLoadConfig":
+        """Validate a section; a bad one is a UserError naming `source` and each bad key as prefix + key (names: a
+        key's label where it came from elsewhere, e.g. {"seed": "data_efficiency.seed"})."""
         if not isinstance(d, dict):
-            raise UserError(f"{source}: adaptive_load must be an object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise UserError(f"{source}: unknown adaptive_load key(s) {unknown}; known: {sorted(known)}")
-        if "profile" not in d:
-            raise UserError(f"{source}: adaptive_load.profile is required (a cost profile YAML)")
-        for key in ("on_oversize", "on_bad_sample", "on_oom"):
-            if d.get(key, "error") not in ("error", "skip"):
-                raise UserError(f"{source}: adaptive_load.{key} must be \"error\" or \"skip\", got {d[key]!r}")
-        for key, choices in (("loss_weighting", LOSS_WEIGHTINGS), ("lr_scaling_method", LR_SCALING_METHODS)):
-            if d.get(key, "none") not in choices:
-                raise UserError(f"{source}: adaptive_load.{key} must be one of {', '.join(choices)}, got {d[key]!r}")
-        if d.get("replicate") not in (None, True, False):
-            raise UserError(f"{source}: adaptive_load.replicate must be true, false or null, got {d['replicate']!r}")
-        check_pack_tokens(d.get("pack_tokens"), f"{source}: adaptive_load.pack_tokens")
-        ref = d.get("lr_reference_batch_size")
-        if ref is not None and (not isinstance(ref, int) or isinstance(ref, bool) or ref < 1):
-            raise UserError(f"{source}: adaptive_load.lr_reference_batch_size must be a positive integer, got {ref!r}")
-        return cls(**d)
+            raise UserError(f"{source}: {prefix.rstrip('.')} must be an object, got {_shown(d)}")
+        return cls.checked(d, lambda key: (names or {}).get(key, prefix + key), f"{source}: ")
+
+    @classmethod
+    def checked(cls, values: dict, label, where: str = "") -> "AdaptiveLoadConfig":
+        """cls(**values), with every validation error in one UserError line: `where`, then per error the key as
+        label(key) names it (a JSON key, a command-line flag)."""
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            raise UserError(where + "; ".join(explain(cls, e, label))) from None
+
+    def plan_config(self, world_size, sp=1, grad_accum=1, zero_stage=0, *, lockstep=None, **checkpoint):
+        """The PlanConfig of a run: these keys with the run's layout. ZeRO-2/3 synchronise ranks at every
+        micro-batch (reduce-scatter / all-gather), so zero_stage >= 2 plans lockstep rounds, not totals; lockstep
+        overrides that (the plan command's --lockstep). checkpoint: PlanConfig's checkpoint and checkpoint_policy."""
+        from ds_adaptiveload.schedule.planner import PlanConfig
+
+        return PlanConfig(policy=self.policy, world_size=world_size, sp=sp, grad_accum=grad_accum, seed=self.seed,
+                          on_oversize=self.on_oversize, window=self.window, fill=self.fill, replicate=self.replicate,
+                          pack_tokens=self.pack_tokens, lockstep=zero_stage >= 2 if lockstep is None else lockstep,
+                          **checkpoint)
+
+    def layout_keys(self) -> dict:
+        """The keys that shape the plan (setting(plan=True)), as a checkpoint's layout stores them: a resume must
+        keep them; the others (failure policies, loss weighting, LR scaling, ...) may change between launches.
+        pack_tokens null is left out, as before the key existed, so older checkpoints resume."""
+        keys = {k: getattr(self, k) for k, f in type(self).model_fields.items() if f.json_schema_extra["plan"]}
+        if keys.get("pack_tokens") is None:
+            keys.pop("pack_tokens", None)
+        return keys
 
     def resolve_profile(self, json_path) -> str:
         """json_path None (a config given as a dict): only the working directory is tried."""
@@ -117,7 +152,95 @@ class AdaptiveLoadConfig:
                         f"directory and next to the JSON)")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return self.model_dump()
+
+
+def flag_name(key: str) -> str:
+    """The command-line flag that mirrors an adaptive_load key: pack_tokens -> --pack-tokens."""
+    return "--" + key.replace("_", "-")
+
+
+def add_flag(parser, key: str, **kw):
+    """parser.add_argument for the AdaptiveLoadConfig field `key`, derived from the schema: the flag's name, default,
+    choices (a Literal's) or type (int, float) and help (the field's docstring); kw overrides any of them. The value
+    is checked by the schema afterwards (AdaptiveLoadConfig.checked(..., flag_name))."""
+    field = AdaptiveLoadConfig.model_fields[key]
+    spec = {"default": field.default, "help": " ".join((field.description or "").split()).replace("%", "%%")}
+    if get_origin(field.annotation) is Literal:
+        spec["choices"] = get_args(field.annotation)
+    else:
+        spec["type"] = next((t for t in (field.annotation, *get_args(field.annotation)) if t in (int, float)), str)
+    return parser.add_argument(flag_name(key), **{**spec, **kw})
+
+
+def explain(model, err: ValidationError, label) -> list:
+    """One phrase per bad key of a pydantic ValidationError of `model`: "LABEL must be <the field's must>, got
+    <value>", "unknown key ... (did you mean ...)", "LABEL is required". A union reports one error per member; the
+    key is named once."""
+    out, done = [], set()
+    for e in err.errors():
+        ctx = e.get("ctx") or {}
+        names, field, owner, inner = _field_at(model, e["loc"])
+        if ctx.get("key"):  # a model validator's error about one of its keys
+            names, field = names + [ctx["key"]], inner.model_fields.get(ctx["key"])
+        key = ".".join(names)
+        if key in done:
+            continue
+        done.add(key)
+        if e["type"] == "extra_forbidden":
+            out.append(_unknown(owner, names, label))
+        elif e["type"] == "missing":
+            out.append(f"{label(key)} is required ({_must(field)})")
+        elif ctx.get("key"):
+            out.append(f"{label(key)} {e['msg']}")
+        elif field is not None:
+            out.append(f"{label(key)} must be {_must(field)}, got {_shown(e['input'])}")
+        else:
+            out.append(f"{label(key) if key else 'the section'}: {e['msg']}, got {_shown(e['input'])}")
+    return out
+
+
+def _field_at(model, loc):
+    """(the key path, its FieldInfo or None for an unknown key, the model the last key belongs to, the nested model
+    the path ends in or None) of an error's location, descending into nested models (a section such as
+    `lora: {...}`). After a plain field, `loc` goes on with a union member's tag ("int", "literal['auto']") or a
+    list index: not keys."""
+    names, field, owner = [], None, model
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is None:
+            break
+        owner, field = model, fields.get(part)
+        names.append(str(part))
+        if field is None:
+            break  # a key the model does not have
+        model = next((a for a in (field.annotation, *get_args(field.annotation))
+                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return names, field, owner, model
+
+
+def _must(field) -> str:
+    extra = (field.json_schema_extra or {}) if field is not None else {}
+    if extra.get("must"):
+        return extra["must"]
+    choices = get_args(field.annotation) if field is not None and get_origin(field.annotation) is Literal else ()
+    quoted = [json.dumps(c) for c in choices]
+    if len(quoted) == 2:
+        return " or ".join(quoted)
+    return f"one of {', '.join(quoted)}" if quoted else "valid"
+
+
+def _unknown(model, names, label) -> str:
+    known = list(model.model_fields)
+    close = difflib.get_close_matches(names[-1], known, n=1)
+    hint = f" (did you mean {label('.'.join(names[:-1] + close))}?)" if close else ""
+    section = label(".".join(names[:-1])) if names[:-1] else label("").rstrip(".-") or "the section"
+    return f"unknown key {names[-1]!r} in {section}{hint}; known: {', '.join(known)}"
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 NESTED = "data_efficiency.data_sampling.adaptive_load"
@@ -139,12 +262,14 @@ def adaptive_load_section(ds: dict, source, pop=False) -> AdaptiveLoadConfig:
                         f"level or at {NESTED}")
     owner = ds if top else sampling
     section = owner.pop("adaptive_load") if pop else owner["adaptive_load"]
+    prefix, names = "adaptive_load." if top else f"{NESTED}.", {}
     if isinstance(section, dict) and "seed" in de:
-        if "seed" in section and section["seed"] != de["seed"]:
-            raise UserError(f"{source}: adaptive_load.seed {section['seed']!r} and data_efficiency.seed "
-                            f"{de['seed']!r} differ; give one")
-        section = {**section, "seed": de["seed"]}
-    return AdaptiveLoadConfig.from_dict(section, source)
+        mine, theirs = section.get("seed"), de["seed"]
+        if "seed" in section and (type(mine) is not type(theirs) or mine != theirs):  # true is not 1
+            raise UserError(f"{source}: adaptive_load.seed {mine!r} and data_efficiency.seed {theirs!r} differ; "
+                            f"give one")
+        section, names = {**section, "seed": theirs}, {"seed": "data_efficiency.seed"}
+    return AdaptiveLoadConfig.from_dict(section, source, prefix, names)
 
 
 def load_ds_config(path):

@@ -135,7 +135,6 @@ def prepare_data(args, manifest, c, world, rank):
     from ds_adaptiveload.data import latents as data
     from ds_adaptiveload.schedule.manifest import load_manifest
     from ds_adaptiveload.schedule.memory import RecomputeCost
-    from ds_adaptiveload.schedule.planner import PlanConfig
     from ds_adaptiveload.schedule.sampler import AdaptiveSampler
     from ds_adaptiveload.train import checkpoint
     from ds_adaptiveload.train.config import zero_stage
@@ -154,25 +153,16 @@ def prepare_data(args, manifest, c, world, rank):
                   f"{len(samples)} remain", file=sys.stderr)
         if not samples:
             raise UserError(f"{manifest}: every sample is bad")
-    # ZeRO-2/3 synchronise ranks at every micro-batch (reduce-scatter / all-gather): plan rounds, not totals.
     stage = zero_stage(c.ds_cfg)
     ckpt = plan_checkpoint(args, stage)
-    plan_cfg = PlanConfig(policy=al.policy, world_size=world, sp=c.dims.sp, grad_accum=c.G, seed=al.seed,
-                          on_oversize=al.on_oversize, window=al.window, fill=al.fill, replicate=al.replicate,
-                          pack_tokens=al.pack_tokens,
-                          lockstep=stage >= 2, **ckpt)
+    plan_cfg = al.plan_config(world, c.dims.sp, c.G, stage, **ckpt)
     sampler = AdaptiveSampler(samples, c.profile, plan_cfg, c.dims.dp_rank)
     # Bad samples found while reading come back as data ("bad"), so the loop can agree on them across ranks.
     dataset = data.LatentDataset(samples, manifest, geometry, c.model_cfg.text_len, c.model_cfg.text_dim,
                                  on_bad="skip")
-    # The failure policies may change between a crash and the resume (e.g. to skip what crashed it).
-    # The failure policies may change between a crash and its resume; LR scaling and loss weighting do not
-    # change the order of samples either (checkpoints from before these keys existed keep loading).
-    plan_keys = {k: v for k, v in al.to_dict().items()
-                 if k not in ("on_bad_sample", "on_oom", "loss_weighting", "lr_scaling_method", "lr_reference_batch_size")}
-    if plan_keys.get("pack_tokens") is None:
-        plan_keys.pop("pack_tokens", None)  # as before the key existed: older checkpoints resume
-    layout = {"world": world, "sp": c.dims.sp, "grad_accum": c.G, "adaptive_load": plan_keys,
+    # Only the keys that shape the plan: failure policies, LR scaling and loss weighting may change between a crash
+    # and its resume (e.g. to skip what crashed it), and checkpoints from before a key existed keep loading.
+    layout = {"world": world, "sp": c.dims.sp, "grad_accum": c.G, "adaptive_load": al.layout_keys(),
               "manifest_samples": len(samples)}
     if ckpt["checkpoint"] != "all" and RecomputeCost.of(c.profile, ckpt["checkpoint_policy"]):
         layout["checkpoint"] = ckpt  # the plan costs recompute by it (absent otherwise: older checkpoints match)
