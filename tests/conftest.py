@@ -1,11 +1,8 @@
 """pytest set-up: the cuda and slow markers (CUDA tests skip with a reason on a CPU), and a check that no test
 leaves DeepSpeed's CPU all-reduce buffers in /dev/shm (train/engine.unlink_shm_buffer)."""
-import glob
-import os
-
 import pytest
 
-SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
+from tests.launcher import no_leaked_buffers
 
 
 def pytest_configure(config):
@@ -30,13 +27,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def no_leaked_shm_buffers():
     """Each launched CPU rank maps a 66 MB file in /dev/shm (RAM) that DeepSpeed never unlinks: 5.4 GB per suite run,
-    until a later test ran out of memory. A test after which one is left fails, and the files are removed anyway."""
-    before = set(glob.glob(SHM_BUFFERS))
-    yield
-    leaked = sorted(set(glob.glob(SHM_BUFFERS)) - before)
-    for path in leaked:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    assert not leaked, f"this test left DeepSpeed's shared-memory all-reduce buffers: {leaked}"
+    until a later test ran out of memory. A test that leaves one of its own launches' files fails, and the files are
+    removed anyway (tests/launcher.no_leaked_buffers: by master port, so other jobs' files do not count)."""
+    with no_leaked_buffers():
+        yield

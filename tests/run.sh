@@ -1,7 +1,42 @@
 #!/usr/bin/env bash
-# Set up (.venv with the test extras) and run the whole test suite. CUDA tests skip with a reason on a CPU.
+# Set up (.venv with the test extras) and run the test suite, or the test files and pytest options given.
+# CUDA tests skip with a reason on a CPU.
+#   bash tests/run.sh                                   # every test
+#   bash tests/run.sh tests/test_train.py -x            # these files only
+#   bash tests/run.sh --stress tests/test_train.py      # while busy loops compete for every core
+#   bash tests/run.sh --stress=4 ...                    # with 4 busy loops (default: one per core)
+# --stress: N busy-loop processes at niceness STRESS_NICE (default 10) run for as long as pytest does, so that
+# ranks are descheduled at random points, as on a machine shared with other jobs (races show up there first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+STRESS=0
+ARGS=()
+for a in "$@"; do
+  case "$a" in
+    --stress) STRESS=$(nproc) ;;
+    --stress=*) STRESS=${a#--stress=} ;;
+    *) ARGS+=("$a") ;;
+  esac
+done
+[[ $STRESS =~ ^[0-9]+$ ]] || { echo "tests/run.sh: --stress=N needs a number of busy loops, got $STRESS" >&2; exit 2; }
+# pytest gets `tests` only when no test path is given (both would run the whole suite).
+PATHS=0
+for a in ${ARGS[@]+"${ARGS[@]}"}; do
+  if [[ $a != -* && -e ${a%%::*} ]]; then PATHS=1; fi
+done
+if [ "$PATHS" = 0 ]; then ARGS=(tests ${ARGS[@]+"${ARGS[@]}"}); fi
 source launch/env.sh test
+# DeepSpeed JIT-builds its CPU all-reduce op into torch's extension folder, under a lock file that every process
+# loading the op takes; a job killed while holding it leaves the lock, and every later load waits for good
+# (seen 2026-12-06: runs of every checkout on the machine hung at start-up). The suite keeps its own folder.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
+BUSY=()
+stop_busy() { for pid in ${BUSY[@]+"${BUSY[@]}"}; do kill "$pid" 2>/dev/null || true; done; }
+trap stop_busy EXIT
+for _ in $(seq 1 "$STRESS"); do
+  nice -n "${STRESS_NICE:-10}" bash -c 'while :; do :; done' &
+  BUSY+=($!)
+done
+if [ "$STRESS" != 0 ]; then echo "tests/run.sh: $STRESS busy loops at niceness ${STRESS_NICE:-10}" >&2; fi
 # Tests import the installed package; run from the repo root so configs/ and bench/ paths resolve.
-python -m pytest -q -p no:cacheprovider tests "$@"
+python -m pytest -q -p no:cacheprovider "${ARGS[@]}"

@@ -9,7 +9,7 @@ import pytest
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model import WanConfig
-from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
+from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @needs_launcher
 def test_zero3_build_is_partitioned_at_construction_and_keeps_wan_init(tmp_path):
     env = launcher_env(PYTHONPATH=ROOT)
-    proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", "29533", "tests/zero_build_worker.py",
+    proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(master_port()), "tests/zero_build_worker.py",
                            str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):

@@ -11,6 +11,7 @@ import pytest
 from ds_adaptiveload import calibrate as cal
 from ds_adaptiveload.schedule.geometry import Geometry
 from ds_adaptiveload.schedule.profile import CostProfile, smooth_max
+from tests.launcher import master_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEO = Geometry()
@@ -531,7 +532,7 @@ def test_compile_blocks_compiles_the_model_before_the_engine(monkeypatch):
         return types.SimpleNamespace(bfloat16_enabled=lambda: False, fp16_enabled=lambda: False)
 
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                 ("MASTER_PORT", "29678")):  # init_engine's single_process_env sets what is unset: restored after
+                 ("MASTER_PORT", str(master_port()))):  # init_engine's single_process_env sets what is unset: restored after
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(eng, "init_distributed", lambda: (types.SimpleNamespace(device_name=lambda: "cpu"), 0, 1))
     monkeypatch.setattr(eng, "pick_device", lambda accel, rank, threads=True: torch.device("cpu"))

@@ -10,6 +10,7 @@ import pytest
 from ds_adaptiveload import calibrate as cal
 from ds_adaptiveload.calibrate import blocks
 from ds_adaptiveload.schedule.profile import CostProfile
+from tests.launcher import master_port
 from tests.test_calibrate import FakeStepFn, fake_calibration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -211,7 +212,7 @@ def test_open_block_runs_on_a_real_zero2_engine(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = tmp_path / "p.yaml"
     code = _REAL_ENGINE_RUN.format(root=ROOT, ds=str(tmp_path / "ds.json"), out=str(out))
-    env = dict(os.environ, MASTER_PORT="29678", OMP_NUM_THREADS="2")
+    env = dict(os.environ, MASTER_PORT=str(master_port()), OMP_NUM_THREADS="2")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     prof = CostProfile.load(str(out))

@@ -17,6 +17,7 @@ from ds_adaptiveload.schedule.manifest import Sample
 from ds_adaptiveload.schedule.packed import PackedCtx, pack_cost
 from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
 from ds_adaptiveload.schedule.profile import CostProfile, smooth_max
+from tests.launcher import master_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEO = Geometry()
@@ -226,7 +227,7 @@ def test_cpu_calibration_with_packs_tiny_model(tmp_path):
     """The real loop on CPU (ZeRO-3 on one gloo process, the tiny model): the packs run through the packed
     forward of micro_step and fit.packed lands in the YAML and the --json, predicted by the profile written."""
     out, raw = tmp_path / "tiny.yaml", tmp_path / "tiny.json"
-    env = dict(os.environ, MASTER_PORT="29721", OMP_NUM_THREADS="2")
+    env = dict(os.environ, MASTER_PORT=str(master_port()), OMP_NUM_THREADS="2")
     proc = subprocess.run(
         [sys.executable, "-m", "ds_adaptiveload", "calibrate", "--model-config", "configs/wan_tiny.yaml",
          "--deepspeed_config", "configs/ds_tiny_cpu.json", "--out", str(out), "--json", str(raw),

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from ds_adaptiveload.schedule.profile import CostProfile
-from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
+from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +53,7 @@ def test_cpu_measuring_loop_with_tiny_model(tmp_path):
     """The real loop: deepspeed.initialize (ZeRO-3, one gloo process), the flow-matching loss, the
     optimizer step, held-out points; ~35 s on 2 cores (most of it DeepSpeed start-up)."""
     out, raw = tmp_path / "tiny.yaml", tmp_path / "tiny.json"
-    env = dict(os.environ, MASTER_PORT="29677", OMP_NUM_THREADS="2")
+    env = dict(os.environ, MASTER_PORT=str(master_port()), OMP_NUM_THREADS="2")
     proc = subprocess.run(
         [sys.executable, "-m", "ds_adaptiveload", "calibrate", "--model-config", "configs/wan_tiny.yaml",
          "--deepspeed_config", "configs/ds_tiny_cpu.json", "--out", str(out), "--json", str(raw),
@@ -106,7 +106,7 @@ def test_two_rank_sp2_calibration_on_cpu(tmp_path):
     out, raw = tmp_path / "sp2.yaml", tmp_path / "new_dir" / "sp2.json"  # --json into a folder not made yet
     env = launcher_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [DEEPSPEED, "--num_gpus", "2", "--master_port", "29678", "--no_local_rank", "--module", "ds_adaptiveload",
+        [DEEPSPEED, "--num_gpus", "2", "--master_port", str(master_port()), "--no_local_rank", "--module", "ds_adaptiveload",
          "calibrate", "--model-config", "configs/wan_tiny.yaml", "--deepspeed_config", str(cfg), "--out", str(out),
          # per-GPU s from 8 to 432 tokens: enough work per token to stand out of the CPU's timing noise
          "--json", str(raw), "--shapes", "1x64x64,9x128x128,17x128x128,33x128x192",
@@ -165,7 +165,7 @@ def test_two_rank_budget_probe_oom_stops_fast_and_leaves_a_profile(tmp_path):
     out = tmp_path / "sp2.yaml"
     env = launcher_env(OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [DEEPSPEED, "--num_gpus", "2", "--master_port", "29679", "--no_local_rank", str(driver),
+        [DEEPSPEED, "--num_gpus", "2", "--master_port", str(master_port()), "--no_local_rank", str(driver),
          "--model-config", "configs/wan_tiny.yaml", "--deepspeed_config", str(cfg), "--out", str(out),
          "--shapes", "1x64x64,9x128x128,17x128x128,33x128x192", "--heldout", "5x128x128", "--batches", "1,2,4",
          "--probe-tokens", "1024", "--repeats", "1", "--time-budget", "90"],

@@ -20,7 +20,7 @@ from test_dataset_scan import read_jsonl, scan_args, write_video  # noqa: E402
 from ds_adaptiveload.data import encode, frames, scan  # noqa: E402
 from ds_adaptiveload.errors import UserError  # noqa: E402
 from ds_adaptiveload.schedule.geometry import Geometry  # noqa: E402
-from tests.launcher import BIN, launcher_env  # noqa: E402
+from tests.launcher import BIN, launcher_env, master_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_DIM, TEXT_LEN = 64, 32  # configs/wan_tiny.yaml: text_dim, text_len
@@ -243,7 +243,7 @@ def test_bad_inputs(dataset, tmp_path):
 def test_two_ranks_write_the_same_dataset(dataset, tmp_path):
     """torchrun, 2 CPU processes over gloo: disjoint shards, one merged manifest equal to 1 rank's."""
     out = tmp_path / "out2"
-    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", "29531", "-m",
+    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(master_port()), "-m",
            "ds_adaptiveload", "encode", *encode_argv(dataset["dir"], dataset["raw"], out, shard_size=1)]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -275,7 +275,7 @@ def test_train_two_steps_on_the_encoded_data(dataset, tmp_path):
     cfg["adaptive_load"]["profile"] = str(tmp_path / "profile.yaml")
     cfg["csv_monitor"]["enabled"] = False
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "1", "--master_port", "29533", "launch/train_wan.py",
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "1", "--master_port", str(master_port()), "launch/train_wan.py",
            "--deepspeed_config", str(tmp_path / "ds.json"), "--model-config", "configs/wan_tiny.yaml",
            "--data", str(dataset["out"] / "manifest.jsonl"), "--max-steps", "2", "--no-final-save",
            "--num-workers", "0", "--output", str(tmp_path / "run")]

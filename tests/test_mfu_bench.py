@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ds_adaptiveload.model import WanConfig, WanModel
-from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
+from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -113,7 +113,7 @@ def test_mfu_train_runs_train_wan_with_memory_aware_checkpointing(tmp_path, poli
         cfg["zero_optimization"] = {"stage": 2}
     ds = str(tmp_path / "ds.json")
     open(ds, "w").write(json.dumps(cfg))
-    cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", "29547", "bench/mfu_train.py", "--deepspeed_config",
+    cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", str(master_port()), "bench/mfu_train.py", "--deepspeed_config",
            ds, "--model-config", "configs/wan_tiny.yaml", "--synthetic", "--synthetic-num", "8",
            "--max-steps", "2", "--no-final-save", "--num-workers", "0", "--output", str(tmp_path / "run")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

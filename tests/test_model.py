@@ -9,8 +9,7 @@ import torch
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model import WanConfig, WanModel, load_wan_checkpoint, save_wan_checkpoint
 from ds_adaptiveload.model.convert import diffusers_config, from_diffusers, to_diffusers
-from ds_adaptiveload.train.engine import free_port
-from tests.launcher import spawn_ranks
+from tests.launcher import master_port, spawn_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "wan_tiny.yaml")
@@ -294,7 +293,7 @@ def _sp_worker(rank, world, port, result_path):
 
 def test_sequence_parallel_matches_single_process(tmp_path):
     out = str(tmp_path / "sp.pt")
-    spawn_ranks(_sp_worker, 2, free_port(), out)
+    spawn_ranks(_sp_worker, 2, master_port(), out)
     res = torch.load(out)
 
     cfg = tiny_cfg()

@@ -16,9 +16,8 @@ import torch
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.train import config, flow
-from ds_adaptiveload.train.engine import free_port  # an ephemeral port: the fixed 29641 was once in use
 from ds_adaptiveload.train.lr_scaling import BatchSizeLR, scale_lr
-from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
+from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")
@@ -279,10 +278,10 @@ def load_example():
     return mod
 
 
-def run_example(out, *extra, port):
+def run_example(out, *extra):
     """`deepspeed --num_gpus 2 examples/train_diffusers_wan.py ...` -> its step lines (step, loss, samples, lr)."""
     env = launcher_env()
-    proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), "examples/train_diffusers_wan.py",
+    proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(master_port()), "examples/train_diffusers_wan.py",
                            "--output", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return re.findall(r"^step (\d+) loss (\S+) samples (\d+) lr (\S+)$", proc.stdout, re.M)
@@ -295,7 +294,7 @@ def two_steps(tmp_path_factory):
     """The example for 2 steps, dumping the last step's gradient; leaves its checkpoint in out/checkpoints."""
     out = tmp_path_factory.mktemp("example") / "run"
     dump = out.parent / "grads.pt"
-    return out, dump, run_example(out, "--steps", "2", "--dump-grads", str(dump), port=free_port())
+    return out, dump, run_example(out, "--steps", "2", "--dump-grads", str(dump))
 
 
 @needs_launcher
@@ -336,8 +335,8 @@ def test_diffusers_example_gradient_equals_one_big_batch(two_steps):
 @needs_launcher
 def test_diffusers_example_resumes_where_it_stopped(two_steps, tmp_path):
     out, _, first = two_steps
-    resumed = run_example(out, "--steps", "3", "--resume", port=free_port())
-    straight = run_example(tmp_path / "straight", "--steps", "3", port=free_port())
+    resumed = run_example(out, "--steps", "3", "--resume")
+    straight = run_example(tmp_path / "straight", "--steps", "3")
     assert [int(s) for s, *_ in resumed] == [3]
     assert first[0][2:] == straight[0][2:] and resumed[0][2:] == straight[2][2:]  # same samples, same LR
     assert float(resumed[0][1]) == pytest.approx(float(straight[2][1]), rel=1e-5)

@@ -10,8 +10,7 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model import WanModel, sdpa_attention
 from ds_adaptiveload.model.packing import plan_packing
 from ds_adaptiveload.train import flow
-from ds_adaptiveload.train.engine import free_port
-from tests.launcher import spawn_ranks
+from tests.launcher import master_port, spawn_ranks
 from tests.test_model import inputs, perturbed_model, rel_err, tiny_cfg
 
 # Mixed shapes with repeats that are not adjacent: grouping must reorder and restore the input order. Grids
@@ -316,7 +315,7 @@ def _zero3_worker(rank, world, port, result_path):
 
 def spawn(worker, world, tmp_path):
     """Run worker(rank, world, port, result_path) on `world` processes; returns what rank 0 saved."""
-    port = free_port()
+    port = master_port()
     out = str(tmp_path / "result.pt")
     spawn_ranks(worker, world, port, out)
     return torch.load(out)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from ds_adaptiveload.model import WanModel
+from tests.launcher import master_port
 from tests.test_model import perturbed_model, rel_err, tiny_cfg
 from tests.test_packed import SHAPES, gloo_rank, loss_of, packed_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PORTS = range(29700, 29720)  # this module's master ports (other tests use fixed ports elsewhere)
 
 # Per micro-batch: each rank's sample shapes and the checkpoint count k (the same on both ranks). ZeRO-3
 # runs micro-batch 1 untraced, records its module trace in 2 and replays it from 3 on: in 3 rank 0 matches
@@ -151,7 +151,7 @@ def _spawn(worker, port, tmp_path, timeout=240):
 @pytest.mark.parametrize("worker", [_two_rank_worker, _two_rank_regions_worker], ids=["eager", "regions"])
 def test_packed_zero3_two_ranks_match_one_process(tmp_path, worker):
     pytest.importorskip("deepspeed")
-    got = _spawn(worker, PORTS[0] if worker is _two_rank_worker else PORTS[2], tmp_path)
+    got = _spawn(worker, master_port(), tmp_path)
     cfg = tiny_cfg()
     m = perturbed_model(cfg)
     for i, mb in enumerate(MICRO_BATCHES):
@@ -166,7 +166,7 @@ def test_packed_zero3_two_ranks_match_one_process(tmp_path, worker):
 
 # ---------------------------------------------------------------- launch/train_wan.py, 2 ranks, ZeRO-3
 
-def _launch(out, cfg, *extra, port, timeout=180):
+def _launch(out, cfg, *extra, timeout=180):
     """`deepspeed --num_gpus 2 launch/train_wan.py --synthetic ...` through test_reliability.launch (its own
     process group, killed whole on timeout: a rank stuck in a collective outlives the launcher, which fails the
     test); exits 0, returns its stdout."""
@@ -174,7 +174,7 @@ def _launch(out, cfg, *extra, port, timeout=180):
 
     if rel.DEEPSPEED is None:
         pytest.skip("deepspeed launcher not installed")
-    proc = rel.launch(out, None, cfg, "--no-final-save", *extra, port=port, timeout=timeout)
+    proc = rel.launch(out, None, cfg, "--no-final-save", *extra, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return proc.stdout
 
@@ -194,8 +194,7 @@ def test_packed_policy_trains_under_zero3_on_two_ranks(tmp_path):
     cfg = tt.test_config(tmp_path, scheduler=None, adaptive_load=al,
                          optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
     out, dump = tmp_path / "run", tmp_path / "grads.pt"
-    stdout = _launch(out, cfg, "--max-steps", "3", "--checkpoint-blocks", "auto", "--dump-grads", str(dump),
-                     port=PORTS[1])
+    stdout = _launch(out, cfg, "--max-steps", "3", "--checkpoint-blocks", "auto", "--dump-grads", str(dump))
     # built inside zero.Init: rank 0 holds about half of every parameter from the start (ceil per tensor)
     held, total = (int(v.replace(",", "")) for v in re.search(
         r"model built partitioned \(zero.Init\), ([\d,]+) of ([\d,]+) parameter elements", stdout).groups())

@@ -18,7 +18,7 @@ from ds_adaptiveload.schedule.manifest import load_manifest
 from ds_adaptiveload.model import WanConfig
 from ds_adaptiveload.data import latents as data
 from ds_adaptiveload.train import checkpoint, config, faults, metrics
-from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
+from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_tiny.yaml"))
@@ -26,11 +26,11 @@ GEO = Geometry()
 NUM, STEPS = 100, 5  # the plan of 100 tiny samples on 2 ranks, G = 2, ZeRO-3 (lockstep) has 5 steps
 
 
-def launch(out, manifest, cfg, *extra, port, timeout=180, gpus=2):
+def launch(out, manifest, cfg, *extra, port=None, timeout=180, gpus=2):
     """Run the launcher in its own process group; on timeout kill the whole group (a surviving rank can
-    hang in a collective) and fail. manifest None: --synthetic data."""
+    hang in a collective) and fail. manifest None: --synthetic data. port None: a free one."""
     data = ["--synthetic"] if manifest is None else ["--data", str(manifest)]
-    cmd = [DEEPSPEED, "--num_gpus", str(gpus), "--master_port", str(port), "launch/train_wan.py",
+    cmd = [DEEPSPEED, "--num_gpus", str(gpus), "--master_port", str(port or master_port()), "launch/train_wan.py",
            "--deepspeed_config", str(cfg), "--model-config", "configs/wan_tiny.yaml", *data,
            "--output", str(out), "--num-workers", "1", *extra]
     env = launcher_env()
@@ -116,7 +116,7 @@ def reference(tmp_path_factory, dataset):
     cfg = write_config(d / "ds.json")
     if DEEPSPEED is None:
         pytest.skip("deepspeed launcher not installed")
-    ok(launch(d / "run", dataset, cfg, "--max-steps", str(STEPS), "--no-final-save", port=29531))
+    ok(launch(d / "run", dataset, cfg, "--max-steps", str(STEPS), "--no-final-save"))
     return d / "run", cfg
 
 
@@ -139,14 +139,13 @@ def test_rank_killed_mid_step_resumes_every_sample_once(tmp_path, dataset, refer
     out = tmp_path / "run"
     # checkpoint at step 2; step 3 trains and is logged; rank 1 is SIGKILLed inside step 4 after its first
     # backward, while rank 0 waits for it in a collective: the launcher must end rank 0.
-    proc = launch(out, dataset, cfg, "--max-steps", str(STEPS), "--save-every", "2", "--fault", "kill:1:4",
-                  port=29532)
+    proc = launch(out, dataset, cfg, "--max-steps", str(STEPS), "--save-every", "2", "--fault", "kill:1:4")
     # the launcher returns the killed rank's code (-9 -> 247) or the survivor's (3), whichever it polls first
     line = one_error(proc, code=None)
     assert line.startswith("error: step 4: rank 1 stopped answering"), line
     assert (out / "checkpoints" / "latest").read_text() == "global_step2"
     assert [r["step"] for r in lineage(out, 0)] == [1, 2, 3]
-    ok(launch(out, dataset, cfg, "--max-steps", str(STEPS), "--resume", str(out / "checkpoints"), port=29533))
+    ok(launch(out, dataset, cfg, "--max-steps", str(STEPS), "--resume", str(out / "checkpoints")))
     raw = [json.loads(line)["step"] for line in open(out / "steps.rank0.jsonl")]
     assert raw == [1, 2, 3, 3, 4, 5]  # step 3 trained twice, counted once: the resumed run redid it
     ids = trained_ids(out)
@@ -159,15 +158,13 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path, dataset, referenc
     ref, cfg = reference
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
-    proc = launch(out, dataset, cfg, "--max-steps", str(STEPS), "--save-every", "2", "--fault", "save-abort:4",
-                  port=29534)
+    proc = launch(out, dataset, cfg, "--max-steps", str(STEPS), "--save-every", "2", "--fault", "save-abort:4")
     assert proc.returncode != 0
     # step 4's tensors were written, but not published: latest still names step 2
     assert (ckpt / ".tmp-global_step4").is_dir() and any((ckpt / ".tmp-global_step4").iterdir())
     assert not (ckpt / "global_step4").exists()
     assert (ckpt / "latest").read_text() == "global_step2"
-    ok(launch(out, dataset, cfg, "--max-steps", str(STEPS), "--save-every", "2", "--resume", str(ckpt),
-              port=29535))
+    ok(launch(out, dataset, cfg, "--max-steps", str(STEPS), "--save-every", "2", "--resume", str(ckpt)))
     assert (ckpt / "latest").read_text() == f"global_step{STEPS}"
     assert (ckpt / "global_step4").is_dir() and not (ckpt / ".tmp-global_step4").exists()
     same_losses(out, ref)
@@ -310,7 +307,7 @@ def test_oom_and_bad_samples_skipped_on_every_rank(tmp_path, dataset, reference)
     _edit_tensor(manifest, victim, poison)
 
     out = tmp_path / "run"
-    proc = launch(out, manifest, cfg, "--max-steps", str(len(plan.steps)), "--fault", "oom:1:2:1", port=29536)
+    proc = launch(out, manifest, cfg, "--max-steps", str(len(plan.steps)), "--fault", "oom:1:2:1")
     ok(proc)
     assert f"{len(truncated)} bad sample(s) left out of the plan" in proc.stderr
     assert "step 2, rank 1: out of memory in micro-batch 1 (B=" in proc.stderr and "budget_tokens 192" in proc.stderr
@@ -332,7 +329,7 @@ def test_oom_and_bad_samples_skipped_on_every_rank(tmp_path, dataset, reference)
 @needs_launcher
 def test_oom_error_exits_with_the_micro_batch(tmp_path, dataset, reference):
     _, cfg = reference
-    proc = launch(tmp_path / "run", dataset, cfg, "--max-steps", "3", "--fault", "oom:0:2:0", port=29537)
+    proc = launch(tmp_path / "run", dataset, cfg, "--max-steps", "3", "--fault", "oom:0:2:0")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "error: step 2, rank 0: out of memory in micro-batch 0 (B=" in proc.stderr
     assert 'set adaptive_load.on_oom "skip"' in proc.stderr
@@ -352,8 +349,7 @@ def test_oom_on_one_rank_ends_every_rank_with_one_error(tmp_path, dataset):
     samples = load_manifest(dataset)
     mb = [samples[i] for i in tiny_plan(samples).steps[0][1][1]]  # step 1, rank 1, micro-batch 1
     for run in range(RUNS):
-        proc = launch(tmp_path / f"run{run}", dataset, cfg, "--max-steps", "2", "--fault", "oom:1:1:1",
-                      port=29540 + run)
+        proc = launch(tmp_path / f"run{run}", dataset, cfg, "--max-steps", "2", "--fault", "oom:1:1:1")
         line = one_error(proc)
         # the rank that hit the OOM is rank 1; rank 0 prints the agreed message
         assert line.startswith("error: step 1, rank 1: out of memory in micro-batch 1 (B="), line
@@ -373,7 +369,7 @@ def test_nan_latent_on_one_rank_ends_every_rank_with_one_error(tmp_path, dataset
     _edit_tensor(manifest, victim, poison)
     cfg = write_config(tmp_path / "ds.json")
     for run in range(RUNS):
-        proc = launch(tmp_path / f"run{run}", manifest, cfg, "--max-steps", "3", port=29550 + run)
+        proc = launch(tmp_path / f"run{run}", manifest, cfg, "--max-steps", "3")
         line = one_error(proc)
         assert line.startswith(f"error: step 2, rank 1: {os.path.join(tmp_path, 'd', victim.extra['shard'])}: "
                                f"sample {victim.id!r} latent has 1 NaN/Inf value(s) "
@@ -391,12 +387,12 @@ def test_resume_before_the_first_save_then_on_another_world_size(tmp_path, datas
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
     # a wrapper that always passes --resume: the first launch finds no checkpoint and starts from step 0
-    proc = launch(out, dataset, cfg, "--max-steps", "1", "--resume", str(ckpt), port=29560)
+    proc = launch(out, dataset, cfg, "--max-steps", "1", "--resume", str(ckpt))
     ok(proc)
     assert f"--resume {ckpt}: no checkpoint there yet, starting from step 0" in proc.stderr
     assert json.loads((ckpt / "global_step1" / checkpoint.LAYOUT_FILE).read_text())["world"] == 2
     # one rank instead of two: refused with the saved and the current value, before DeepSpeed loads
-    proc = launch(out, dataset, cfg, "--max-steps", "2", "--resume", str(ckpt), port=29561, gpus=1)
+    proc = launch(out, dataset, cfg, "--max-steps", "2", "--resume", str(ckpt), gpus=1)
     line = one_error(proc)
     assert line == (f"error: --resume {ckpt}: checkpoint global_step1 was saved with world=2, this run has "
                     f"world=1; resuming the exact sample order needs the same value"), line

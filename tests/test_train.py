@@ -13,17 +13,17 @@ from ds_adaptiveload.schedule.manifest import load_manifest
 from ds_adaptiveload.model import WanConfig, WanModel
 from ds_adaptiveload.data import latents as data
 from ds_adaptiveload.train import flow
-from tests.launcher import DEEPSPEED, launcher_env, needs_launcher
+from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "wan_tiny.yaml")
 pytestmark = needs_launcher
 
 
-def launch(out, *extra, config=None, port=29511, timeout=240):
+def launch(out, *extra, config=None, port=None, timeout=240):
     """`deepspeed --num_gpus 2 launch/train_wan.py ...` from the repo root; config None: the documented
-    command exactly (plus --output), else 1 DataLoader worker to spare the 2 cores."""
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(port), "launch/train_wan.py",
+    command exactly (plus --output), else 1 DataLoader worker to spare the 2 cores. port None: a free one."""
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(port or master_port()), "launch/train_wan.py",
            "--deepspeed_config", str(config or "configs/ds_tiny_cpu.json"), "--model-config", "configs/wan_tiny.yaml",
            "--output", str(out), *(() if config is None else ("--num-workers", "1")), *extra]
     env = launcher_env()
@@ -146,9 +146,9 @@ def test_resume_continues_with_the_same_micro_batches(tmp_path):
     cfg = test_config(tmp_path)
     common = ("--synthetic", "--synthetic-num", "37")
     ref, out = tmp_path / "straight", tmp_path / "resumed"
-    check(launch(ref, *common, "--max-steps", "4", config=cfg, port=29512))
-    check(launch(out, *common, "--max-steps", "2", config=cfg, port=29513))
-    check(launch(out, *common, "--max-steps", "4", "--resume", str(out / "checkpoints"), config=cfg, port=29514))
+    check(launch(ref, *common, "--max-steps", "4", config=cfg))
+    check(launch(out, *common, "--max-steps", "2", config=cfg))
+    check(launch(out, *common, "--max-steps", "4", "--resume", str(out / "checkpoints"), config=cfg))
     for rank in (0, 1):
         a, b = steps(ref, rank), steps(out, rank)
         assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -205,7 +205,7 @@ def test_gradient_equals_one_big_batch(tmp_path, sp):
                       optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
     out = tmp_path / "run"
     dump = tmp_path / "grads.pt"
-    check(launch(out, "--synthetic", "--max-steps", "2", "--dump-grads", str(dump), config=cfg, port=29515 + sp))
+    check(launch(out, "--synthetic", "--max-steps", "2", "--dump-grads", str(dump), config=cfg))
     reference_check(out, dump, sp)
 
 
@@ -228,8 +228,7 @@ def test_nonfinite_loss_names_step_and_samples(tmp_path):
     # finite but huge: passes the reader's NaN/Inf check, and its squared error overflows fp32
     tensors[victim.extra["latent_key"]][0, 0, 0, 0] = 1e30
     save_file(tensors, str(shard))
-    proc = launch(tmp_path / "run", "--data", manifest, "--max-steps", "40", config=test_config(tmp_path),
-                  port=29518)
+    proc = launch(tmp_path / "run", "--data", manifest, "--max-steps", "40", config=test_config(tmp_path))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "non-finite loss on rank" in proc.stderr and victim.id in proc.stderr, proc.stderr[-3000:]
     assert "stopped before the optimizer update" in proc.stderr
@@ -243,8 +242,7 @@ def test_missing_shard_exits_2_naming_it(tmp_path):
     manifest = data.write_synthetic(str(d), make_mix("tiny", 8, 0), text_dim=cfg_model.text_dim,
                                     max_text_len=cfg_model.text_len, dtype="fp32", shard_size=4)
     os.remove(d / "shard-00001.safetensors")
-    proc = launch(tmp_path / "run", "--data", manifest, "--max-steps", "1", config=test_config(tmp_path),
-                  port=29519)
+    proc = launch(tmp_path / "run", "--data", manifest, "--max-steps", "1", config=test_config(tmp_path))
     assert proc.returncode == 2
     assert "shard-00001.safetensors: shard missing (needed by sample 'tiny-0000004'" in proc.stderr
 
@@ -261,7 +259,7 @@ def test_packed_gradient_equals_one_big_batch(tmp_path, sp):
                       optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
     out = tmp_path / "run"
     dump = tmp_path / "grads.pt"
-    check(launch(out, "--synthetic", "--max-steps", "2", "--dump-grads", str(dump), config=cfg, port=29525 + sp))
+    check(launch(out, "--synthetic", "--max-steps", "2", "--dump-grads", str(dump), config=cfg))
     assert any(len({tuple(s) for s in shapes}) > 1 for shapes in _mb_shapes(out)), "no micro-batch mixed shapes"
     reference_check(out, dump, sp)
 
@@ -283,7 +281,7 @@ def test_bell_weighting_and_linear_lr_scaling_in_train_wan(tmp_path):
     cfg = test_config(tmp_path, scheduler=None, adaptive_load=al,
                       optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
     out = tmp_path / "run"
-    check(launch(out, "--synthetic", "--max-steps", "3", config=cfg, port=29661))
+    check(launch(out, "--synthetic", "--max-steps", "3", config=cfg))
     recs = steps(out, 0)
     assert len({r["samples"] for r in recs}) >= 1 and all(r["loss"] == r["loss"] for r in recs)
     for r in recs:

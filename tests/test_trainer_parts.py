@@ -7,6 +7,7 @@ import pytest
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.train import config, failures
+from tests.launcher import master_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_JSON = os.path.join(ROOT, "configs", "ds_tiny_cpu.json")
@@ -184,8 +185,7 @@ def test_the_launchers_sigterms_during_a_peer_failure_leave_one_line(pause, duri
     import subprocess
     import sys
 
-    port = 29684 + int(pause * 10) + 5 * during_handling
-    proc = subprocess.run([sys.executable, "-c", _LAUNCHER_KILL.format(root=ROOT, port=port, pause=pause,
+    proc = subprocess.run([sys.executable, "-c", _LAUNCHER_KILL.format(root=ROOT, port=master_port(), pause=pause,
                                                                        during_handling=during_handling)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == failures.EXIT_PEER_LOST, proc.stderr[-3000:]
@@ -246,7 +246,7 @@ def test_a_failed_collective_with_every_peer_alive_says_what_failed():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _PEER_RUN.format(root=ROOT, port=29683)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _PEER_RUN.format(root=ROOT, port=master_port())], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == failures.EXIT_PEER_LOST, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
