@@ -1,6 +1,7 @@
 """The results table (bench/results/results.csv, written only by bench/harness.record()) and docs/results.md,
 generated from it: upsert on (experiment, variant, metric, hardware), validation of every column, a byte-stable
-round trip."""
+round trip, the committed table valid with every cited raw file present, and the committed page equal to what the
+generator makes of the committed table."""
 import os
 import random
 import subprocess
@@ -173,3 +174,16 @@ def test_page_sections(tmp_path):
     assert "| crash |" in text.split("## Kernels")[1]
     assert "- c1: `python bench/mfu.py --parts e2e`" in text and "- c2: `other command`" in text
     assert f"[csv](../{RAW})" in headline
+
+
+def test_committed_table_is_valid_and_its_raw_files_exist():
+    rows = harness.check_results()
+    assert any(r["section"] == "headline" for r in rows)
+    assert {"predicted", "not-measured"} <= {r["status"] for r in rows}
+
+
+def test_committed_page_is_generated_from_the_committed_table():
+    text = results_md.render(harness.read_results())
+    with open(results_md.OUT) as f:
+        assert f.read() == text, "docs/results.md is stale: run python bench/results_md.py"
+    assert text.count("\n") <= results_md.MAX_LINES
