@@ -187,3 +187,15 @@ def test_committed_page_is_generated_from_the_committed_table():
     with open(results_md.OUT) as f:
         assert f.read() == text, "docs/results.md is stale: run python bench/results_md.py"
     assert text.count("\n") <= results_md.MAX_LINES
+
+
+def test_raw_folder_holds_only_what_the_table_cites():
+    """Raw files no row cites (as its raw file, or as an input its command reads) belong in bench/results/archive/,
+    so the folder does not grow into a notebook again."""
+    rows = harness.read_results()
+    cited = {f for r in rows for f in harness.raw_files(r)}
+    cited |= {w.strip("\"'") for r in rows for w in r["command"].split() if w.strip("\"'").startswith(harness.RAW_DIR)}
+    folder = os.path.join(ROOT, harness.RAW_DIR)
+    loose = sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f))
+                   and f != "results.csv" and harness.RAW_DIR + f not in cited)
+    assert not loose, f"cite these in results.csv or git mv them to bench/results/archive/: {loose}"
