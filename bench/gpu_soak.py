@@ -1,6 +1,6 @@
 """Load a GPU with bf16 GEMMs until a file appears (or a time limit), so that a benchmark starts timing on a GPU
 already at its steady power state (an H200 holds ~1,850-1,940 MHz for its first 2-3 minutes of load, then
-~1,660-1,720 MHz at its 700 W cap: docs/benchmarks.md, fourteenth session).
+~1,660-1,720 MHz at its 700 W cap: docs/history/benchmarks.md, fourteenth session).
 
     python3 bench/gpu_soak.py --until FILE [--max-s 300] [--device cuda]
 

@@ -39,8 +39,9 @@ GIB = 2**30
 SHAPES = {"img32": (32, 1, 60, 104), "480p81": (1, 21, 60, 104), "720p81": (1, 21, 90, 160)}
 E2E_RESERVE_S = 200  # of --time-budget kept for e2e when both parts run
 # 9,360 and 21,840 tokens: the activation-bytes slope. Until the fifth session 4,680 and 9,360: the model then
-# predicted 5-11% under the peaks of 32,760-75,600-token micro-batches with open blocks (docs/benchmarks.md), as if the
-# smaller probe's peak sat on a floor (the optimizer step's, say) and the slope came out low; larger probes avoid it.
+# predicted 5-11% under the peaks of 32,760-75,600-token micro-batches with open blocks (docs/history/benchmarks.md),
+# as if the smaller probe's peak sat on a floor (the optimizer step's, say) and the slope came out low; larger probes
+# avoid it.
 PROBES = ((1, 6, 60, 104), (1, 14, 60, 104))
 SAMPLE_PROBE = (6, 1, 60, 104)  # 6 images, 9,360 tokens: the per-sample bytes beside that line
 

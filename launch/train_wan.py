@@ -59,7 +59,7 @@ def parse_args(argv=None):
                         "--compile compiles the engine")
     p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
                    help="the self-attention kernels: torch SDPA (cuDNN on Hopper), FlashAttention-4 (fa4: the optional "
-                        "flash-attn-4 package; 11-17%% faster on the H200, docs/benchmarks.md), or auto: fa4 on a "
+                        "flash-attn-4 package; 11-17%% faster on the H200, docs/results.md), or auto: fa4 on a "
                         "Hopper GPU where the package imports, else sdpa (model/attention.py)")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of --compile-blocks (aot_eager: traced, no code generation)")

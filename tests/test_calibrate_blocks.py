@@ -229,7 +229,8 @@ def test_open_block_runs_on_a_real_zero2_engine(tmp_path):
 def test_derive_differences_against_the_fwd_bwd_peak_not_the_optimizer_floor():
     """A checkpointed point whose step peak is the floor (the optimizer step's, above its fwd+bwd): the extra bytes of
     the open and attention runs count from the fitted line's fwd+bwd peak (ckpt_peak). Against the floor they came
-    out 2,716 instead of ~5,300 bytes per token for attention on the H200 (docs/benchmarks.md, thirteenth session)."""
+    out 2,716 instead of ~5,300 bytes per token for attention on the H200 (docs/history/benchmarks.md, thirteenth
+    session)."""
     fixed, per_token, per_sample, floor = 23e9, 172_500.0, 22.6e6, 31.3e9
     mem = (fixed, per_token, floor, per_sample)
     clip, images = point(1, 32760, floor), point(16, 1560, floor * 1.001)  # both steps peak at the floor

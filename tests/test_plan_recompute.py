@@ -16,8 +16,8 @@ from ds_adaptiveload.schedule.profile import CostProfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml"))
 # The open-block fields bench/mfu.py measured for compiled regions on the H200 (fifth session, regions-attn), and the
-# recompute shares of its compiled 720p 81f rows (docs/benchmarks.md: 0.220 of the time is recompute, 0.069 with the
-# attention policy, so keeping attention saves 1 - 0.78 / 0.931 = 0.16 of a fully checkpointed micro-batch).
+# recompute shares of its compiled 720p 81f rows (docs/history/benchmarks.md: 0.220 of the time is recompute, 0.069
+# with the attention policy, so keeping attention saves 1 - 0.78 / 0.931 = 0.16 of a fully checkpointed micro-batch).
 OPEN = {"block_bytes_per_token": 51_510, "block_bytes_per_sample": 4_544_034, "attention_bytes_per_token": 4_992}
 PROFILE = dataclasses.replace(BASE, memory={**BASE.memory, **OPEN}, recompute_frac=0.22,
                               attention_recompute_frac=0.16)

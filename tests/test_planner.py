@@ -266,7 +266,7 @@ def test_packed_replicates_rounds_when_slots_hold_few_samples():
 def test_packed_one_clip_idles_less_than_balanced():
     """#20's one-clip target at G = 1, where packed had idled more than balanced: light runs by token count and
     light slots filled anew (schedule/packed._densify) bring it below balanced on both mixes, with steps closer to
-    the data (40,000 samples, 8 ranks; docs/benchmarks.md has 200,000 and 1M)."""
+    the data (40,000 samples, 8 ranks; docs/history/benchmarks.md has 200,000 and 1M)."""
     one = calibrated(75693)
     for mix in ("video-heavy", "image-heavy"):
         samples = make_mix(mix, 40000)

@@ -58,7 +58,7 @@ def ckpt_peak(c, mem) -> float:
     fwd+bwd), the fitted line without the floor. Against the floor the open and attention runs' extra bytes came out
     too small: on the H200 (1.3B model, ZeRO-2) the clip's step peaked at the 31.29 GB floor where its fwd+bwd line
     gives 28.76 GB, which put attention_bytes_per_token at 2,716 instead of about 5,300 and end-to-end peaks
-    10-12 GiB above the model (docs/benchmarks.md, 2026-12-03)."""
+    10-12 GiB above the model (docs/history/benchmarks.md, 2026-12-03)."""
     if getattr(c, "fwd_bwd_peak_bytes", None):
         return c.fwd_bwd_peak_bytes
     if mem is None:

@@ -2,7 +2,7 @@
 `flash-attn-4` package, CuTe DSL kernels), chosen by --attention sdpa | fa4 | auto.
 
 On an H200 FA4 ran the model's self-attention 11-17% faster than SDPA's cuDNN backend, forward+backward, at equal
-error against an fp32 reference (bench/model/attn_backends.py, docs/benchmarks.md). FA4 is called as two torch
+error against an fp32 reference (bench/model/attn_backends.py, docs/history/benchmarks.md). FA4 is called as two torch
 custom ops (forward and backward) so that selective checkpointing's policies can keep its output like SDPA's
 (model/wan._SAVED_ATTENTION_OPS) and torch.compile traces a block through it without a graph break.
 """

@@ -47,7 +47,7 @@ INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
 # which inductor cannot prove 16-byte aligned, so it does not vectorize them. With this option it assumes
 # alignment and clones a misaligned input (copying a mutated one back): results stay right. On the H200, with the
 # gate's gradient as a graph of its own, the mixed pack's compiled time fell from 634 to 572 ms, as low as one
-# shape per micro-batch (bench/results/packed-profile-2026-12-02-h200-s9-split.json).
+# shape per micro-batch (bench/results/archive/packed-profile-2026-12-02-h200-s9-split.json).
 INTO_OPTIONS = {"assume_aligned_inputs": True}
 
 
@@ -225,7 +225,7 @@ COMPILE_KINDS = ("auto", "block", "regions")
 def compile_kind(kind) -> str:
     """--compile-blocks KIND -> block or regions. auto (or True) takes regions: on the H200 they timed as fast as
     whole blocks or faster (480p 81f 46.9% MFU against 45.6%, 720p 81f 46.5% against 45.7%, 32 images 44.4%
-    against 44.7%; docs/benchmarks.md), with a bound on their graphs whatever the micro-batch holds."""
+    against 44.7%; docs/history/benchmarks.md), with a bound on their graphs whatever the micro-batch holds."""
     if kind is True or kind == "auto":
         return "regions"
     if kind not in COMPILE_KINDS:

@@ -8,7 +8,7 @@ One op, for two reasons:
   (model/wan.save_attention_ffn_policy, save_matmuls_policy) then skips the op in the replay. As an
   autograd.Function the replay still ran its GELU, whose only use there was the matmul the policy had kept: one
   [T, ffn_dim] elementwise pass wasted per such block (11.2 ms of a 480p 81f micro-batch on the H200 with every
-  block under save_matmuls_policy; docs/benchmarks.md, twenty-third session).
+  block under save_matmuls_policy; docs/history/benchmarks.md, twenty-third session).
 """
 import math
 from typing import Optional

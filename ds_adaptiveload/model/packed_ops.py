@@ -11,7 +11,7 @@ runs the group's kernel on its rows' views and writes into the rows of one preal
 in backward. The gated add hands its gradient through to x unchanged (d out / d x is the identity). The same
 copies sit at the attention's two ends: the per-group attention outputs were merged into [T, heads, head_dim] for
 the output projection, and the per-group query and key gradients concatenated for their projections (on the H200
-36 and 39 ms of a 16.4 s mixed pack: docs/benchmarks.md); _PackedRope and _PartsLinear remove them, and
+36 and 39 ms of a 16.4 s mixed pack: docs/history/benchmarks.md); _PackedRope and _PartsLinear remove them, and
 _SplitLinear the cat of the value (and cross-attention query) gradients.
 
 Used for micro-batches of two or more groups or runs (model/packing.Packing.runs) outside torch.compile tracing

@@ -25,7 +25,7 @@ RecomputeCost is what the planner costs micro-batches with under --checkpoint-bl
 FFN outputs (attention policy, optional memory.ffn_bytes_per_token and time_ms.ffn_recompute_frac): a kept block
 may also keep its FFN's output (model/wan.save_attention_ffn_policy), ffn_bytes_per_token more per token, and skip
 that matmul's recompute, ffn_recompute_frac / L of the fully checkpointed time. On the H200 it bought 3-5x more
-time per byte than opening a block (bench/model/ckpt_policy.py, docs/benchmarks.md), so memory goes, in this
+time per byte than opening a block (bench/model/ckpt_policy.py, docs/history/benchmarks.md), so memory goes, in this
 order, to every block's attention outputs, then every block's FFN output, then open blocks; ffn_blocks says how
 many of the k checkpointed blocks got theirs.
 """

@@ -55,7 +55,7 @@ DENSE_BELOW = 0.7
 # replicate=None: light samples come in runs of R when a slot holds fewer than this many on average. At
 # memory for one 720p clip (4.7 video-heavy samples a slot, 9.2 image-heavy) runs cut the predicted idle
 # 0.17-0.38% -> 0.00-0.17% at 8 and 64 ranks, and the wall time with it; with 20 or more a slot the sand
-# evens slots out already and runs only coarsen the steps' mix (docs/benchmarks.md, eighth session).
+# evens slots out already and runs only coarsen the steps' mix (docs/history/benchmarks.md, eighth session).
 REPLICA_BELOW = 10
 # pack_tokens "auto": the caps tried, as fractions of the memory budget, and the samples (a seeded subset) they
 # are costed on. Under --checkpoint-blocks auto a full micro-batch checkpoints every block and pays its
@@ -222,7 +222,7 @@ def _stream(keep, ctx, rng, heavy, run, replicate=False):
         classes.setdefault(token_class(full[b[0][0] if isinstance(b[0], list) else b[0]]), []).extend(b)
     # Light runs: every light sample by token count, most first, cut into runs of `run`. A run then deals samples
     # of one token count (one cost) to each slot but where one count ends and the next begins, and only the last
-    # run is short; runs of one shape left a short run per shape, each an uneven step (docs/benchmarks.md,
+    # run is short; runs of one shape left a short run per shape, each an uneven step (docs/history/benchmarks.md,
     # twenty-fourth session).
     flat = [i for *_, b in sorted(chain) for i in b]
     for j in range(0, len(flat), run):

@@ -54,7 +54,7 @@ class AdaptiveLoadConfig(BaseModel):
     from the JSON file's folder."""
     policy: Literal[POLICIES] = setting("packed", plan=True)
     """packed | balanced | dual | equal-tokens (schedule/packed.py, schedule/planner.py). packed (the default since
-    2026-12-02: docs/benchmarks.md) fills micro-batches with samples of several shapes, which the model runs as one
+    2026-12-02: docs/results.md) fills micro-batches with samples of several shapes, which the model runs as one
     packed forward; a model that takes one shape per micro-batch needs balanced."""
     seed: int = setting(0, must="a non-negative integer below 2**64", ge=0, lt=2**64, plan=True)
     """Plan shuffling seed, and the seed of model init, noise and timesteps. `data_efficiency.seed`, when
