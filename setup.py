@@ -36,10 +36,14 @@ setup(
     name="ds_adaptiveload",
     version="0.1.0",
     description="Compute-balanced batching and fused kernels for video DiT training on DeepSpeed",
-    packages=find_packages(include=["ds_adaptiveload", "ds_adaptiveload.*"]) + ["ds_adaptiveload.ops.csrc"],
-    # Kernel sources ship inside the package so an installed wheel can JIT-build the op.
-    package_dir={"ds_adaptiveload.ops.csrc": "ops/csrc"},
-    package_data={"ds_adaptiveload.ops.csrc": ["*.cpp", "*.cu", "*.cuh", "*.h"]},
+    packages=find_packages(include=["ds_adaptiveload", "ds_adaptiveload.*"])
+    + ["ds_adaptiveload.ops.csrc", "ds_adaptiveload.configs", "ds_adaptiveload.configs.profiles"],
+    # Kernel sources ship inside the package so an installed wheel can JIT-build the op; the configs and cost
+    # profiles so that the README's commands and adaptive_load.profile "auto" work outside a checkout (shipped.py).
+    package_dir={"ds_adaptiveload.ops.csrc": "ops/csrc", "ds_adaptiveload.configs": "configs",
+                 "ds_adaptiveload.configs.profiles": "configs/profiles"},
+    package_data={"ds_adaptiveload.ops.csrc": ["*.cpp", "*.cu", "*.cuh", "*.h"],
+                  "ds_adaptiveload.configs": ["*.json", "*.yaml"], "ds_adaptiveload.configs.profiles": ["*.yaml"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.10",

@@ -324,12 +324,12 @@ def best_per_shape(rows):
 
 def part_shapes(args, doc, deadline):
     from ds_adaptiveload.schedule.profile import CostProfile
-    from ds_adaptiveload.train.config import load_ds_config
     from ds_adaptiveload.model.compile import compile_stats
     from ds_adaptiveload.calibrate.engine import op_state
 
-    _, al = load_ds_config(os.path.join(ROOT, args.config))
-    profile_memory = CostProfile.load(al.resolve_profile(os.path.join(ROOT, args.config))).memory
+    from ds_adaptiveload.shipped import config_profile
+
+    profile_memory = CostProfile.load(config_profile(os.path.join(ROOT, args.config))).memory
     bench = Bench(args)
     doc.doc["build_s"] = round(bench.build_s, 1)
     doc.doc["ln_modulate_op"] = op_state(bench.device)  # what eager rows ran: the fused op, or PyTorch and why

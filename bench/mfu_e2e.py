@@ -110,9 +110,10 @@ def write_trainer_profile(path, base_ds, memory, recompute=None):
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.train.config import read_json_object, zero_stage
 
+    from ds_adaptiveload.shipped import config_profile
+
     ds = read_json_object(os.path.join(ROOT, base_ds), "DeepSpeed config")
-    src = ds["adaptive_load"]["profile"]
-    prof = CostProfile.load(os.path.join(ROOT, src))
+    prof = CostProfile.load(config_profile(os.path.join(ROOT, base_ds)))
     keys = ("fixed_bytes", "bytes_per_token", "block_bytes_per_token", "attention_bytes_per_token",
             "block_bytes_per_sample", "safety")
     prof.memory.update({k: memory[k] for k in keys if memory.get(k) is not None})
@@ -128,10 +129,9 @@ def copy_config_profile(path, base_ds):
     a user's run of that JSON plans with it."""
     import shutil
 
-    from ds_adaptiveload.train.config import read_json_object
+    from ds_adaptiveload.shipped import config_profile
 
-    ds = read_json_object(os.path.join(ROOT, base_ds), "DeepSpeed config")
-    shutil.copyfile(os.path.join(ROOT, ds["adaptive_load"]["profile"]), path)
+    shutil.copyfile(config_profile(os.path.join(ROOT, base_ds)), path)
 
 
 def epoch_plan(profile_path, manifest, policy, grad_accum, stage=2, **plan):

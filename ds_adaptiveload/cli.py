@@ -9,6 +9,8 @@ from ds_adaptiveload.errors import UserError
 # command -> (module, help). Each module defines add_arguments(parser) and run(args) -> int, and keeps
 # heavy imports (torch, deepspeed) inside run().
 COMMANDS = {
+    "train": ("ds_adaptiveload.train_cli", "train a Wan DiT with DeepSpeed and the AdaptiveLoad scheduler "
+                                            "(launch/train_wan.py runs the same)"),
     "plan": ("ds_adaptiveload.plan_cli", "plan an epoch of micro-batches from a manifest and a cost profile"),
     "report": ("ds_adaptiveload.report_cli",
                "report op: the fused op's build state and versions; report data --manifest ...: a dataset report"),

@@ -170,10 +170,11 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
     or data_efficiency.data_sampling.adaptive_load); default the engine's. num_workers / pin_memory: default
     data_efficiency.data_sampling.num_workers / pin_memory, as DeepSpeed's loader, else 0 / False."""
     from ds_adaptiveload.data import latents
+    from ds_adaptiveload.model.config import WanConfig
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.schedule.sampler import AdaptiveSampler
     from ds_adaptiveload.train import config as train_config, lr_scaling, sp
-    from ds_adaptiveload.train.setup import profile_for_run
+    from ds_adaptiveload.train.setup import gpu_of, profile_for_run
 
     ds, source = _engine_config(engine, config)
     al = train_config.adaptive_load_section(ds, source or "DeepSpeed config")
@@ -184,13 +185,17 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
     if len(samples) != len(dataset):
         raise UserError(f"samples ({len(samples)}) and dataset ({len(dataset)}) differ in length; index i of the "
                         f"dataset must be samples[i]")
+    dims = _parallel_dims(engine, ds)
+    gpu, lines = gpu_of(getattr(engine, "device", None)), []
     if profile is None:
-        profile = al.resolve_profile(source) if source else al.resolve_profile(None)
+        model_cfg = getattr(getattr(engine, "module", None), "cfg", None)  # a WanModel's
+        profile, lines = al.profile_path(source, model_cfg if isinstance(model_cfg, WanConfig) else None,
+                                         engine.zero_optimization_stage(), dims.sp, gpu)
     if not isinstance(profile, CostProfile):
         profile = CostProfile.load(profile)
-    dims = _parallel_dims(engine, ds)
-    # the profile's memory moved to this run's ZeRO stage and world size (schedule/zero.py)
-    profile, lines = profile_for_run(profile, engine.zero_optimization_stage(), dims)
+    # the profile's memory moved to this run's ZeRO stage, world size and GPU (schedule/zero.py, profile.for_device)
+    profile, moved = profile_for_run(profile, engine.zero_optimization_stage(), dims, gpu=gpu)
+    lines += moved
     for line in lines if dims.rank == 0 else ():
         print(f"[ds_adaptiveload] {line}", file=sys.stderr)
     G = engine.gradient_accumulation_steps()

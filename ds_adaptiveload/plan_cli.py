@@ -13,7 +13,8 @@ def add_arguments(p):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--manifest", help="JSONL manifest: id, frames, height, width per line")
     src.add_argument("--mix", metavar="NAME:N", help="a built-in synthetic mix instead, e.g. video-heavy:100000")
-    p.add_argument("--profile", required=True, help="cost profile YAML")
+    p.add_argument("--profile", required=True,
+                   help="cost profile YAML, or the name of a shipped one (e.g. h100-wan1.3b-zero2; shipped.py)")
     p.add_argument("--world-size", type=int, required=True, help="GPUs (data-parallel size = N / sp)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step (G)")
@@ -38,6 +39,10 @@ def add_arguments(p):
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="the run's ZeRO stage (default: the profile's meta.zero_stage): the profile's memory budget is "
                         "moved to this stage and --world-size, as the trainer does (schedule/zero.py)")
+    p.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
+                   help="plan for a GPU of this much memory (GiB, as torch reports its total memory): the profile's "
+                        "budget and checkpointed blocks move there from its memory.capacity_bytes, as the trainer "
+                        "does on such a GPU (profile.for_device); default: the profile's own GPU")
     p.add_argument("--dump", help="write one JSON line per micro-batch: step, rank, micro, ids")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON summary line")
 
@@ -61,7 +66,10 @@ def run(args):
 
     if args.dump:
         check_dump_path(args.dump)  # before planning: a wrong path fails in a second, not after the plan
-    profile = CostProfile.load(args.profile)
+    from ds_adaptiveload import shipped
+
+    source = shipped.resolve(args.profile, "--profile")
+    profile = CostProfile.load(source)
     samples = load_samples(args, profile.geometry)
     keys = {k: getattr(args, k) for k in ("profile", "policy", "seed", "on_oversize", "window", "fill")}
     keys.update(pack_tokens=pack_tokens_arg(args.pack_tokens),
@@ -69,14 +77,16 @@ def run(args):
     al = AdaptiveLoadConfig.checked(keys, flag_name)
     cfg = al.plan_config(args.world_size, args.sp, args.grad_accum, lockstep=args.lockstep,
                          checkpoint=args.checkpoint, checkpoint_policy=args.checkpoint_policy)
-    profile = run_profile(profile, args.zero_stage, args.world_size, args.profile)  # after cfg checked --world-size
+    profile = run_profile(profile, args.zero_stage, args.world_size, source,  # after cfg checked --world-size
+                          device_bytes(args.device_memory_gib))
     if args.checkpoint != "all" and RecomputeCost.of(profile, args.checkpoint_policy) is None:
-        print(f"{args.profile}: no time_ms.recompute_frac, memory.block_bytes_per_token, capacity_bytes or "
+        print(f"{source}: no time_ms.recompute_frac, memory.block_bytes_per_token, capacity_bytes or "
               f"meta.model.num_layers: --checkpoint {args.checkpoint} costs every block checkpointed", file=sys.stderr)
     t0 = time.perf_counter()
     plan = make_plan(samples, profile, cfg, epoch=args.epoch)
     elapsed = time.perf_counter() - t0
-    summary = {**plan.summary(), "plan_seconds": round(elapsed, 3)}
+    summary = {**plan.summary(), "plan_seconds": round(elapsed, 3), "budget_tokens": profile.budget_tokens,
+               "capacity_bytes": profile.memory.get("capacity_bytes")}
     if plan.skipped:
         ids = ", ".join(samples[i].id for i in plan.skipped[:5])
         print(f"skipped {len(plan.skipped)} oversize sample(s) (over {profile.budget_tokens} tokens per GPU): "
@@ -100,15 +110,32 @@ def pack_tokens_arg(v):
         raise UserError(f"--pack-tokens must be a positive integer or auto, got {v!r}") from None
 
 
-def run_profile(profile, stage, world, source):
-    """The profile as a run of `world` ranks under ZeRO `stage` (None: the profile's own) plans with it: its memory
-    moved there (schedule/zero.for_run), what moved said on stderr."""
+def device_bytes(gib):
+    """--device-memory-gib in bytes (None: not given)."""
+    if gib is None:
+        return None
+    if not gib > 0 or gib == float("inf"):
+        raise UserError(f"--device-memory-gib must be a positive number of GiB, got {gib}")
+    return int(gib * 2**30)
+
+
+def run_profile(profile, stage, world, source, capacity_bytes=None):
+    """The profile as a run of `world` ranks under ZeRO `stage` (None: the profile's own) on a GPU of
+    `capacity_bytes` (None: the profile's own) plans with it: its memory moved there (schedule/zero.for_run,
+    profile.for_device), what moved said on stderr."""
+    from ds_adaptiveload.schedule.profile import for_device
     from ds_adaptiveload.schedule.zero import calibrated_for, for_run
 
     if stage is not None and calibrated_for(profile) is None:
         print(f"{source}: no meta.zero_stage, meta.train_world_size, meta.model.params or memory bytes to move "
               f"the budget with: --zero-stage {stage} leaves it as written", file=sys.stderr)
     profile, notes = for_run(profile, stage, world, source)
+    if capacity_bytes is not None:
+        if not profile.memory.get("capacity_bytes") or not profile.memory.get("bytes_per_token"):
+            notes.append(f"{source}: no memory.capacity_bytes or memory.bytes_per_token to move the budget with: "
+                         f"--device-memory-gib leaves it as written")
+        profile, more = for_device(profile, capacity_bytes, None, source)
+        notes += more
     for line in notes:
         print(line, file=sys.stderr)
     return profile

@@ -1,111 +1,18 @@
-"""Train a Wan 2.1 DiT with DeepSpeed and the AdaptiveLoad scheduler (docs/training.md).
+"""Train a Wan 2.1 DiT with DeepSpeed and the AdaptiveLoad scheduler (docs/training.md): the script form of
+`python -m ds_adaptiveload train` (ds_adaptiveload/train_cli.py), for `deepspeed ... launch/train_wan.py` from a
+checkout.
 
     deepspeed --num_gpus 8 launch/train_wan.py --deepspeed_config configs/ds_zero3_bf16.json \
         --model-config configs/wan_1_3b.yaml --data data/manifest.jsonl --max-steps 1000
     deepspeed --num_gpus 2 launch/train_wan.py --deepspeed_config configs/ds_tiny_cpu.json \
         --model-config configs/wan_tiny.yaml --synthetic --max-steps 4          # CPU smoke run
-
-Parses the flags and runs Trainer(args).train() (ds_adaptiveload/train/trainer.py); a failure ends as one
-`error:` line and an exit code (docs/reliability.md).
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-
-def _ckpt_blocks(value: str):
-    """--checkpoint-blocks VALUE: 'auto' or a block count k (the flag alone: every block)."""
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of blocks, got {value!r}") from None
-
-
-def parse_args(argv=None):
-    import deepspeed
-
-    from ds_adaptiveload.model.config import ATTENTION_BACKENDS
-    from ds_adaptiveload.schedule.mixes import MIXES
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model-config", required=True, help="WanConfig YAML (configs/wan_*.yaml)")
-    p.add_argument("--data", help="training manifest (JSONL with shard/latent_key/text_key per sample)")
-    p.add_argument("--synthetic", action="store_true",
-                   help="write a synthetic latent dataset under OUTPUT/synthetic and train on it")
-    p.add_argument("--synthetic-num", type=int, default=64, help="samples of the synthetic dataset")
-    p.add_argument("--synthetic-mix", default="tiny", choices=sorted(MIXES),
-                   help="shape mix of the synthetic dataset (mixes.py)")
-    p.add_argument("--output", default="runs/train", help="step logs, checkpoints, synthetic data")
-    p.add_argument("--max-steps", type=int, required=True, help="optimizer steps to reach (counting resumed ones)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--no-final-save", action="store_true", help="skip the checkpoint at the end (benchmarks)")
-    p.add_argument("--resume", help="checkpoint folder to continue from (OUTPUT/checkpoints of a run)")
-    p.add_argument("--checkpoint-blocks", nargs="?", const=True, default=False, type=_ckpt_blocks,
-                   help="per-block activation checkpointing: every block; 'auto': per micro-batch, as many blocks "
-                        "as its predicted peak memory needs (profile memory.block_bytes_per_token); an int k: the first k")
-    p.add_argument("--checkpoint-policy", choices=("full", "attention"), default="full",
-                   help="what a checkpointed block recomputes: everything (full), or all but its attention kernels, "
-                        "whose outputs it keeps (attention: less recompute, ~3 KB/token more per attention call; "
-                        "ZeRO-0/1/2 only). With auto, memory.attention_bytes_per_token sizes it")
-    p.add_argument("--compile-blocks", nargs="?", const="auto", default=None, choices=("auto", "block", "regions"),
-                   help="regional torch.compile, token counts dynamic (model/compile.py; inductor's mix-order reduction "
-                        "off, pytorch/pytorch#193061): 'block' compiles each WanBlock whole (a graph per number of "
-                        "shape groups), 'regions' its elementwise steps one by one (the same few graphs for any "
-                        "packed micro-batch, and faster on the H200); auto (the bare flag): regions. "
-                        "--compile compiles the engine")
-    p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
-                   help="the self-attention kernels: torch SDPA (cuDNN on Hopper), FlashAttention-4 (fa4: the optional "
-                        "flash-attn-4 package; 11-17%% faster on the H200, docs/results.md), or auto: fa4 on a "
-                        "Hopper GPU where the package imports, else sdpa (model/attention.py)")
-    p.add_argument("--compile-backend", default="inductor",
-                   help="torch.compile backend of --compile-blocks (aot_eager: traced, no code generation)")
-    p.add_argument("--compile-cache", help="file of compiled artifacts: loaded at start if present, rewritten after "
-                                           "steps that compiled new graphs (a restart or a new machine compiles less)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (engine.compile())")
-    p.add_argument("--timestep-shift", type=float, default=5.0, help="Wan's shift s: t = s*u / (1 + (s-1)*u)")
-    p.add_argument("--peak-tflops", type=float, default=989.0,
-                   help="per-GPU peak for MFU (H200 bf16 dense: 989)")
-    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
-    p.add_argument("--prefetch-factor", type=int, default=2, help="micro-batches prefetched per worker")
-    p.add_argument("--dump-grads", help=argparse.SUPPRESS)  # tests: params + gradients of the last step
-    p.add_argument("--fault", action="append", help=argparse.SUPPRESS)  # tests: train/faults.py
-    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    p = deepspeed.add_config_arguments(p)
-    args = p.parse_args(argv)
-    if not args.deepspeed_config:
-        p.error("--deepspeed_config is required")
-    if bool(args.data) == args.synthetic:
-        p.error("give exactly one of --data MANIFEST or --synthetic")
-    return args
-
-
-def main(argv=None) -> int:
-    import faulthandler
-    import signal
-
-    # A rank stuck in a collective: `kill -USR1 <pid>` prints its Python stacks (docs/reliability.md).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    from ds_adaptiveload.train import failures
-    from ds_adaptiveload.train.config import default_alloc_conf
-    from ds_adaptiveload.train.trainer import Trainer
-
-    default_alloc_conf()  # before anything touches CUDA
-    args = parse_args(argv)
-    signal.signal(signal.SIGTERM, failures.on_sigterm)
-    trainer = None
-    try:
-        trainer = Trainer(args)
-        trainer.train()
-        return 0
-    except (Exception, failures.Terminated) as e:  # bad input, a lost peer, SIGTERM: one line; else re-raised
-        return failures.report(e, trainer.step if trainer else None, getattr(trainer, "bar", None))
-    finally:
-        failures.teardown()
-
+from ds_adaptiveload.train_cli import main, parse_args  # noqa: E402  (after the path) parse_args: for scripts
 
 if __name__ == "__main__":
     from ds_adaptiveload.train.failures import leave

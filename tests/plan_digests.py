@@ -9,7 +9,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORE = os.path.join(ROOT, "tests", "data", "plan_digests.json")
-PROFILE = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml")
+PROFILE = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero3.yaml")
 GRID = {"policy": ("equal-tokens", "dual", "balanced"), "world_size": (2, 8, 64), "grad_accum": (1, 4),
         "lockstep": (False, True)}
 SAMPLES = 3000  # video-heavy: enough for 64 ranks x G = 4 to hold several steps

@@ -208,7 +208,6 @@ def test_open_block_runs_on_a_real_zero2_engine(tmp_path):
         ds = json.load(f)
     ds["zero_optimization"] = {"stage": 2}
     ds["csv_monitor"]["enabled"] = False
-    ds["adaptive_load"]["profile"] = os.path.join(ROOT, ds["adaptive_load"]["profile"])
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = tmp_path / "p.yaml"
     code = _REAL_ENGINE_RUN.format(root=ROOT, ds=str(tmp_path / "ds.json"), out=str(out))

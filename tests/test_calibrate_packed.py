@@ -21,7 +21,7 @@ from tests.launcher import master_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEO = Geometry()
-H200 = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml")
+H200 = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero3.yaml")
 
 
 def h200_packs(seed=0, sp=1, n=6):

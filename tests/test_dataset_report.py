@@ -13,7 +13,7 @@ from ds_adaptiveload.data import report  # noqa: E402
 from ds_adaptiveload.errors import UserError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROFILE = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-blocks.yaml")
+PROFILE = os.path.join(ROOT, "tests", "data", "h200-wan1.3b-blocks.yaml")
 SHAPES = [(1, 480, 832), (1, 720, 1280), (17, 624, 624), (33, 480, 832), (81, 480, 832), (81, 720, 1280)]
 SECTIONS = ["# Dataset report", "## Samples", "## Token lengths", "## Buckets", "## Predicted per-rank load",
             "## Idle fraction by policy and world size"]

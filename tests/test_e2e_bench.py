@@ -50,7 +50,7 @@ def test_e2e_sp_variant_plans_with_a_converted_profile(tmp_path):
     from ds_adaptiveload.schedule.profile import CostProfile
 
     src = tmp_path / "p.yaml"
-    CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml").to_yaml(src)
+    CostProfile.load("configs/profiles/h200-wan1.3b-zero3.yaml").to_yaml(src)
     assert e2e.profile_for(1, str(src), "configs/wan_1_3b.yaml") == str(src)
     sp2 = CostProfile.load(e2e.profile_for(2, str(src), "configs/wan_1_3b.yaml"))
     base = CostProfile.load(src)

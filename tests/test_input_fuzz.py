@@ -224,7 +224,7 @@ def test_adaptive_load_arbitrary_values(key, value):
     ({"policy": "fast"}, 'adaptive_load.policy must be one of "balanced", "dual", "equal-tokens", "packed", got'),
     ({"pack_tokens": 8, "policy": "balanced"}, "adaptive_load.pack_tokens applies to the packed policy only"),
     ({"seeed": 1}, "unknown key 'seeed' in adaptive_load (did you mean adaptive_load.seed?); known: profile, "),
-    ({"profile": None}, "adaptive_load.profile must be the path of a cost profile YAML, got None"),
+    ({"profile": None}, "adaptive_load.profile must be the path of a cost profile YAML or \"auto\", got None"),
 ])
 def test_adaptive_load_errors_name_file_and_key(tmp_path, section, message):
     """No silent coercion (true is not 1, 1.5 and "4" are not integers) and no traceback: one line naming the file

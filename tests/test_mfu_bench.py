@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ds_adaptiveload.model import WanConfig, WanModel
+from ds_adaptiveload.shipped import config_profile
 from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,8 +185,7 @@ def test_trainer_profile_takes_the_probed_memory_fields(tmp_path):
            "block_bytes_per_token": 79506.0, "attention_bytes_per_token": 5068.0}
     mfu.write_trainer_profile(tmp_path / "p.yaml", "configs/ds_zero2_bf16.json", mem)
     prof = CostProfile.load(tmp_path / "p.yaml")
-    with open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json")) as f:
-        base = CostProfile.load(os.path.join(ROOT, json.load(f)["adaptive_load"]["profile"]))
+    base = CostProfile.load(config_profile(os.path.join(ROOT, "configs", "ds_zero2_bf16.json")))
     assert (prof.budget_tokens, prof.per_token_ms, prof.floor_ms) == (base.budget_tokens, base.per_token_ms, base.floor_ms)
     assert {k: prof.memory[k] for k in mem if k != "capacity_bytes"} == {k: v for k, v in mem.items()
                                                                         if k != "capacity_bytes"}
@@ -205,7 +205,7 @@ def test_e2e_ds_json_asks_for_what_the_trainer_accepts(tmp_path):
 
     from ds_adaptiveload.train.setup import read_config
 
-    prof = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml")
+    prof = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero3.yaml")
     for base, want in (("ds_zero2_bf16.json", "error"), ("ds_zero3_bf16.json", "skip")):
         path = str(tmp_path / base)
         write_ds_json(path, os.path.join(ROOT, "configs", base), prof, "packed", grad_accum=4)
@@ -284,8 +284,7 @@ def test_e2e_profile_config_trains_with_the_configs_own_profile(tmp_path, monkey
                           deadline=1e12)
     with open(calls[-1]) as f:
         used = json.load(f)["adaptive_load"]["profile"]
-    with open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json")) as f:
-        shipped = os.path.join(ROOT, json.load(f)["adaptive_load"]["profile"])
+    shipped = config_profile(os.path.join(ROOT, "configs", "ds_zero2_bf16.json"))
     with open(used, "rb") as a, open(shipped, "rb") as b:
         assert a.read() == b.read()
     assert out["rc"] == 0 and out["plan"]["recompute"] == "profile"

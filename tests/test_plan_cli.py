@@ -9,7 +9,7 @@ from ds_adaptiveload.cli import main
 from ds_adaptiveload.schedule.manifest import write_manifest
 from ds_adaptiveload.schedule.mixes import make_mix
 
-H200 = "configs/profiles/h200-wan1.3b-blocks.yaml"
+H200 = "tests/data/h200-wan1.3b-blocks.yaml"
 KEYS = {"policy", "world_size", "sp", "grad_accum", "steps", "micro_batches", "samples_total", "samples_planned",
         "samples_skipped", "idle_fraction", "mix_tv", "predicted_wall_s", "plan_seconds"}
 

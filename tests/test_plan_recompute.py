@@ -14,7 +14,7 @@ from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
 from ds_adaptiveload.schedule.profile import CostProfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml"))
+BASE = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero3.yaml"))
 # The open-block fields bench/mfu.py measured for compiled regions on the H200 (fifth session, regions-attn), and the
 # recompute shares of its compiled 720p 81f rows (docs/history/benchmarks.md: 0.220 of the time is recompute, 0.069
 # with the attention policy, so keeping attention saves 1 - 0.78 / 0.931 = 0.16 of a fully checkpointed micro-batch).
@@ -153,7 +153,7 @@ def test_plan_command_and_trainer_choose_the_mode(tmp_path, capsys):
         world_size=2, grad_accum=2, lockstep=True, checkpoint="auto", checkpoint_policy="attention"))
     assert dump.read_text() == "".join(dump_lines(want, samples))
     capsys.readouterr()
-    calibrated = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml")  # no open-block fields
+    calibrated = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero3.yaml")  # no open-block fields
     assert main(["plan", "--mix", "video-heavy:20", "--profile", calibrated, "--world-size", "2",
                  "--checkpoint", "auto"]) == 0
     assert "costs every block checkpointed" in capsys.readouterr().err

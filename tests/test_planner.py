@@ -15,7 +15,7 @@ from ds_adaptiveload.schedule.planner import POLICIES, PlanConfig, make_plan
 from ds_adaptiveload.schedule.profile import CostProfile
 from ds_adaptiveload.schedule.sampler import AdaptiveSampler, plan_digest
 
-H200 = "configs/profiles/h200-wan1.3b-blocks.yaml"
+H200 = "tests/data/h200-wan1.3b-blocks.yaml"
 GEO = Geometry()
 SHAPES = [(1, 64, 64), (1, 128, 96), (5, 64, 64), (9, 64, 96), (17, 128, 128), (33, 96, 160), (1, 256, 256),
           (49, 128, 128), (13, 64, 64)]
@@ -193,7 +193,7 @@ def test_lockstep_rounds_beat_equal_tokens_under_zero3():
     """ZeRO-3 makes ranks wait at every micro-batch: balanced plans rounds of equal cost. Calibrated ZeRO-3
     profile (a ~1 s floor per micro-batch: host-bound steps), one 720p clip per micro-batch, G = 4."""
     import dataclasses
-    profile = CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml")
+    profile = CostProfile.load("configs/profiles/h200-wan1.3b-zero3.yaml")
     profile = dataclasses.replace(profile, budget_tokens=int(profile.mem_tokens(75600)) + 1)
     for ranks, n, gain in ((2, 320, 1.15), (8, 1600, 1.5)):
         samples = make_mix("video-heavy", n)
@@ -223,7 +223,7 @@ def test_packed_balances_rounds_and_keeps_composition():
     G = 1 and 4; the predicted wall time is within 1% of its bound (the compute per rank plus the per-step
     cost of each step): on video-heavy equal-tokens idles ~29%, so 1.4x is the most there is to gain."""
     import dataclasses
-    profile = CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml")
+    profile = CostProfile.load("configs/profiles/h200-wan1.3b-zero3.yaml")
     profile = dataclasses.replace(profile, budget_tokens=453600)
     samples = make_mix("video-heavy", 6000)
     bound = sum(profile.sample_ms(per_gpu_tokens(GEO.tokens(s.frames, s.height, s.width), 1)) for s in samples) / 8
@@ -242,7 +242,7 @@ def test_packed_replicates_rounds_when_slots_hold_few_samples():
     that idles less than evening single samples out and beats balanced's wall time, while steps still
     look more like the data than balanced's. With memory for six clips the sand suffices: no runs."""
     import dataclasses
-    base = CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml")
+    base = CostProfile.load("configs/profiles/h200-wan1.3b-zero3.yaml")
     one = dataclasses.replace(base, budget_tokens=75693)
     samples = make_mix("video-heavy", 20000)  # fewer: the runs' last, partial rounds weigh more
     for g in (1, 4):
@@ -308,12 +308,12 @@ def test_packed_light_runs_hold_one_token_count_but_where_counts_meet():
 def calibrated(budget):
     """The calibrated H200 profile with memory for `budget` tokens (75,693: one 720p 81f clip)."""
     import dataclasses
-    return dataclasses.replace(CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml"), budget_tokens=budget)
+    return dataclasses.replace(CostProfile.load("configs/profiles/h200-wan1.3b-zero3.yaml"), budget_tokens=budget)
 
 
 def test_packed_micro_batch_cost_generalises_micro_ms():
     """packed_ms: a one-shape micro-batch costs exactly micro_ms; attention is per sample (sum of S_i^2)."""
-    p = CostProfile.load("configs/profiles/h200-wan1.3b-calibrated.yaml")
+    p = CostProfile.load("configs/profiles/h200-wan1.3b-zero3.yaml")
     for b, s in ((1, 1560), (7, 32760), (300, 1560), (2, 75600)):
         assert p.packed_ms([s] * b) == p.micro_ms(b, s)
     mixed = p.packed_ms([75600, 1560, 1560])

@@ -74,7 +74,6 @@ def tiny_plan(samples):
 def write_config(path, **adaptive_load):
     with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
         cfg = json.load(f)
-    cfg["adaptive_load"]["profile"] = os.path.join(ROOT, cfg["adaptive_load"]["profile"])
     cfg["adaptive_load"].update(adaptive_load)
     cfg["csv_monitor"]["output_path"] = str(path.parent / "monitor")
     path.write_text(json.dumps(cfg))

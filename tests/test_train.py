@@ -36,10 +36,9 @@ def steps(out, rank=0):
 
 
 def test_config(tmp_path, **changes):
-    """ds_tiny_cpu.json with an absolute profile path, the monitor in tmp_path, and `changes`."""
+    """ds_tiny_cpu.json (its profile "auto": tiny-cpu.yaml from any folder), the monitor in tmp_path, and `changes`."""
     with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
         cfg = json.load(f)
-    cfg["adaptive_load"]["profile"] = os.path.join(ROOT, cfg["adaptive_load"]["profile"])
     cfg["csv_monitor"]["output_path"] = str(tmp_path / "monitor")
     for k, v in changes.items():
         if v is None:
@@ -253,7 +252,7 @@ def test_packed_gradient_equals_one_big_batch(tmp_path, sp):
     gradient equals the mean-loss gradient of its samples in one process, with dp = 2 and with sp = 2."""
     with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
         al = json.load(f)["adaptive_load"]
-    al.update(policy="packed", profile=os.path.join(ROOT, al["profile"]))
+    al.update(policy="packed")
     cfg = test_config(tmp_path, sequence_parallel_size=sp, scheduler=None, adaptive_load=al,
                       zero_optimization={"stage": 2},
                       optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
@@ -276,7 +275,7 @@ def test_bell_weighting_and_linear_lr_scaling_in_train_wan(tmp_path):
     the base LR times the step's sample count over the reference batch size."""
     with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
         al = json.load(f)["adaptive_load"]
-    al.update(profile=os.path.join(ROOT, al["profile"]), loss_weighting="bell", lr_scaling_method="linear",
+    al.update(loss_weighting="bell", lr_scaling_method="linear",
               lr_reference_batch_size=16)
     cfg = test_config(tmp_path, scheduler=None, adaptive_load=al,
                       optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})

@@ -283,7 +283,7 @@ def test_profile_for_run_moves_memory_to_the_run_and_warns_on_sp_or_stage():
     from ds_adaptiveload.train.config import zero_stage
     from ds_adaptiveload.train.setup import profile_for_run
 
-    path = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml")
+    path = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero3.yaml")
     z3 = CostProfile.load(path)
     zero2 = zero_stage(json.load(open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json"))))
     one, two = (SimpleNamespace(sp=1, world=w) for w in (1, 2))
@@ -375,7 +375,7 @@ def test_prepare_data_passes_pack_tokens_to_the_plan_and_the_layout(tmp_path):
                                        max_text_len=model.text_len, dtype="fp32")
     for cap in (None, 100):
         ds = json.load(open(TINY_JSON))
-        ds["adaptive_load"].update(profile=os.path.join(ROOT, ds["adaptive_load"]["profile"]), pack_tokens=cap)
+        ds["adaptive_load"].update(pack_tokens=cap)
         (tmp_path / "ds.json").write_text(json.dumps(ds))
         args = SimpleNamespace(deepspeed_config=str(tmp_path / "ds.json"), model_config="configs/wan_tiny.yaml",
                                fault=None, checkpoint_blocks=False, checkpoint_policy="full", compile_blocks=False,
@@ -398,8 +398,7 @@ def test_trainer_warns_when_the_profile_was_calibrated_with_other_compiled_block
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.train.setup import compile_mismatch
 
-    with open(os.path.join(ROOT, "configs", "ds_zero2_bf16.json")) as f:
-        path = os.path.join(ROOT, json.load(f)["adaptive_load"]["profile"])
+    path = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero2.yaml")
     z2 = CostProfile.load(path)
     assert z2.meta["compile_blocks"] == "regions"
     assert compile_mismatch(z2, "regions") == compile_mismatch(z2, "auto") == []
@@ -407,7 +406,7 @@ def test_trainer_warns_when_the_profile_was_calibrated_with_other_compiled_block
     assert line.startswith(f"warning: {path} was calibrated with --compile-blocks regions, this run has no "
                            f"--compile-blocks")
     assert "this run has --compile-blocks block" in compile_mismatch(z2, "block")[0]
-    eager = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml"))
+    eager = CostProfile.load(os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero3.yaml"))
     assert "compile_blocks" not in eager.meta and compile_mismatch(eager, "regions") == []
     eager.meta = {**eager.meta, "compile_blocks": "none"}
     assert compile_mismatch(eager, None) == [] and "calibrated with no --compile-blocks" in compile_mismatch(

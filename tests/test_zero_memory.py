@@ -13,7 +13,7 @@ from ds_adaptiveload.schedule.profile import CostProfile
 from ds_adaptiveload.schedule.zero import ZERO_SHARDED_BYTES, calibrated_for, for_run, state_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CALIBRATED = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-calibrated.yaml")
+CALIBRATED = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero3.yaml")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ into at most 6 files under --out (the device tool returns 8 files of 16 MiB at m
 
     python bench/device/run.py --stages env,calib+kernel_test,sp2 --out $OUT --budget-s 540
     python bench/device/run.py --stages e2e=400 --args e2e="--variants balanced,equal-tokens" --out $OUT
-    python bench/device/run.py --stages calib,e2e --args e2e="--profile $OUT/calib/h200-wan1.3b-calibrated.yaml"
+    python bench/device/run.py --stages calib,e2e --args e2e="--profile $OUT/calib/h200-wan1.3b-zero3.yaml"
     python bench/device/run.py --list                       # the stages, their seconds and commands
     python bench/device/run.py --ref .ref --stages build+build-ref,verify16,verify16-ref --out $OUT
         # A-B on one machine: .ref is another tree of the repository (git archive main | tar -x -C .ref)
@@ -123,7 +123,7 @@ STAGES = {
                       "which gradients are right, eager or compiled? each variant vs an fp32 reference, per parameter"),
     "ncu": Stage([py("bench/kernel/ncu_ln_modulate.py", "--out", "{out}")], 150, "Nsight Compute sections", op=True),
     "calib": Stage([py(*CAL, "--deepspeed_config", "configs/ds_zero3_bf16.json", "--out",
-                       "{out}/h200-wan1.3b-calibrated.yaml", "--json", "{out}/calibrate.json", "--time-budget",
+                       "{out}/h200-wan1.3b-zero3.yaml", "--json", "{out}/calibrate.json", "--time-budget",
                        "{inner}", "--train-world-size", "2")], 330, "calibrate on GPU 0",
                    {**GPU0, "MASTER_PORT": "29631"}, op=True, margin=90),
     "calib_z2": Stage([py(*CAL, "--deepspeed_config", "configs/ds_zero2_bf16.json", "--out",
@@ -134,7 +134,7 @@ STAGES = {
     # --no_local_rank: the launcher would put --local_rank=N before the subcommand, which the CLI rejects.
     "calib_sp2": Stage([["{py}", "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29632",
                          "--no_local_rank", "--module", *CAL[1:], "--deepspeed_config", "configs/ds_zero3_bf16_sp2.json",
-                         "--out", "{out}/h200x2-wan1.3b-sp2-calibrated.yaml", "--json", "{out}/calibrate-sp2.json",
+                         "--out", "{out}/h200-wan1.3b-zero3-sp2.yaml", "--json", "{out}/calibrate-sp2.json",
                          "--time-budget", "{inner}"]], 330, "calibrate on 2 GPUs, Ulysses sp = 2", op=True, margin=90),
     "one": Stage(train("one", "configs/ds_zero3_bf16.json", "--include localhost:{gpu1} --master_port 29611"), 150,
                  "1.3B, ZeRO-3, bf16, fused op: 20 steps on GPU 1", op=True),
@@ -143,7 +143,7 @@ STAGES = {
     "dp2": Stage(train("dp2", "configs/ds_zero3_bf16.json", "--num_gpus 2 --master_port 29613"), 160,
                  "the same on 2 GPUs, data parallel 2", op=True),
     "budget": Stage(train("budget", "configs/ds_zero3_bf16_sp2.json", "--num_gpus 2 --master_port 29641", 2,
-                          "--budget-images", "configs/profiles/h200x2-wan1.3b-sp2-calibrated.yaml", "--policy",
+                          "--budget-images", "configs/profiles/h200-wan1.3b-zero3-sp2.yaml", "--policy",
                           "equal-tokens", "--steps", "2", "--per-step"), 420,
                     "2 steps at the calibrated sp = 2 budget, micro-batches of images", op=True),
     "oom": Stage([py("bench/e2e/oom_check.py", "--out", "{out}")], 240, "adaptive_load.on_oom skip / error, GPU 0",
@@ -154,7 +154,7 @@ STAGES = {
                    {**GPU0, "DS_ADAPTIVELOAD_LN_MODULATE": "torch"}),
     "alloc": Stage([py("bench/e2e/alloc_check.py"), py("bench/e2e/alloc_check.py", "--off")], 60,
                    "expandable_segments in effect?", GPU0),
-    "e2e": Stage([py("bench/e2e/train_e2e.py", "--profile", "configs/profiles/h200-wan1.3b-calibrated.yaml", "--num",
+    "e2e": Stage([py("bench/e2e/train_e2e.py", "--profile", "configs/profiles/h200-wan1.3b-zero3.yaml", "--num",
                      "120", "--epoch", "--warmup", "1", "--grad-accum", "4", "--variants", "balanced,equal-tokens",
                      "--time-budget", "{inner}", "--out-dir", "{out}", "--work", E2E_RUNS, "--tag",
                      "train_e2e-{date}-h200x2")], 420, "policies side by side over one epoch (bench/e2e/train_e2e.py)",

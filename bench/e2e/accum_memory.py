@@ -26,6 +26,7 @@ def child(args) -> dict:
     from ds_adaptiveload.calibrate.engine import StepFn
     from ds_adaptiveload.model import WanConfig, WanModel
     from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.shipped import config_profile
     from ds_adaptiveload.train import config as tconfig, engine as eng, sp as tsp
 
     g = args.child
@@ -43,8 +44,7 @@ def child(args) -> dict:
     model = WanModel(cfg, checkpoint_blocks=True)
     params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 would partition them
     engine = eng.build_engine(model, ds, mpu)
-    with open(base) as f:
-        geo = CostProfile.load(os.path.join(ROOT, json.load(f)["adaptive_load"]["profile"])).geometry
+    geo = CostProfile.load(config_profile(base, cfg)).geometry
     cuda = device.type == "cuda"  # CPU (a smoke run): no peak statistics
     fn = StepFn(engine, cfg, geo, None, device, eng.compute_dtype(engine), seed=0)
     point = argparse.Namespace(B=args.batch, shape=tuple(int(v) for v in args.shape.split("x")), role="fit")

@@ -19,7 +19,7 @@ from train_e2e import read_steps, write_ds_json  # noqa: E402
 from train_steps import launch, write_data  # noqa: E402
 
 CLIP, IMAGE = (81, 720, 1280), (1, 480, 832)
-PROFILE = "configs/profiles/h200-wan1.3b-blocks.yaml"
+PROFILE = "tests/data/h200-wan1.3b-blocks.yaml"
 
 
 def checks(out, rc_skip, rc_err):

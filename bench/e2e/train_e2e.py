@@ -3,7 +3,7 @@
 Ulysses sp=2, each run a `deepspeed --num_gpus 2 launch/train_wan.py` subprocess; then the trainer's step
 logs are reduced side by side with the planner's simulation of the same run and of 8/64/1024 ranks.
 
-    python bench/e2e/train_e2e.py --profile configs/profiles/h200-wan1.3b-calibrated.yaml --out-dir OUT
+    python bench/e2e/train_e2e.py --profile configs/profiles/h200-wan1.3b-zero3.yaml --out-dir OUT
     E2E_SMOKE=1 python bench/e2e/train_e2e.py --out-dir /tmp/e2e     # CPU: tiny model, 2 gloo ranks
 
 Settings go to the trainer the documented way: a generated DeepSpeed JSON per run (its `adaptive_load`
@@ -59,7 +59,7 @@ def parse_args(argv=None):
                    help="DeepSpeed JSON the runs start from (ZeRO-3, bf16, optimizer); batch/SP/adaptive_load "
                         "keys are set per run")
     p.add_argument("--profile", default="configs/profiles/tiny-cpu.yaml" if SMOKE else
-                   "configs/profiles/h200-wan1.3b-calibrated.yaml", help="cost profile (calibrated)")
+                   "configs/profiles/h200-wan1.3b-zero3.yaml", help="cost profile (calibrated)")
     p.add_argument("--budget-tokens", type=int, default=0 if SMOKE else 75600,
                    help="override the profile's memory.budget_tokens for these runs (0: keep). Default 75600: "
                         "one 720p 81-frame clip per micro-batch, so steps stay short enough for the time budget")

@@ -5,7 +5,7 @@ median of each logged metric over the steps after the first two. The device runn
 
     python bench/e2e/train_steps.py --name sp2 --ds-base configs/ds_zero3_bf16_sp2.json --sp 2 \\
         --launcher-args "--num_gpus 2 --master_port 29612" --out OUT
-    python bench/e2e/train_steps.py --name budget --budget-images configs/profiles/h200x2-wan1.3b-sp2-calibrated.yaml \\
+    python bench/e2e/train_steps.py --name budget --budget-images configs/profiles/h200-wan1.3b-zero3-sp2.yaml \\
         --ds-base configs/ds_zero3_bf16_sp2.json --sp 2 --policy equal-tokens --steps 2 --per-step --out OUT
 """
 import argparse

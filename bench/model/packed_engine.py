@@ -140,12 +140,13 @@ def child(args) -> dict:
     from ds_adaptiveload.calibrate.engine import StepFn, init_engine
     from ds_adaptiveload.model import WanConfig
     from ds_adaptiveload.schedule.profile import CostProfile
+    from ds_adaptiveload.shipped import config_profile
 
     t0 = time.perf_counter()
     cfg = WanConfig.from_yaml(os.path.join(ROOT, args.model_config))
     with open(os.path.join(ROOT, args.child)) as f:
         ds = json.load(f)
-    geo = CostProfile.load(os.path.join(ROOT, ds["adaptive_load"]["profile"])).geometry
+    geo = CostProfile.load(config_profile(os.path.join(ROOT, args.child), cfg)).geometry
     opts = argparse.Namespace(seed=0, checkpoint_blocks=True, compile_blocks=args.compile_blocks or None)
     engine, dims, seq_shard, device, dtype = init_engine(cfg, ds, opts)
     fn = StepFn(engine, cfg, geo, seq_shard, device, dtype, seed=0, dims=dims)

@@ -58,7 +58,7 @@ HEAVY_TOKENS = 100_000  # cases above this many tokens are timed --heavy-reps ti
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-config", default="configs/wan_tiny.yaml" if SMOKE else "configs/wan_1_3b.yaml")
-    p.add_argument("--profile", default="configs/profiles/h200-wan1.3b-calibrated.yaml",
+    p.add_argument("--profile", default="configs/profiles/h200-wan1.3b-zero3.yaml",
                    help="cost profile whose memory model (bytes_per_token, bytes_per_sample) the peaks are checked against")
     p.add_argument("--out", required=True, help="folder for the JSON")
     p.add_argument("--modes", default="ckpt,plain", help="comma list: ckpt (checkpoint_blocks) and/or plain")

@@ -83,7 +83,7 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--mix", default="mixed", choices=("mixed", "image-heavy"))
     p.add_argument("--model-config", default="configs/wan_1_3b.yaml")
-    p.add_argument("--profile", default="configs/profiles/h200-wan1.3b-calibrated.yaml")
+    p.add_argument("--profile", default="configs/profiles/h200-wan1.3b-zero3.yaml")
     p.add_argument("--compile", default="regions", choices=("none", "regions"))
     p.add_argument("--packed-variants", default="default",
                    help="comma list of default, merges (module docstring)")

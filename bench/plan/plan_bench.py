@@ -25,10 +25,10 @@ from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.schedule.planner import POLICIES, PlanConfig, make_plan
 from ds_adaptiveload.schedule.profile import CostProfile
 
-PROFILE = "configs/profiles/h200-wan1.3b-blocks.yaml"
+PROFILE = "tests/data/h200-wan1.3b-blocks.yaml"
 
 
-CALIBRATED = "configs/profiles/h200-wan1.3b-calibrated.yaml"
+CALIBRATED = "configs/profiles/h200-wan1.3b-zero3.yaml"
 PACKED_BUDGETS = (453600, 75693)  # about six 720p clips per micro-batch; one (75,600 + sample_tokens)
 PACKED_MIXES = ("video-heavy", "image-heavy")
 

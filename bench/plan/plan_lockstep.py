@@ -14,7 +14,7 @@ from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
 from ds_adaptiveload.schedule.profile import CostProfile
 
-PROFILE = "configs/profiles/h200-wan1.3b-calibrated-2026-11-29.yaml"  # the profile of the committed results
+PROFILE = "bench/plan/profiles/h200-wan1.3b-calibrated-2026-11-29.yaml"  # the profile of the committed results
 BUDGET = 75600
 # (ranks, samples): 2 ranks is the end-to-end run's data size x 2.7; larger ones at 400 samples per rank (epochs
 # of ~30 steps at G = 4: shorter ones make the ratio noisy, 1.49-1.76x at 64 per rank and 8 ranks over 3 seeds).

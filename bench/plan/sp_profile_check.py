@@ -1,9 +1,9 @@
 """Derive a k-way Ulysses profile from a one-GPU calibration (calibrate.sp_profile: attention k x, all-to-all
 added at --link-gbs) and check it against the step walls of a measured sp run (its steps.rank0.jsonl).
 
-    python bench/plan/sp_profile_check.py --profile configs/profiles/h200-wan1.3b-calibrated.yaml --sp 2 \\
+    python bench/plan/sp_profile_check.py --profile configs/profiles/h200-wan1.3b-zero3.yaml --sp 2 \\
         --steps LOGS/e2e/balanced-sp2/steps.rank0.jsonl --mix video-heavy --num 120 --seed 0 \\
-        --out-profile configs/profiles/h200-wan1.3b-sp2-derived.yaml --out bench/results/sp-profile-check.json
+        --out-profile /tmp/h200-wan1.3b-sp2-derived.yaml --out bench/results/sp-profile-check.json
 """
 import argparse
 import json

@@ -13,6 +13,7 @@ paper's compute constraint B * S^p <= M_comp is kept for the `dual` policy; when
 section the planner derives it from the time model and
 the data's token range (see `derive_dual`). Pure Python: no torch.
 """
+import dataclasses
 import math
 import os
 from collections import Counter
@@ -264,6 +265,79 @@ def smooth_max(floor: float, line: float, q: float = math.inf) -> float:
     if math.isinf(q) or m == 0:
         return m
     return m * ((max(floor, 0.0) / m) ** q + (max(line, 0.0) / m) ** q) ** (1 / q)
+
+
+# Capacities this close count as the same GPU: drivers report an H200's a few MiB apart.
+SAME_CAPACITY = 0.001
+
+
+def for_device(profile: CostProfile, capacity_bytes, device: str = None, source: str = "profile") -> tuple:
+    """(profile, notes): the profile's memory moved to a GPU of `capacity_bytes` (device: its name, None if not
+    known). budget_tokens = (capacity * safety - fixed_bytes) / bytes_per_token is linear in the capacity, so it
+    moves by (capacity - memory.capacity_bytes) * safety / bytes_per_token, and memory.capacity_bytes becomes this
+    GPU's, which is what --checkpoint-blocks auto plans open blocks from. The time model is kept: balance needs only
+    its ratios, but its absolute times stay the measuring GPU's, and a note says so. capacity_bytes None (a CPU
+    run), or a profile without capacity_bytes or bytes_per_token (hand-written ones): the profile as it is."""
+    mem, meta = profile.memory, profile.meta
+    cap0, per_token = mem.get("capacity_bytes"), mem.get("bytes_per_token")
+    measured_on = meta.get("device") or "another GPU"
+    other_gpu = device is not None and meta.get("device") not in (None, device)
+    times = (f"{source}: its times were measured on {measured_on}: the plan's balance uses their ratios, its "
+             f"absolute predicted times are that GPU's (calibrate on this one for exact times)")
+    if capacity_bytes is None or not cap0 or not per_token:
+        return profile, [times] if other_gpu else []
+    _number("the device's memory capacity", capacity_bytes, "> 0")
+    if abs(capacity_bytes - cap0) <= SAME_CAPACITY * cap0:
+        return profile, [times] if other_gpu else []
+    safety = mem.get("safety", 0.9)
+    budget = math.floor(profile.budget_tokens + (capacity_bytes - cap0) * safety / per_token)
+    here = device or "this GPU"
+    if budget < 1:
+        raise UserError(f"{source}: {here} has {capacity_bytes / 2**30:.1f} GiB, which by the profile's memory model "
+                        f"({mem.get('fixed_bytes', 0) / 2**30:.1f} GiB fixed, measured on {measured_on}) leaves no "
+                        f"memory for tokens; use a higher ZeRO stage or more GPUs")
+    moved = dataclasses.replace(
+        profile, budget_tokens=budget, memory={**mem, "capacity_bytes": int(capacity_bytes), "budget_tokens": budget},
+        meta={**meta, **({"device": device} if device else {}),
+              "rescaled_from": {**(meta.get("rescaled_from") or {}), "device": meta.get("device"),
+                                "capacity_bytes": cap0, "budget_tokens": profile.budget_tokens}})
+    return moved, [f"{source}: memory moved from {measured_on} ({cap0 / 2**30:.1f} GiB) to {here} "
+                   f"({capacity_bytes / 2**30:.1f} GiB): budget {profile.budget_tokens:,} -> {budget:,} tokens per "
+                   f"micro-batch, checkpointed blocks planned for this capacity; its times were measured on "
+                   f"{measured_on}: balance uses their ratios, absolute predicted times are that GPU's"]
+
+
+MODEL_KEYS = ("dim", "ffn_dim", "num_heads", "num_layers")  # what tells models apart in meta.model
+
+
+def describe(profile: CostProfile) -> str:
+    """The run a profile was measured for, in words: its GPU, ZeRO stage and Ulysses degree."""
+    meta = profile.meta
+    return f"{meta.get('device', 'unknown device')}, ZeRO-{meta.get('zero_stage', '?')}, sp={meta.get('sp', 1)}"
+
+
+def closest_profile(profiles: dict, model: dict, device: str, capacity_bytes, zero_stage: int, sp: int) -> tuple:
+    """(name, exact) of the profile in `profiles` ({name: CostProfile}) that fits a run best, or (None, False) where
+    none was measured for `model` (its MODEL_KEYS as in meta.model). exact: measured on `device` (a GPU's name, or
+    "cpu") under this ZeRO stage and Ulysses degree. Otherwise the closest: a profile's per-GPU times depend most on
+    sp (-33% on the 1.3B model at the other degree), then on the stage (ZeRO-3's host-bound floor), then on the GPU,
+    then on how near its capacity is; ties go to the first name in sorted order."""
+    def fits(prof):
+        m = prof.meta.get("model")
+        return isinstance(m, dict) and all(m.get(k) == model.get(k) for k in MODEL_KEYS)
+
+    def rank(name):
+        prof = profiles[name]
+        cap = prof.memory.get("capacity_bytes")
+        gap = abs(math.log(cap / capacity_bytes)) if cap and capacity_bytes else math.inf
+        same = (prof.meta.get("sp", 1) == sp, prof.meta.get("zero_stage") == zero_stage,
+                prof.meta.get("device") == device)
+        return (*(not s for s in same), gap, name)
+
+    names = sorted((n for n, p in profiles.items() if fits(p)), key=rank)
+    if not names:
+        return None, False
+    return names[0], not any(rank(names[0])[:3])
 
 
 def derive_dual(profile: CostProfile, s_lo: int, s_hi: int, points: int = 64) -> tuple:

@@ -49,9 +49,11 @@ class AdaptiveLoadConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True,
                               validate_assignment=True)
 
-    profile: str = setting(must="the path of a cost profile YAML", min_length=1, plan=True)
-    """Cost profile YAML (profile.py); a relative path is looked up from the working directory, then
-    from the JSON file's folder."""
+    profile: str = setting(must="the path of a cost profile YAML or \"auto\"", min_length=1, plan=True)
+    """Cost profile YAML (profile.py): a relative path is looked up from the working directory, then from the JSON
+    file's folder, then among the shipped profiles, which a name alone selects ("h100-wan1.3b-zero2"). "auto": the
+    shipped profile measured for this model, GPU, ZeRO stage and sp, else the closest one, its memory moved to this
+    GPU (shipped.py)."""
     policy: Literal[POLICIES] = setting("packed", plan=True)
     """packed | balanced | dual | equal-tokens (schedule/packed.py, schedule/planner.py). packed (the default since
     2026-12-02: docs/results.md) fills micro-batches with samples of several shapes, which the model runs as one
@@ -142,14 +144,24 @@ class AdaptiveLoadConfig(BaseModel):
         return keys
 
     def resolve_profile(self, json_path) -> str:
-        """json_path None (a config given as a dict): only the working directory is tried."""
-        if os.path.isabs(self.profile) or os.path.exists(self.profile):
-            return self.profile
-        alt = json_path and os.path.join(os.path.dirname(os.path.abspath(json_path)), self.profile)
-        if alt and os.path.exists(alt):
-            return alt
-        raise UserError(f"{json_path}: adaptive_load.profile {self.profile!r} not found (looked in the working "
-                        f"directory and next to the JSON)")
+        """The profile's path: as given, from the working directory, next to the JSON (json_path None, a config given
+        as a dict: not tried), then among the shipped profiles (shipped.py). "auto" needs the run: profile_path."""
+        from ds_adaptiveload import shipped
+
+        if self.profile == "auto":
+            raise UserError(f"{json_path}: adaptive_load.profile \"auto\" is chosen by the trainer for its model and "
+                            f"GPU; here, name a profile (shipped: {', '.join(shipped.profile_names())})")
+        return shipped.resolve(self.profile, f"{json_path}: adaptive_load.profile", json_path)
+
+    def profile_path(self, json_path, model=None, zero_stage: int = 0, sp: int = 1, gpu=None) -> tuple:
+        """(path, notes): resolve_profile's path, or for "auto" the shipped profile closest to this run (model: its
+        WanConfig; gpu: train/setup.gpu_of's (name, capacity), None on a CPU; shipped.auto_profile) and a line
+        saying which it took."""
+        if self.profile != "auto":
+            return self.resolve_profile(json_path), []
+        from ds_adaptiveload import shipped
+
+        return shipped.auto_profile(model, zero_stage, sp, gpu)
 
     def to_dict(self) -> dict:
         return self.model_dump()

@@ -8,9 +8,10 @@ import sys
 from ds_adaptiveload.errors import UserError
 
 
-def read_config(args, world, rank):
-    """The DeepSpeed JSON, its adaptive_load section, the model, the profile and the self-attention kernels
-    (--attention resolved: model/attention.resolve_attention) (no collectives: the caller agrees on the UserError)."""
+def read_config(args, world, rank, device=None):
+    """The DeepSpeed JSON, its adaptive_load section, the model, the profile (chosen for and moved to this run's
+    `device`: profile_for_run) and the self-attention kernels (--attention resolved: model/attention.resolve_attention)
+    (no collectives: the caller agrees on the UserError)."""
     from types import SimpleNamespace
 
     from ds_adaptiveload.model import WanConfig
@@ -36,8 +37,10 @@ def read_config(args, world, rank):
     check_compile_cache(args)
     changed = config.ds_batch_keys(ds_cfg, dims.dp)
     model_cfg = WanConfig.from_yaml(args.model_config)
-    path = al.resolve_profile(args.deepspeed_config)
-    profile, lines = profile_for_run(CostProfile.load(path), stage, dims, path)  # every rank: the same plan
+    gpu = gpu_of(device)
+    path, lines = al.profile_path(args.deepspeed_config, model_cfg, stage, dims.sp, gpu)
+    profile, moved = profile_for_run(CostProfile.load(path), stage, dims, path, gpu)  # every rank: the same plan
+    lines += moved
     lines += compile_mismatch(profile, getattr(args, "compile_blocks", None), path)
     attention, core = resolve_attention(getattr(args, "attention", "sdpa"))  # fa4 where it cannot run: agreed here
     lines += attention_mismatch(profile, attention, path)
@@ -52,13 +55,18 @@ def read_config(args, world, rank):
                            attention_core=core)
 
 
-def profile_for_run(profile, stage: int, dims, source: str = "profile"):
+def profile_for_run(profile, stage: int, dims, source: str = "profile", gpu=None):
     """(profile, lines): the profile with its memory moved to this run's ZeRO `stage` and world size where it was
-    calibrated for another (schedule/zero.for_run: what it moved, and what that leaves out), and a warning where it
-    was calibrated for another Ulysses degree, which no accounting fixes."""
+    calibrated for another (schedule/zero.for_run: what it moved, and what that leaves out), to this run's GPU where
+    it was measured on one of another capacity (gpu: gpu_of's (name, capacity bytes); profile.for_device), and a
+    warning where it was calibrated for another Ulysses degree, which no accounting fixes."""
+    from ds_adaptiveload.schedule.profile import for_device
     from ds_adaptiveload.schedule.zero import for_run
 
     profile, lines = for_run(profile, stage, dims.world, source)
+    if gpu is not None:
+        profile, more = for_device(profile, gpu[1], gpu[0], source)
+        lines += more
     sp = profile.meta.get("sp", dims.sp)
     if sp != dims.sp:
         # A profile's per-GPU terms depend on the SP degree (attention k x per GPU token, the all-to-all).
@@ -66,6 +74,17 @@ def profile_for_run(profile, stage: int, dims, source: str = "profile"):
                      f"balance will be off (measured: -33% on the 1.3B model); calibrate with this config or derive "
                      f"one (bench/plan/sp_profile_check.py)")
     return profile, lines
+
+
+def gpu_of(device):
+    """(name, memory capacity in bytes) of a CUDA device, the keys a profile's meta.device and memory.capacity_bytes
+    hold; None for any other device (a CPU run plans with the profile's memory as written)."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return props.name, props.total_memory
 
 
 def _compile_kind(k) -> str:

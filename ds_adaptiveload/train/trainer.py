@@ -38,7 +38,7 @@ class Trainer:
         failures.register_rank()
         self.device = eng.pick_device(self.accel, int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0))))
         # -- config (checks before the first collective are agreed: one error, every rank exits 2) ----------
-        c = failures.agreed(read_config, args, self.world, self.rank)
+        c = failures.agreed(read_config, args, self.world, self.rank, self.device)
         self.ds_cfg, self.al, self.dims, self.G = c.ds_cfg, c.al, c.dims, c.G
         self.model_cfg, self.profile, self.fault = c.model_cfg, c.profile, c.fault
         mpu = sp.init_sequence_parallel(self.dims)
