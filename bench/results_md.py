@@ -1,8 +1,10 @@
-"""docs/results.md, generated from the results table bench/results/results.csv (which bench/harness.record() writes):
-the headline table, then measured against predicted, then what is not yet measured, then the other rows by section.
+"""docs/results.md and docs/results-detail.md, generated from the results table bench/results/results.csv (which
+bench/harness.record() writes). results.md (at most MAX_LINES lines): the headline table, then measured against
+predicted, then what is not yet measured; results-detail.md: every other row, by section. Each page lists the
+commands it cites.
 
-    python bench/results_md.py            # write docs/results.md
-    python bench/results_md.py --check    # exit 1 where docs/results.md is not what the table gives now
+    python bench/results_md.py            # write both pages
+    python bench/results_md.py --check    # exit 1 where a page is not what the table gives now
 """
 import argparse
 import os
@@ -13,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 OUT = os.path.join(harness.ROOT, "docs", "results.md")
+DETAIL = os.path.join(harness.ROOT, "docs", "results-detail.md")
 MAX_LINES = 200
 SECTION_TITLES = {"training": "Training", "packing": "Packed micro-batches", "kernel": "Kernels",
                   "calibration": "Calibration", "scheduler": "Scheduler", "data": "Data tools"}
@@ -26,7 +29,14 @@ Every number users should see, one row each: its date, hardware, raw file under 
   H200); "whole step" includes data loading, the optimizer step and idle time.
 - ratio: how many times better than the baseline (baseline / value where lower is better).
 - % of the byte floor: the op's bytes over its time, against the copy bandwidth of the same GPU. GiB = 2^30 bytes.
-- Earlier measurements, in the order they were made: docs/history/benchmarks.md.
+- Every other measured row, by subject: [results-detail.md](results-detail.md). Earlier measurements, in the order
+  they were made: docs/history/benchmarks.md.
+"""
+DETAIL_INTRO = """# Results by subject
+
+The rows of [bench/results/results.csv](../bench/results/results.csv) that [results.md](results.md) does not show (the
+headline, measured against predicted, not yet measured), by subject, with the same columns and definitions. Generated
+by `python bench/results_md.py`.
 """
 
 
@@ -130,8 +140,12 @@ def _unmeasured_table(page, rows):
                              page.cite(r["command"]) or "-"] for r in rows])
 
 
-def render(rows):
-    """The page's text for these rows (in the table's order)."""
+def _commands(page):
+    return ["", "## Commands", ""] + [f"- c{i}: `{c}`" for i, c in enumerate(page.commands, 1)]
+
+
+def render_pages(rows):
+    """{path: text} of both pages for these rows (in the table's order)."""
     page = Page()
     pairs = predicted_pairs(rows)
     paired = {id(r) for pair in pairs for r in pair}  # shown once, in "Measured against predicted"
@@ -141,12 +155,19 @@ def render(rows):
     out = [INTRO, "## Headline", ""] + _results_table(page, headline, rows)
     out += ["", "## Measured against predicted", ""] + _predicted_table(page, pairs)
     out += ["", "## Not yet measured", ""] + _unmeasured_table(page, [r for r in rows if r["status"] == "not-measured"])
+    out += _commands(page)
+    detail, more = Page(), [DETAIL_INTRO.rstrip("\n")]
     for section, title in SECTION_TITLES.items():
         mine = [r for r in rows if r["section"] == section and r["status"] != "not-measured" and id(r) not in paired]
         if mine:
-            out += ["", f"## {title}", ""] + _results_table(page, mine, rows)
-    out += ["", "## Commands", ""] + [f"- c{i}: `{c}`" for i, c in enumerate(page.commands, 1)]
-    return "\n".join(out) + "\n"
+            more += ["", f"## {title}", ""] + _results_table(detail, mine, rows)
+    more += _commands(detail)
+    return {OUT: "\n".join(out) + "\n", DETAIL: "\n".join(more) + "\n"}
+
+
+def render(rows):
+    """docs/results.md's text for these rows."""
+    return render_pages(rows)[OUT]
 
 
 def main(argv=None):
@@ -156,23 +177,25 @@ def main(argv=None):
     ap.add_argument("--out", default=OUT, help="the page (default %(default)s)")
     args = ap.parse_args(argv)
     try:
-        text = render(harness.read_results(args.table))
+        pages = render_pages(harness.read_results(args.table))
     except harness._user_error() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    lines = text.count("\n")
+    lines = pages[OUT].count("\n")
     if lines > MAX_LINES:
-        print(f"error: {args.out} would have {lines} lines, over {MAX_LINES}: move rows out of the results table's "
-              "sections or shorten them", file=sys.stderr)
+        print(f"error: {OUT} would have {lines} lines, over {MAX_LINES}: give fewer rows the headline section, or "
+              "shorten them", file=sys.stderr)
         return 2
+    if args.out != OUT:  # another table's pages (tests): written beside --out
+        pages = {args.out: pages[OUT], os.path.join(os.path.dirname(args.out), os.path.basename(DETAIL)): pages[DETAIL]}
     if args.check:
-        with open(args.out) as f:
-            same = f.read() == text
-        print(f"{args.out} {'matches' if same else 'differs from'} {args.table}")
-        return 0 if same else 1
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(f"wrote {args.out} ({lines} lines)")
+        stale = [p for p, text in pages.items() if not os.path.isfile(p) or open(p).read() != text]
+        print(f"{', '.join(stale) or 'both pages'} {'differ from' if stale else 'match'} {args.table}")
+        return 1 if stale else 0
+    for path, text in pages.items():
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"wrote {path} ({text.count(chr(10))} lines)")
     return 0
 
 

@@ -162,17 +162,19 @@ def test_page_sections(tmp_path):
     harness.record(table, **row(variant="FP8", status="not-measured", value=None, raw_file="", command="",
                                 note="no FP8 path yet"))
     harness.record(table, **row(variant="ds", status="crash", value=None, section="kernel", note="arch list"))
-    text = results_md.render(harness.read_results(table))
+    pages = results_md.render_pages(harness.read_results(table))
+    text, detail = pages[results_md.OUT], pages[results_md.DETAIL]
     heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
-    assert heads[:3] == ["## Headline", "## Measured against predicted", "## Not yet measured"]
-    assert heads[-1] == "## Commands"
+    assert heads == ["## Headline", "## Measured against predicted", "## Not yet measured", "## Commands"]
+    assert [ln for ln in detail.splitlines() if ln.startswith("## ")] == ["## Kernels", "## Commands"]
     headline = text.split("## Headline")[1].split("## Measured")[0]
     assert "| 129.0 s | 167.8 s, equal-tokens | 1.30x | 2x H200 | 2026-12-04 |" in headline
     predicted = text.split("## Measured against predicted")[1].split("## Not yet")[0]
     assert "| 129.0 s | 123.3 s | -4.4% |" in predicted
     assert "no FP8 path yet" in text.split("## Not yet measured")[1].split("## ")[0]
-    assert "| crash |" in text.split("## Kernels")[1]
+    assert "| crash |" in detail.split("## Kernels")[1] and "| crash |" not in text
     assert "- c1: `python bench/mfu.py --parts e2e`" in text and "- c2: `other command`" in text
+    assert "- c1: `python bench/mfu.py --parts e2e`" in detail and "other command" not in detail
     assert f"[csv](../{RAW})" in headline
 
 
@@ -182,11 +184,12 @@ def test_committed_table_is_valid_and_its_raw_files_exist():
     assert {"predicted", "not-measured"} <= {r["status"] for r in rows}
 
 
-def test_committed_page_is_generated_from_the_committed_table():
-    text = results_md.render(harness.read_results())
-    with open(results_md.OUT) as f:
-        assert f.read() == text, "docs/results.md is stale: run python bench/results_md.py"
-    assert text.count("\n") <= results_md.MAX_LINES
+def test_committed_pages_are_generated_from_the_committed_table():
+    pages = results_md.render_pages(harness.read_results())
+    for path, text in pages.items():
+        with open(path) as f:
+            assert f.read() == text, f"{path} is stale: run python bench/results_md.py"
+    assert pages[results_md.OUT].count("\n") <= results_md.MAX_LINES
 
 
 def test_raw_folder_holds_only_what_the_table_cites():
