@@ -1,27 +1,36 @@
-"""The package layout: modules moved into schedule/ and data/ still import under their old paths, as the
-same module objects, and the scheduler subpackage stays torch-free."""
-import importlib
+"""The package's public names: `ds_adaptiveload.__all__` resolves, and the scheduler stays torch-free."""
 import subprocess
 import sys
 
-from ds_adaptiveload import _moved
+import ds_adaptiveload
+
+NO_TORCH = ("bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')]; "
+            "sys.exit(f'imported {bad[:3]}' if bad else 0)")
 
 
-def test_old_paths_are_the_moved_modules():
-    for old, new in _moved.MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
+def test_every_public_name_resolves():
+    assert 10 <= len(ds_adaptiveload.__all__) <= 20
+    for name in ds_adaptiveload.__all__:
+        assert getattr(ds_adaptiveload, name) is not None, name
 
 
-def test_old_from_import_works():
-    from ds_adaptiveload.planner import make_plan
-    from ds_adaptiveload.schedule.planner import make_plan as moved
+def test_unknown_name_is_an_attribute_error():
+    try:
+        ds_adaptiveload.planner  # an old path, removed before the first release
+    except AttributeError as e:
+        assert "planner" in str(e)
+    else:
+        raise AssertionError("ds_adaptiveload.planner resolved")
 
-    assert make_plan is moved
+
+def test_make_plan_does_not_import_torch():
+    code = ("import sys, ds_adaptiveload; ds_adaptiveload.make_plan; ds_adaptiveload.PlanConfig; "
+            "ds_adaptiveload.CostProfile; ds_adaptiveload.load_manifest; ds_adaptiveload.AdaptiveSampler; " + NO_TORCH)
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_schedule_imports_without_torch():
     code = ("import sys, ds_adaptiveload.schedule.planner, ds_adaptiveload.schedule.sampler, "
             "ds_adaptiveload.schedule.profile, ds_adaptiveload.schedule.manifest, ds_adaptiveload.schedule.mixes; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')]; "
-            "sys.exit(f'imported {bad[:3]}' if bad else 0)")
+            + NO_TORCH)
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -30,10 +30,10 @@ from ds_adaptiveload.train.config import default_alloc_conf  # noqa: E402
 default_alloc_conf()  # the allocator the profile was calibrated under, before the first CUDA allocation
 import torch  # noqa: E402
 
-from ds_adaptiveload.geometry import Geometry  # noqa: E402
+from ds_adaptiveload.schedule.geometry import Geometry  # noqa: E402
 from ds_adaptiveload.model import WanConfig, WanModel  # noqa: E402
 from ds_adaptiveload.ops import layernorm_modulate as lnm  # noqa: E402
-from ds_adaptiveload.profile import CostProfile  # noqa: E402
+from ds_adaptiveload.schedule.profile import CostProfile  # noqa: E402
 from ds_adaptiveload.train import flow  # noqa: E402
 
 SMOKE = os.environ.get("PACKED_SMOKE") == "1"
