@@ -10,7 +10,19 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process or long-running test")
 
 
+# Test files whose tests launch DeepSpeed ranks or train for many steps: the slow tier (`bash tests/run.sh --all`).
+# The fast tier (`bash tests/run.sh`) runs the rest. Chosen from measured durations (`pytest --durations=0`).
+SLOW_FILES = {
+    "test_train.py", "test_reliability.py", "test_calibrate_runs.py", "test_encode.py", "test_own_loop.py",
+    "test_packed_zero3.py", "test_scale.py", "test_build.py", "test_mfu_bench.py", "test_compile_blocks.py",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(slow)
     try:
         import torch
         has_cuda = torch.cuda.is_available()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up (.venv with the test extras) and run the test suite, or the test files and pytest options given.
-# CUDA tests skip with a reason on a CPU.
-#   bash tests/run.sh                                   # every test
-#   bash tests/run.sh tests/test_train.py -x            # these files only
+# Set up (.venv with the test extras) and run the fast test tier, every test (--all), or the test files and pytest
+# options given. CUDA tests skip with a reason on a CPU.
+#   bash tests/run.sh                                   # the fast tier: every test not marked slow
+#   bash tests/run.sh --all                             # every test (what CI runs)
+#   bash tests/run.sh tests/test_train.py -x            # these files only, slow tests included
 #   bash tests/run.sh --stress tests/test_train.py      # while busy loops compete for every core
 #   bash tests/run.sh --stress=4 ...                    # with 4 busy loops (default: one per core)
 # --stress: N busy-loop processes at niceness STRESS_NICE (default 10) run for as long as pytest does, so that
@@ -10,9 +11,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STRESS=0
+ALL=0
 ARGS=()
 for a in "$@"; do
   case "$a" in
+    --all) ALL=1 ;;
     --stress) STRESS=$(nproc) ;;
     --stress=*) STRESS=${a#--stress=} ;;
     *) ARGS+=("$a") ;;
@@ -24,7 +27,11 @@ PATHS=0
 for a in ${ARGS[@]+"${ARGS[@]}"}; do
   if [[ $a != -* && -e ${a%%::*} ]]; then PATHS=1; fi
 done
-if [ "$PATHS" = 0 ]; then ARGS=(tests ${ARGS[@]+"${ARGS[@]}"}); fi
+if [ "$PATHS" = 0 ]; then
+  # slow: multi-process and long tests (tests/conftest.py SLOW_FILES and @pytest.mark.slow)
+  if [ "$ALL" = 0 ]; then ARGS=(-m "not slow" ${ARGS[@]+"${ARGS[@]}"}); fi
+  ARGS=(tests ${ARGS[@]+"${ARGS[@]}"})
+fi
 source launch/env.sh test
 # DeepSpeed JIT-builds its CPU all-reduce op into torch's extension folder, under a lock file that every process
 # loading the op takes; a job killed while holding it leaves the lock, and every later load waits for good
