@@ -46,6 +46,10 @@ def add_arguments(p):
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--no-final-save", action="store_true", help="skip the checkpoint at the end (benchmarks)")
     p.add_argument("--resume", help="checkpoint folder to continue from (OUTPUT/checkpoints of a run)")
+    p.add_argument("--init-from", metavar="DIR_OR_FILE",
+                   help="start from pretrained weights: the original Wan 2.1 folder (diffusion_pytorch_model*.safetensors "
+                        "and config.json, sharded with an index for 14B), a diffusers transformer/ folder, or an "
+                        "`export` of a run; its config.json must match --model-config. Not with --resume")
     p.add_argument("--checkpoint-blocks", nargs="?", const=True, default=False, type=_ckpt_blocks,
                    help="per-block activation checkpointing: every block; 'auto': per micro-batch, as many blocks "
                         "as its predicted peak memory needs (profile memory.block_bytes_per_token); an int k: the first k")
@@ -89,6 +93,8 @@ def check(args) -> None:
         raise UserError("--deepspeed_config is required")
     if bool(args.data) == args.synthetic:
         raise UserError("give exactly one of --data MANIFEST or --synthetic")
+    if args.init_from and args.resume:
+        raise UserError("--init-from starts a new run from pretrained weights, --resume continues one: give one of them")
     for flag, key in (("--deepspeed_config", "deepspeed_config"), ("--model-config", "model_config")):
         found = shipped.find(getattr(args, key))
         if found is not None:

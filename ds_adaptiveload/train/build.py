@@ -64,13 +64,15 @@ def init_partitioned_weights(model: WanModel) -> None:
 
 
 def build_model(model_cfg: WanConfig, ds_cfg: dict, checkpoint_blocks=False, seed=None, leaf_blocks=None,
-                **model_kw) -> WanModel:
+                init_weights=True, **model_kw) -> WanModel:
     """WanModel for `ds_cfg` (the DeepSpeed dict, adaptive_load removed). ZeRO-3: constructed inside
     deepspeed.zero.Init(config_dict_or_path=ds_cfg), parameters partitioned at construction.
 
     seed: torch.manual_seed before construction (None: the caller seeded). leaf_blocks: make WanBlock a
     ZeRO-3 leaf module (deepspeed.utils.set_z3_leaf_modules: one gather per block instead of one per
-    linear, and no hooks inside a compiled block); None = on under ZeRO-3. Other keywords go to WanModel."""
+    linear, and no hooks inside a compiled block); None = on under ZeRO-3. init_weights=False: leave the weights as
+    constructed (--init-from overwrites every one; under ZeRO-3 this saves a gather per module). Other keywords go
+    to WanModel."""
     if not isinstance(model_cfg, WanConfig):
         raise UserError(f"build_model: model_cfg must be a WanConfig, got {type(model_cfg).__name__}")
     stage = zero_stage(ds_cfg)
@@ -79,12 +81,14 @@ def build_model(model_cfg: WanConfig, ds_cfg: dict, checkpoint_blocks=False, see
     if seed is not None:
         torch.manual_seed(seed)
     if stage != 3:
-        return WanModel(model_cfg, checkpoint_blocks=checkpoint_blocks, **model_kw)
+        with _deferred_init_weights() if not init_weights else contextlib.nullcontext():
+            return WanModel(model_cfg, checkpoint_blocks=checkpoint_blocks, **model_kw)
     import deepspeed
 
     with _deferred_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_cfg):
         model = WanModel(model_cfg, checkpoint_blocks=checkpoint_blocks, **model_kw)
-    init_partitioned_weights(model)
+    if init_weights:
+        init_partitioned_weights(model)
     if leaf_blocks is None or leaf_blocks:
         from deepspeed.utils import set_z3_leaf_modules
 

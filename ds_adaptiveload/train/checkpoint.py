@@ -69,8 +69,9 @@ def publish(out_dir: str, tag: str) -> None:
                 os.remove(path)
 
 
-def save(engine, out_dir, step: int, sampler_state: dict, extra: dict, faults=None) -> str:
-    """Collective: every rank calls it. Returns the published folder."""
+def save(engine, out_dir, step: int, sampler_state: dict, extra: dict, faults=None, write_files=None) -> str:
+    """Collective: every rank calls it. write_files(folder): this rank's own files (the model config, EMA
+    partitions), written into the checkpoint before it is published. Returns the published folder."""
     states = [None] * dist.get_world_size()
     dist.all_gather_object(states, sampler_state)
     tag = f"global_step{step}"
@@ -79,6 +80,13 @@ def save(engine, out_dir, step: int, sampler_state: dict, extra: dict, faults=No
     dist.barrier()
     engine.save_checkpoint(out_dir, tag=TMP_PREFIX + tag, save_latest=False,
                            client_state={"sampler": states, "step": step, **extra})  # ends with a barrier
+    if write_files is not None:
+        err = None
+        try:
+            write_files(os.path.join(out_dir, TMP_PREFIX + tag))
+        except OSError as e:
+            err = f"checkpoint {os.path.join(out_dir, tag)}: cannot write ({e.strerror or e})"
+        agree(err)  # every rank's files are in place before rank 0 publishes
     if faults is not None:
         faults.before_publish(step)
     err = None

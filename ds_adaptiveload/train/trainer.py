@@ -65,7 +65,10 @@ class Trainer:
         # non-leaf module here: the leaf form is measured in bench/mfu.py's z3 part only.
         model = build_model(self.model_cfg, self.ds_cfg, leaf_blocks=False,
                             checkpoint_blocks=True if args.checkpoint_blocks == "auto" else args.checkpoint_blocks,
-                            checkpoint_policy=getattr(args, "checkpoint_policy", "full"))
+                            checkpoint_policy=getattr(args, "checkpoint_policy", "full"),
+                            init_weights=not getattr(args, "init_from", None))
+        if getattr(args, "init_from", None):
+            self.load_init_from(model)
         if self.rank == 0 and hasattr(next(model.parameters()), "ds_tensor"):
             held = sum(p.ds_tensor.numel() for p in model.parameters())
             print(f"[train_wan] ZeRO-3: model built partitioned (zero.Init), {held:,} of "
@@ -91,6 +94,21 @@ class Trainer:
         self.plan_step = None  # the last step read: its sampler state is what a checkpoint saves
         self._k_step, self._k = None, None  # ZeRO-3, --checkpoint-blocks auto: the step whose count _k is
         self._dist = dist
+
+    def load_init_from(self, model) -> None:
+        """--init-from: the folder's config and every key checked (one agreed error), then each rank reads its
+        weights (its partitions under ZeRO-3) one tensor at a time (model/init_from.py)."""
+        from ds_adaptiveload.model import init_from
+
+        args = self.args
+        src = failures.agreed(init_from.prepare, args.init_from, model, self.model_cfg,
+                              f"--model-config {args.model_config}")
+        t0 = time.perf_counter()
+        stats = init_from.load(src, model)
+        if self.rank == 0:
+            print(f"[train_wan] --init-from {args.init_from}: {len(src.tensors)} tensors from {len(src.files)} "
+                  f"file(s) in {time.perf_counter() - t0:.1f} s, {stats['bytes_read'] / 2**20:.1f} MiB read on "
+                  f"rank 0", flush=True)
 
     def apply_block_compile(self, model):
         """--compile-blocks: the blocks (or their regions) compiled before deepspeed.initialize, and the compile
@@ -167,7 +185,18 @@ class Trainer:
     def save(self, step: int) -> None:
         from ds_adaptiveload.train import checkpoint
 
-        checkpoint.save(self.engine, self.ckpt_dir, step, self.plan_step.state, self.layout, self.fault)
+        checkpoint.save(self.engine, self.ckpt_dir, step, self.plan_step.state, self.layout, self.fault,
+                        write_files=self.write_checkpoint_files)
+
+    def write_checkpoint_files(self, folder: str) -> None:
+        """Beside DeepSpeed's files: the model config (rank 0), which `export` reads."""
+        import json
+
+        from ds_adaptiveload.model.export import MODEL_CONFIG_FILE
+
+        if self.rank == 0:
+            with open(os.path.join(folder, MODEL_CONFIG_FILE), "w") as f:
+                json.dump(self.model_cfg.to_dict(), f, indent=1)
 
     def train_step(self, step: int) -> None:
         """Read the step, agree on bad samples, run the micro-batches, decide whether to skip, apply or skip
