@@ -50,11 +50,13 @@ setup(
     install_requires=["torch>=2.4", "deepspeed>=0.16", "einops", "pydantic>=2.7", "pyyaml", "safetensors", "tqdm",
                       "huggingface_hub"],
     extras_require={
-        "test": ["pytest", "hypothesis", "diffusers", "transformers", "tokenizers", "av", "matplotlib"],
+        "test": ["pytest", "hypothesis", "diffusers", "transformers", "tokenizers", "av", "matplotlib", "accelerate"],
         "dataset": ["av", "matplotlib"],
         # --attention fa4 (auto takes it on Hopper): FlashAttention-4, CuTe DSL kernels (model/attention.py)
         "fa4": ["flash-attn-4"],
         # `encode`: Wan's VAE (diffusers AutoencoderKLWan) and umT5 (transformers UMT5EncoderModel)
         "encode": ["av", "diffusers>=0.33", "transformers>=4.45", "tokenizers"],
+        # `sample`, --preview-every, and loading an `export` in diffusers (from_pretrained needs accelerate)
+        "sample": ["av", "diffusers>=0.33", "transformers>=4.45", "tokenizers", "accelerate"],
     },
 )

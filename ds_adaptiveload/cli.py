@@ -19,6 +19,8 @@ COMMANDS = {
                "encode a manifest's videos and captions into the latent dataset (Wan VAE + umT5)"),
     "synthesize": ("ds_adaptiveload.data.latents", "write a synthetic latent dataset of realistic shapes"),
     "calibrate": ("ds_adaptiveload.calibrate.cli", "measure the training step and write a cost profile"),
+    "export": ("ds_adaptiveload.export_cli",
+               "export a training checkpoint to a diffusers transformer folder or the original Wan 2.1 layout"),
 }
 
 

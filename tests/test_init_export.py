@@ -131,3 +131,102 @@ def test_init_from_with_resume_is_an_exit_2_error(tmp_path):
                            "--resume", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--init-from starts a new run" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- export
+
+
+def train_tiny(out, stage, *extra, steps=2):
+    """The tiny model trained `steps` steps on 2 CPU ranks under ZeRO-`stage` (checkpoint at the end)."""
+    from ds_adaptiveload.train.config import derive_ds_config
+    from tests.test_train import check, launch
+
+    cfg = derive_ds_config(os.path.join(ROOT, "configs", "ds_tiny_cpu.json"), zero_stage=stage,
+                           adaptive_load={"profile": os.path.join(ROOT, "configs/profiles/tiny-cpu.yaml")},
+                           monitor_path=str(out / "monitor"))
+    os.makedirs(out, exist_ok=True)
+    (out / "ds.json").write_text(json.dumps(cfg))
+    proc = launch(out, "--synthetic", "--synthetic-num", "16", "--max-steps", str(steps), *extra,
+                  config=out / "ds.json", timeout=400)
+    check(proc)
+    return proc
+
+
+def export(*args):
+    return subprocess.run([sys.executable, "-m", "ds_adaptiveload", "export", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def trained(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"zero{request.param}")
+    train_tiny(out, request.param)
+    return out, request.param
+
+
+@pytest.mark.slow
+@needs_launcher
+def test_export_to_diffusers_and_wan_matches_our_model_and_loads_back(trained, tmp_path):
+    diffusers = pytest.importorskip("diffusers")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    out, stage = trained
+    ckpt = out / "checkpoints"
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))  # DeepSpeed's own reading of the checkpoint
+    cfg = tiny()
+    ours = WanModel(cfg).eval()
+    ours.load_state_dict(weights)
+    for fmt in ("diffusers", "wan"):
+        proc = export("--checkpoint", ckpt, "--format", fmt, "--out", tmp_path / fmt, "--dtype", "fp32",
+                      "--max-shard-size", "300KB")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (tmp_path / fmt / "diffusion_pytorch_model.safetensors.index.json").exists()
+        back = load_into_fresh(tmp_path / fmt).state_dict()  # the round trip through --init-from
+        assert all(torch.equal(back[k], v) for k, v in weights.items())
+    ref = diffusers.WanTransformer3DModel.from_pretrained(tmp_path / "diffusers").eval()
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(2, 16, 2, 8, 12, generator=g), torch.rand(2, generator=g) * 1000
+    ctx = torch.randn(2, cfg.text_len, cfg.text_dim, generator=g)
+    with torch.no_grad():
+        y, y_ref = ours(x, t, ctx), ref(x, t, ctx, return_dict=False)[0]
+    assert ((y - y_ref).norm() / y_ref.norm()).item() <= 1e-5
+    assert (y - ours.__class__(cfg)(x, t, ctx)).abs().max() > 0  # trained weights, not a fresh init
+    wan_cfg = json.loads((tmp_path / "wan" / "config.json").read_text())
+    assert wan_cfg["model_type"] == "t2v" and wan_cfg["dim"] == cfg.dim and wan_cfg["num_layers"] == cfg.num_layers
+    proc = export("--checkpoint", ckpt, "--format", "diffusers", "--out", tmp_path / "bf16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "bf16" / "diffusion_pytorch_model.safetensors"), "pt") as h:
+        assert {h.get_tensor(k).dtype for k in h.keys()} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+@needs_launcher
+def test_a_run_started_with_init_from_an_export_starts_from_its_weights(trained, tmp_path):
+    from safetensors.torch import load_file
+
+    out, stage = trained
+    if stage != 3:
+        pytest.skip("one trainer launch is enough: ZeRO-3, where ranks read partitions")
+    proc = export("--checkpoint", out / "checkpoints", "--format", "diffusers", "--out", tmp_path / "x", "--dtype",
+                  "fp32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dump = tmp_path / "dump.pt"
+    train_tiny(tmp_path / "run", 3, "--init-from", tmp_path / "x", "--dump-grads", dump, "--no-final-save", steps=1)
+    from ds_adaptiveload.model.convert import from_diffusers
+
+    want = from_diffusers(load_file(str(tmp_path / "x" / "diffusion_pytorch_model.safetensors")))
+    got = torch.load(dump)["params"]  # before the first update
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_export_errors_name_the_flag(tmp_path):
+    proc = export("--checkpoint", tmp_path / "nope", "--format", "diffusers", "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "error: --checkpoint" in proc.stderr and "not a folder" in proc.stderr
+    (tmp_path / "c").mkdir()
+    proc = export("--checkpoint", tmp_path / "c", "--format", "wan", "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "no 'latest' file" in proc.stderr
+    proc = export("--checkpoint", tmp_path / "c", "--tag", "global_step9", "--format", "wan", "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "no checkpoint 'global_step9'" in proc.stderr
