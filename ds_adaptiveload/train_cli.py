@@ -50,6 +50,11 @@ def add_arguments(p):
                    help="start from pretrained weights: the original Wan 2.1 folder (diffusion_pytorch_model*.safetensors "
                         "and config.json, sharded with an index for 14B), a diffusers transformer/ folder, or an "
                         "`export` of a run; its config.json must match --model-config. Not with --resume")
+    p.add_argument("--val-data", metavar="MANIFEST",
+                   help="held-out latent manifest: its flow-matching loss at 8 fixed timesteps and fixed noise per "
+                        "sample, at the start, every --val-every steps and at the end (val_loss in the step log, "
+                        "OUTPUT/val.jsonl, the monitor's val/loss)")
+    p.add_argument("--val-every", type=int, default=0, help="steps between validations (0: start and end only)")
     p.add_argument("--checkpoint-blocks", nargs="?", const=True, default=False, type=_ckpt_blocks,
                    help="per-block activation checkpointing: every block; 'auto': per micro-batch, as many blocks "
                         "as its predicted peak memory needs (profile memory.block_bytes_per_token); an int k: the first k")
@@ -93,6 +98,8 @@ def check(args) -> None:
         raise UserError("--deepspeed_config is required")
     if bool(args.data) == args.synthetic:
         raise UserError("give exactly one of --data MANIFEST or --synthetic")
+    if args.val_every < 0 or (args.val_every and not args.val_data):
+        raise UserError(f"--val-every {args.val_every}: needs --val-data and a number of steps >= 0")
     if args.init_from and args.resume:
         raise UserError("--init-from starts a new run from pretrained weights, --resume continues one: give one of them")
     for flag, key in (("--deepspeed_config", "deepspeed_config"), ("--model-config", "model_config")):

@@ -94,6 +94,12 @@ class Trainer:
         self.plan_step = None  # the last step read: its sampler state is what a checkpoint saves
         self._k_step, self._k = None, None  # ZeRO-3, --checkpoint-blocks auto: the step whose count _k is
         self._dist = dist
+        self.val = None
+        if getattr(args, "val_data", None):
+            from ds_adaptiveload.train.validation import Validation
+
+            self.val = failures.agreed(Validation, args.val_data, self.model_cfg, self.profile.geometry, self.dims,
+                                       self.al.seed)
 
     def load_init_from(self, model) -> None:
         """--init-from: the folder's config and every key checked (one agreed error), then each rank reads its
@@ -154,6 +160,8 @@ class Trainer:
         self.batches = None
         try:
             self.batches = iter(self.loader)
+            if self.val is not None and self.start == 0:
+                self.validate(0)  # the starting weights' loss (pretrained ones, with --init-from)
             for step in range(self.start, args.max_steps):
                 self.step = step + 1
                 self.train_step(step)
@@ -167,6 +175,26 @@ class Trainer:
         finally:  # every exit path: the bar's line ended (the error line starts a line), workers stopped
             end_loop(self.batches, self.bar.close, self.log.close)
         self._dist.barrier()
+
+    def val_due(self, step: int) -> bool:
+        """--val-every N: after every N-th step and the last one."""
+        every = getattr(self.args, "val_every", 0)
+        return self.val is not None and ((every and step % every == 0) or step == self.args.max_steps)
+
+    def validate(self, step: int) -> dict:
+        """The held-out loss at the current weights (train/validation.py): to OUTPUT/val.jsonl (rank 0), the
+        monitor, and returned for the step's record."""
+        import json
+
+        t0 = time.perf_counter()
+        rec = self.val.run(self.engine, device=self.device, dtype=self.dtype, seq_shard=self.seq_shard)
+        rec["val_ms"] = (time.perf_counter() - t0) * 1000
+        if self.rank == 0:
+            with open(os.path.join(self.args.output, "val.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **rec}) + "\n")
+        if self.engine.monitor.enabled:
+            self.engine.monitor.write_events([("val/loss", float(rec["val_loss"]), step)])
+        return rec
 
     def save_compile_cache(self, graphs) -> None:
         """--compile-cache: rank 0 writes the compiled artifacts after a step that compiled new graphs (not at the
@@ -218,7 +246,10 @@ class Trainer:
         reason, detail = self.decide_skip(step, ranks, run)
         lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler advances inside step())
         entry = self.apply_or_skip(step, reason, detail, step_ids)
-        self.log_step(step, base, ranks, run, lr, entry, time.perf_counter() - t_step)
+        step_s = time.perf_counter() - t_step
+        if self.val_due(step + 1):  # in the step's record; not in its time, so throughput stays training's
+            base.update(self.validate(step + 1))
+        self.log_step(step, base, ranks, run, lr, entry, step_s)
 
     def sync_clock(self) -> float:
         self.accel.synchronize()
