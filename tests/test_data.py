@@ -28,7 +28,8 @@ def synth(tmp_path, num=12, mix="tiny", text_dim=8, text_len=16):
 def test_synthesize_writes_shapes_the_manifest_promises(tmp_path):
     path, samples = synth(tmp_path)
     assert len(samples) == 12
-    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) == 3  # shards of 5
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("shard-")]) == 3  # shards of 5
+    assert os.path.isfile(os.path.join(tmp_path, data.EMPTY_PROMPT_FILE))  # caption dropout's stand-in
     data.check_samples(samples, path, GEO, text_dim=8)
     ds = data.LatentDataset(samples, path, GEO, text_len=16, text_dim=8)
     by_shape = {}

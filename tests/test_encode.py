@@ -261,9 +261,23 @@ def test_two_ranks_write_the_same_dataset(dataset, tmp_path):
 
 
 @pytest.mark.slow
+def test_encode_writes_the_empty_prompt_once(dataset):
+    """OUT/empty_prompt.safetensors: "" as the text encoder sees it (</s> only), for caption dropout."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    d, out = dataset["dir"], dataset["out"]
+    text = load_file(out / "empty_prompt.safetensors")["text"]
+    te, tok = UMT5EncoderModel.from_pretrained(d / "text_encoder"), AutoTokenizer.from_pretrained(d / "tokenizer")
+    want = encode.encode_texts(te, tok, [""], TEXT_LEN, "cpu")[0]
+    assert text.dtype == torch.bfloat16 and text.shape == want.shape == (1, TEXT_DIM)
+    assert torch.allclose(text.float(), want, atol=0.05)
+
+
 def test_train_two_steps_on_the_encoded_data(dataset, tmp_path):
-    """launch/train_wan.py --data OUT/manifest.jsonl, the tiny model, one rank via the deepspeed launcher;
-    the tiny CPU profile's 192-token budget is raised for 240p clips (780 tokens)."""
+    """launch/train_wan.py --data OUT/manifest.jsonl, the tiny model, one rank via the deepspeed launcher, with
+    caption dropout (the empty prompt encode wrote); the tiny CPU profile's 192-token budget is raised for 240p
+    clips (780 tokens)."""
     import yaml
     with open(os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")) as f:
         prof = yaml.safe_load(f)
@@ -273,6 +287,7 @@ def test_train_two_steps_on_the_encoded_data(dataset, tmp_path):
     with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
         cfg = json.load(f)
     cfg["adaptive_load"]["profile"] = str(tmp_path / "profile.yaml")
+    cfg["adaptive_load"]["caption_dropout"] = 0.5
     cfg["csv_monitor"]["enabled"] = False
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "1", "--master_port", str(master_port()), "launch/train_wan.py",

@@ -144,6 +144,21 @@ def encode_texts(text_encoder, tokenizer, captions, text_len, device):
     return [h[: int(n)] for h, n in zip(hidden, mask.sum(dim=1))]
 
 
+def write_empty_prompt(models, out, text_len) -> str:
+    """OUT/empty_prompt.safetensors: the empty prompt's hidden states (the unconditional input of classifier-free
+    guidance), which adaptive_load.caption_dropout puts in place of a dropped caption. Written once, by rank 0."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ds_adaptiveload.data.latents import EMPTY_PROMPT_FILE
+
+    (text,) = encode_texts(models.text_encoder, models.tokenizer, [""], text_len, models.device)
+    path = os.path.join(out, EMPTY_PROMPT_FILE)
+    save_file({"text": text.to({"bf16": torch.bfloat16}[SAVE_DTYPE]).cpu().contiguous()}, path + ".partial")
+    os.replace(path + ".partial", path)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------------- shards
 
 
@@ -310,6 +325,7 @@ def run(args) -> int:
     import torch
     from tqdm import tqdm
 
+    from ds_adaptiveload.data.latents import EMPTY_PROMPT_FILE
     from ds_adaptiveload.schedule.manifest import load_manifest
 
     samples = load_manifest(args.manifest)
@@ -325,7 +341,7 @@ def run(args) -> int:
             != [s.id for s in shards[k]]]
     n_mine = sum(len(shards[k]) for k in mine)
     n_todo = sum(len(shards[k]) for k in todo)
-    t0, n_err = time.perf_counter(), 0
+    t0, n_err, models = time.perf_counter(), 0, None
     if todo:
         device = torch.device(args.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
         models = load_models(args, folders, device)
@@ -337,6 +353,9 @@ def run(args) -> int:
     dt = time.perf_counter() - t0
     print(f"[encode rank {rank}/{world}] {n_todo} samples encoded ({n_err} errors), {n_mine - n_todo} already "
           f"done, in {dt:.1f} s ({n_todo / dt if dt > 0 and n_todo else 0:.2f} samples/s)", file=sys.stderr)
+    if rank == 0 and not os.path.isfile(os.path.join(args.out, EMPTY_PROMPT_FILE)):
+        device = torch.device(args.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
+        write_empty_prompt(models or load_models(args, folders, device), args.out, args.text_len)
     barrier()
     if rank == 0:
         n_ok, n_bad = merge(args.out, samples, args.shard_size)

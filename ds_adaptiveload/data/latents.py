@@ -18,6 +18,9 @@ from collections import deque
 from ds_adaptiveload.errors import UserError
 
 LATENT_CHANNELS = 16
+EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
+"""Beside the manifest: the text encoder's output for the empty prompt (tensor "text", [L, text_dim]), which
+adaptive_load.caption_dropout trains with in place of a sample's caption (train/captions.py)."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -75,6 +78,8 @@ def write_synthetic(out_dir, samples, text_dim=4096, max_text_len=512, seed=0, s
             s.extra = {**s.extra, "shard": name, "latent_key": f"{s.id}/latent", "text_key": f"{s.id}/text",
                        "latent_dtype": dtype}
         save_file(tensors, os.path.join(out_dir, name))
+    # A stand-in for the empty prompt's embedding (umT5 encodes "" as one token), so caption dropout runs here too.
+    save_file({"text": torch.randn(1, text_dim, generator=gen).to(tdtype)}, os.path.join(out_dir, EMPTY_PROMPT_FILE))
     path = os.path.join(out_dir, "manifest.jsonl")
     write_manifest(path, samples)
     return path

@@ -99,6 +99,15 @@ class AdaptiveLoadConfig(BaseModel):
     """Samples per step that the configured LR refers to; None: the engine's train_batch_size(), as
     DeepSpeed's dynamic batching uses."""
 
+    caption_dropout: float = setting(0.0, must="a number in [0, 1]", ge=0.0, le=1.0)
+    """Share of samples that train on the empty prompt's embedding instead of their caption (classifier-free
+    guidance; Wan and most video trainers use 0.1). The choice is seeded by (seed, epoch, sample id): the same on
+    resume and at any world size. Needs empty_prompt.safetensors beside the manifest, which `encode` writes."""
+    ema_decay: Optional[float] = setting(None, must="a number in [0, 1) or null", ge=0.0, lt=1.0)
+    """Keep an exponential moving average of the weights, ema = d * ema + (1 - d) * w after every applied update
+    (e.g. 0.999), in fp32, partitioned like the weights under ZeRO-3; saved in checkpoints, exported with
+    `export --ema`. null: none."""
+
     @model_validator(mode="after")
     def _pack_tokens_for_packed(self):
         if self.pack_tokens is not None and self.policy != "packed":

@@ -53,6 +53,11 @@ class Trainer:
         d = failures.agreed(prepare_data, args, self.manifest, c, self.world, self.rank)
         self.samples, self.bad_upfront, self.sampler, self.stream = d.samples, d.bad_upfront, d.sampler, d.stream
         self.layout = d.layout
+        self.empty_prompt = None
+        if self.al.caption_dropout > 0:
+            from ds_adaptiveload.train.captions import load_empty_prompt
+
+            self.empty_prompt = failures.agreed(load_empty_prompt, self.manifest, self.model_cfg.text_dim)
         workers = max(0, args.num_workers)
         self.loader = torch.utils.data.DataLoader(
             d.dataset, batch_sampler=self.stream, collate_fn=data.first, num_workers=workers,
@@ -279,6 +284,10 @@ class Trainer:
         from ds_adaptiveload.train import engine as eng
 
         self.checkpoint_for(batch)
+        if self.empty_prompt is not None:
+            from ds_adaptiveload.train.captions import apply
+
+            apply(batch, self.empty_prompt, self.al.seed, self.plan_step.epoch, self.al.caption_dropout)
         return eng.micro_step(self.engine, batch, weight, device=self.device, dtype=self.dtype, seed=self.al.seed,
                               epoch=self.plan_step.epoch, shift=self.args.timestep_shift, seq_shard=self.seq_shard,
                               loss_weighting=self.al.loss_weighting)
