@@ -21,6 +21,7 @@ COMMANDS = {
     "calibrate": ("ds_adaptiveload.calibrate.cli", "measure the training step and write a cost profile"),
     "export": ("ds_adaptiveload.export_cli",
                "export a training checkpoint to a diffusers transformer folder or the original Wan 2.1 layout"),
+    "sample": ("ds_adaptiveload.sample_cli", "render a clip from a checkpoint or export with diffusers' WanPipeline"),
 }
 
 
