@@ -136,18 +136,18 @@ def test_init_from_with_resume_is_an_exit_2_error(tmp_path):
 # ---------------------------------------------------------------------------------------------------- export
 
 
-def train_tiny(out, stage, *extra, steps=2):
+def train_tiny(out, stage, *extra, steps=2, adaptive_load=None):
     """The tiny model trained `steps` steps on 2 CPU ranks under ZeRO-`stage` (checkpoint at the end)."""
     from ds_adaptiveload.train.config import derive_ds_config
     from tests.test_train import check, launch
 
-    cfg = derive_ds_config(os.path.join(ROOT, "configs", "ds_tiny_cpu.json"), zero_stage=stage,
-                           adaptive_load={"profile": os.path.join(ROOT, "configs/profiles/tiny-cpu.yaml")},
+    keys = {"profile": os.path.join(ROOT, "configs/profiles/tiny-cpu.yaml"), **(adaptive_load or {})}
+    cfg = derive_ds_config(os.path.join(ROOT, "configs", "ds_tiny_cpu.json"), zero_stage=stage, adaptive_load=keys,
                            monitor_path=str(out / "monitor"))
     os.makedirs(out, exist_ok=True)
     (out / "ds.json").write_text(json.dumps(cfg))
     proc = launch(out, "--synthetic", "--synthetic-num", "16", "--max-steps", str(steps), *extra,
-                  config=out / "ds.json", timeout=400)
+                  config=out / "ds.json", timeout=900)
     check(proc)
     return proc
 

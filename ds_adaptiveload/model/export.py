@@ -125,9 +125,9 @@ def read_ema(ckpt_dir: str, tag: str, cfg: WanConfig) -> dict:
     parts = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
     out = {}
     for name, shape in parts[0]["shapes"].items():
-        flat = torch.cat([p["ema"][name] for p in parts])
+        flat = torch.cat([p["ema"][name] for p in parts])  # rank order: ZeRO-3's partitions of the flat tensor
         numel = int(torch.Size(shape).numel())
-        out[name] = flat[:numel].view(shape)
+        out[_clean(name)] = flat[:numel].view(shape)
     return out
 
 

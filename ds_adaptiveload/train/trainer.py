@@ -92,6 +92,7 @@ class Trainer:
         self.zero3 = self.engine.zero_optimization_stage() == 3
         # -- checkpoint resume ------------------------------------------------------------------------------
         self.start = self.resume(d.resume_tag) if d.resume_tag else 0
+        self.ema = self.make_ema(d.resume_tag)
         self.ckpt_dir = os.path.join(args.output, "checkpoints")
         self.oom_error = faults.out_of_memory_error()
         self.log = metrics.StepLog(args.output, self.rank)
@@ -147,6 +148,18 @@ class Trainer:
 
         return lr_scaling.install(self.engine, self.al.lr_scaling_method, self.al.lr_reference_batch_size)
 
+    def make_ema(self, tag):
+        """adaptive_load.ema_decay: the EMA (train/ema.py) from the current weights, or the resumed checkpoint's."""
+        if self.al.ema_decay is None:
+            return None
+        from ds_adaptiveload.train.ema import EMA
+
+        ema = EMA(self.engine, self.al.ema_decay, self.rank)
+        if tag and not failures.agreed(ema.load, os.path.join(self.args.resume, tag)) and self.rank == 0:
+            print(f"[train_wan] --resume: checkpoint {tag} holds no EMA; it starts from the resumed weights",
+                  file=sys.stderr, flush=True)
+        return ema
+
     def resume(self, tag) -> int:
         from ds_adaptiveload.train import checkpoint
 
@@ -170,6 +183,8 @@ class Trainer:
             for step in range(self.start, args.max_steps):
                 self.step = step + 1
                 self.train_step(step)
+                if getattr(args, "preview_every", 0) and (step + 1) % args.preview_every == 0:
+                    self.preview(step + 1)
                 if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
                     self.save(step + 1)
             self.bar.close()
@@ -201,6 +216,18 @@ class Trainer:
             self.engine.monitor.write_events([("val/loss", float(rec["val_loss"]), step)])
         return rec
 
+    def preview(self, step: int) -> None:
+        """--preview-every: the weights gathered (every rank), a clip rendered on rank 0 (train/preview.py)."""
+        from ds_adaptiveload.train import preview
+
+        weights = preview.full_weights(self.engine.module, self.rank)
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            path = preview.render(self.args, self.model_cfg, weights, step, self.device)
+            print(f"[train_wan] preview {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+        del weights
+        self._dist.barrier()
+
     def save_compile_cache(self, graphs) -> None:
         """--compile-cache: rank 0 writes the compiled artifacts after a step that compiled new graphs (not at the
         end only: a run cut short keeps what it compiled)."""
@@ -222,11 +249,13 @@ class Trainer:
                         write_files=self.write_checkpoint_files)
 
     def write_checkpoint_files(self, folder: str) -> None:
-        """Beside DeepSpeed's files: the model config (rank 0), which `export` reads."""
+        """Beside DeepSpeed's files: the model config (rank 0), which `export` reads, and the EMA (train/ema.py)."""
         import json
 
         from ds_adaptiveload.model.export import MODEL_CONFIG_FILE
 
+        if self.ema is not None:
+            self.ema.save(folder)
         if self.rank == 0:
             with open(os.path.join(folder, MODEL_CONFIG_FILE), "w") as f:
                 json.dump(self.model_cfg.to_dict(), f, indent=1)
@@ -427,6 +456,8 @@ class Trainer:
         """The optimizer update, or (reason) its skip on every rank; returns the skip entry or None."""
         if not reason:
             self.engine.step()
+            if self.ema is not None and self.engine.was_step_applied():
+                self.ema.update()
             self.accel.synchronize()
             return None
         entry = self.skip_step(step, reason, detail, step_ids)
