@@ -60,14 +60,12 @@ FORMATS = {
 
 def checkpoint_tag(ckpt_dir: str, tag=None) -> str:
     """The tag folder to export: `tag`, else the one `latest` names; both checked to exist."""
+    from ds_adaptiveload.train.checkpoint import latest_tag
+
     if not os.path.isdir(ckpt_dir):
         raise UserError(f"--checkpoint {ckpt_dir}: not a folder")
     if tag is None:
-        latest = os.path.join(ckpt_dir, "latest")
-        if not os.path.isfile(latest):
-            raise UserError(f"--checkpoint {ckpt_dir}: no 'latest' file; give --tag or the run's OUTPUT/checkpoints")
-        with open(latest) as f:
-            tag = f.read().strip()
+        return latest_tag(ckpt_dir, "--checkpoint")
     if not os.path.isdir(os.path.join(ckpt_dir, tag)):
         have = sorted(n for n in os.listdir(ckpt_dir) if n.startswith("global_step"))
         raise UserError(f"--checkpoint {ckpt_dir}: no checkpoint {tag!r} (there: {', '.join(have) or 'none'})")

@@ -101,15 +101,15 @@ def save(engine, out_dir, step: int, sampler_state: dict, extra: dict, faults=No
     return os.path.join(out_dir, tag)
 
 
-def latest_tag(ckpt_dir) -> str:
-    """The published tag `latest` names, checked to exist (what --resume loads)."""
+def latest_tag(ckpt_dir, flag="--resume") -> str:
+    """The published tag `latest` names, checked to exist (what --resume loads; `export --checkpoint` too)."""
     path = os.path.join(ckpt_dir, "latest")
     if not os.path.isfile(path):
-        raise UserError(f"--resume {ckpt_dir}: no published checkpoint there (no 'latest' file)")
+        raise UserError(f"{flag} {ckpt_dir}: no published checkpoint there (no 'latest' file)")
     with open(path) as f:
         tag = f.read().strip()
     if not os.path.isdir(os.path.join(ckpt_dir, tag)):
-        raise UserError(f"--resume {ckpt_dir}: 'latest' names {tag!r}, which does not exist")
+        raise UserError(f"{flag} {ckpt_dir}: 'latest' names {tag!r}, which does not exist")
     return tag
 
 
