@@ -32,6 +32,7 @@ def add_arguments(p):
 
     from ds_adaptiveload.model.config import ATTENTION_BACKENDS
     from ds_adaptiveload.schedule.mixes import MIXES
+    from ds_adaptiveload.train import preview
 
     p.add_argument("--model-config", required=True,
                    help="WanConfig YAML (configs/wan_*.yaml: the shipped ones are found outside a checkout too)")
@@ -55,6 +56,7 @@ def add_arguments(p):
                         "sample, at the start, every --val-every steps and at the end (val_loss in the step log, "
                         "OUTPUT/val.jsonl, the monitor's val/loss)")
     p.add_argument("--val-every", type=int, default=0, help="steps between validations (0: start and end only)")
+    preview.add_arguments(p)
     p.add_argument("--checkpoint-blocks", nargs="?", const=True, default=False, type=_ckpt_blocks,
                    help="per-block activation checkpointing: every block; 'auto': per micro-batch, as many blocks "
                         "as its predicted peak memory needs (profile memory.block_bytes_per_token); an int k: the first k")
@@ -93,6 +95,7 @@ def check(args) -> None:
     working directory or among the shipped configs (shipped.py)."""
     from ds_adaptiveload import shipped
     from ds_adaptiveload.errors import UserError
+    from ds_adaptiveload.train import preview
 
     if not args.deepspeed_config:
         raise UserError("--deepspeed_config is required")
@@ -100,6 +103,7 @@ def check(args) -> None:
         raise UserError("give exactly one of --data MANIFEST or --synthetic")
     if args.val_every < 0 or (args.val_every and not args.val_data):
         raise UserError(f"--val-every {args.val_every}: needs --val-data and a number of steps >= 0")
+    preview.check_arguments(args)
     if args.init_from and args.resume:
         raise UserError("--init-from starts a new run from pretrained weights, --resume continues one: give one of them")
     for flag, key in (("--deepspeed_config", "deepspeed_config"), ("--model-config", "model_config")):

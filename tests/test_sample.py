@@ -39,6 +39,7 @@ def models(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frames,height,width,layout", [(5, 32, 48, "transformer"), (1, 16, 16, "wan")])
 def test_sample_writes_an_mp4_of_the_requested_frames_and_size(models, tmp_path, frames, height, width, layout):
     out = tmp_path / "clip.mp4"
@@ -55,3 +56,25 @@ def test_bad_shapes_name_the_flag(models, tmp_path):
     assert proc.returncode == 2 and "error: --frames 6: must be 4k + 1" in proc.stderr
     proc = sample(models, models / "transformer", tmp_path / "c.mp4", "--height", "40")
     assert proc.returncode == 2 and "error: --height 40: must be a positive multiple of 16" in proc.stderr
+
+
+@pytest.mark.slow
+def test_preview_every_renders_on_rank_0_into_output_samples(models, tmp_path):
+    from tests.test_init_export import train_tiny
+
+    out = tmp_path / "run"
+    out.mkdir()
+    train_tiny(out, 3, "--no-final-save", "--preview-every", "2", "--preview-prompt", "a red bar", "--vae",
+               models / "vae", "--text-encoder", models / "text_encoder", "--tokenizer", models / "tokenizer",
+               "--preview-frames", "5", "--preview-height", "32", "--preview-width", "32", "--preview-steps", "2")
+    assert sorted(os.listdir(out / "samples")) == ["step2.mp4"]
+    video = read_mp4(out / "samples" / "step2.mp4")
+    assert len(video) == 5 and video[0].shape == (32, 32, 3)
+
+
+def test_preview_without_its_models_is_an_exit_2_error(tmp_path):
+    proc = subprocess.run([sys.executable, "launch/train_wan.py", "--deepspeed_config", "configs/ds_tiny_cpu.json",
+                           "--model-config", "configs/wan_tiny.yaml", "--synthetic", "--max-steps", "1",
+                           "--preview-every", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--preview-every 1: needs a number of steps > 0 and --preview-prompt, --vae, --text-encoder" in proc.stderr

@@ -44,7 +44,7 @@ def launch(out, gpus, *extra):
     cmd = [DEEPSPEED, "--num_gpus", str(gpus), "--master_port", str(master_port()), "launch/train_wan.py",
            "--deepspeed_config", str(cfg), "--model-config", "configs/wan_tiny.yaml", "--output", str(out),
            "--num-workers", "1", "--synthetic", "--synthetic-num", "16", *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(out / "val.jsonl") as f:
         return [json.loads(line) for line in f]
