@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.schedule.bound import check_plan
 from ds_adaptiveload.schedule.geometry import Geometry, per_gpu_tokens
 from ds_adaptiveload.schedule.manifest import Sample, load_manifest
 from ds_adaptiveload.schedule.mixes import make_mix
@@ -80,6 +81,9 @@ def check_invariants(samples, profile, cfg, plan):
     assert sorted(plan.skipped) == sorted(set(range(len(samples))) - fits)
     summary = plan.summary()
     assert summary["samples_planned"] == len(fits)
+    check_plan(plan, profile)  # the bench's checker agrees
+    if plan.bound:  # no plan beats the lower bound
+        assert sum(plan.pred_wall_ms) / 1000 >= plan.bound["wall_s"] * (1 - 1e-9)
     assert 0 <= summary["idle_fraction"] < 1 and 0 <= summary["mix_tv"] <= 1
 
 
