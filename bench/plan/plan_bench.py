@@ -41,6 +41,7 @@ CALIBRATED = "configs/profiles/h200-wan1.3b-zero3.yaml"
 PACKED_BUDGETS = (453600, 75693)  # about six 720p clips per micro-batch; one (75,600 + sample_tokens)
 PACKED_MIXES = ("video-heavy", "image-heavy")
 SWEEP_MIXES = ("video-heavy", "image-heavy", "openvid-720p", "worldmodel", "panda-web")
+NAMES = ("equal-tokens", "balanced", "packed") + BASELINES
 CLIP = 75600  # one 81x720x1280 clip; a budget of k clips is k * CLIP + memory.sample_tokens (93)
 
 
@@ -125,7 +126,6 @@ def sweep_row(samples, profile, name, cfg):
 def baselines_section(args):
     """Every policy and baseline against the lower bound, per mix, budget, world size and G (lockstep)."""
     base = CostProfile.load(CALIBRATED)
-    names = ("equal-tokens", "balanced", "packed") + BASELINES
     rows = []
     for mix in args.mixes.split(","):
         samples = make_mix(mix, args.samples)
@@ -135,7 +135,7 @@ def baselines_section(args):
             for ranks in map(int, args.ranks.split(",")):
                 for g in (1, 4):
                     cfg = PlanConfig("packed", ranks, grad_accum=g, lockstep=True)
-                    for name in names:
+                    for name in NAMES:
                         row = {**sweep_row(samples, profile, name, cfg), "mix": mix, "budget_tokens": budget}
                         rows.append(row)
                         print(f"{mix:12s} clips={clips} ranks={ranks:4d} G={g} {name:12s} gap={row['bound_gap']:.4f} "
@@ -152,8 +152,49 @@ def baselines_section(args):
                     "bound (schedule/bound.py), calibrated H200 Wan-1.3B profile; budget_tokens = clips * 75,600 + 93. "
                     "bound_gap = wall / bound - 1; mix_tv = mean per-step total-variation distance of class shares. "
                     "Baselines tuned over their knob on the same epoch (schedule/baselines.py).",
-            "profile": CALIBRATED, "samples": args.samples, "rows": rows, "timing_1024": timing,
+            "profile": CALIBRATED, "samples": args.samples, "samples_1024": args.big, "rows": rows, "timing_1024": timing,
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+
+
+def record_baselines(raw):
+    """results.csv rows from a --section baselines raw file: per mix, world size and planner, the worst gap to the
+    lower bound over budgets and G (predicted), and packed's planning time for the big epoch; prints the Markdown
+    table docs/scheduler.md shows."""
+    from bench.harness import record
+
+    with open(raw) as f:
+        res = json.load(f)
+    cmd = f"nice -n 10 python bench/plan/plan_bench.py --section baselines --samples {res['samples']} --budgets 1,6"
+    groups = {}
+    for r in res["rows"]:
+        groups.setdefault((r["mix"], r["dp_size"]), {}).setdefault(r["policy"], []).append(r)
+    print("| mix | ranks | " + " | ".join(NAMES) + " |\n|---|---|" + "---|" * len(NAMES))
+    for (mix, ranks), by in groups.items():
+        cells = []
+        for name in NAMES:
+            rows = by[name]
+            worst = max(rows, key=lambda r: r["bound_gap"])
+            eq = {(r["budget_tokens"], r["grad_accum"]): r["mix_tv"] for r in by["equal-tokens"]}
+            tv_over = sum(r["mix_tv"] > eq[(r["budget_tokens"], r["grad_accum"])] + 1e-9 for r in rows)
+            cells.append(f"{100 * worst['bound_gap']:.2f}% / {max(r['mix_tv'] for r in rows):.2f}")
+            record(experiment=f"plan_bench.py --section baselines, {mix} mix, {res['samples']:,} samples, 1 and 6 "
+                              f"clips of memory, G = 1 and 4, lockstep",
+                   variant=name, metric="worst gap to the lower bound (predicted)", unit="%",
+                   value=round(100 * worst["bound_gap"], 3), status="predicted", hardware=f"{ranks}x H200",
+                   gpus=ranks, policy=name if name in POLICIES else "", model="Wan2.1 1.3B", command=cmd,
+                   raw_file=raw, section="scheduler", better="lower", date=res["date"],
+                   note=f"at {worst['budget_tokens']:,} tokens, G={worst['grad_accum']}; mean gap "
+                        f"{100 * sum(r['bound_gap'] for r in rows) / len(rows):.2f}%; mix_tv up to "
+                        f"{max(r['mix_tv'] for r in rows):.3f}, above equal-tokens' in {tv_over} of {len(rows)}")
+        print(f"| {mix} | {ranks} | " + " | ".join(cells) + " |")
+    for t in res["timing_1024"]:
+        record(experiment=f"plan_bench.py --section baselines, packed planning {res['samples_1024']:,} samples for "
+                          f"1024 ranks, {t['budget_tokens']:,} tokens, lockstep",
+               variant=f"packed, G={t['grad_accum']}", metric="planning time", unit="s",
+               value=round(t["plan_seconds"], 1), hardware="CPU (2 cores, shared)", gpus=0, policy="packed",
+               command=cmd + f" --big {res['samples_1024']}", raw_file=raw, section="scheduler", date=res["date"],
+               note=f"peak RSS {t['peak_rss_MiB']:.0f} MiB; gap to the bound {100 * t['bound_gap']:.2f}%; "
+                    f"{res['uptime']}")
 
 
 def sizes_section(args):
@@ -186,7 +227,10 @@ def main():
     ap.add_argument("--big-budgets", default="1,6", help="--section baselines: budgets of the --big timing")
     ap.add_argument("--big-mix", default="openvid-720p", help="--section baselines: mix of the --big timing")
     ap.add_argument("--out")
+    ap.add_argument("--record", metavar="RAW", help="record a --section baselines raw file into results.csv")
     args = ap.parse_args()
+    if args.record:
+        return record_baselines(args.record)
     env = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
            "cpus": __import__("os").cpu_count(), "python": platform.python_version(),
            "load_avg_1min": __import__("os").getloadavg()[0]}

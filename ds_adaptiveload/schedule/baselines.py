@@ -2,9 +2,10 @@
 same tail, costing and lower bound as the policies) and checked by bound.check_plan.
 
 - lpt: runtime balance over the calibrated time model, as Seaweed-7B, slime (--balance-by-flops) and verl
-  balance by predicted runtime: each step draws shuffled samples worth its R*G micro-batches' memory, and
-  longest-processing-time first puts each into the cheapest micro-batch with room; micro-batches sorted by
-  cost make the rounds.
+  balance by predicted runtime: each step draws samples worth its R*G micro-batches' memory, in shuffled order
+  (a global batch balanced as it comes) or the whole epoch sorted by cost (the plainest LPT, steps of like
+  samples), and longest-processing-time first puts each into the cheapest micro-batch with room; micro-batches
+  sorted by cost make the rounds. Tuned over both orders and two fills.
 - trl: TRL's dynamic batching, sum of L^2 balanced across ranks under a per-rank token cap (G micro-batches
   of budget tokens): largest L^2 first to the rank with the least sum of L^2 and room, each rank's samples
   then split into G micro-batches the same way.
@@ -24,6 +25,8 @@ from ds_adaptiveload.schedule.planner import PlanConfig, plan_with
 FILLS = (0.8, 0.9, 0.97)
 # The bucket table's target time T, as quantiles of the shapes' full-memory micro-batch times.
 TABLE_TARGETS = (0.0, 0.25, 0.5, 0.75, 1.0)
+# lpt's knobs: (epoch sorted by cost, fill).
+LPT_KNOBS = ((False, 0.9), (False, 0.97), (True, 0.9), (True, 0.97))
 BASELINES = ("lpt", "trl", "buckets")
 
 
@@ -32,17 +35,20 @@ def baseline_plan(name, samples, profile, cfg: PlanConfig, epoch=0):
     predicted wall time: the same data and cost model as the policies, so the tuning is the baseline's best."""
     cfg = PlanConfig("equal-tokens", cfg.world_size, cfg.sp, cfg.grad_accum, cfg.seed, cfg.on_oversize,
                      lockstep=cfg.lockstep)
-    knobs = TABLE_TARGETS if name == "buckets" else FILLS
+    knobs = {"buckets": TABLE_TARGETS, "lpt": LPT_KNOBS}.get(name, FILLS)
     maker = {"lpt": _lpt_steps, "trl": _trl_steps, "buckets": _bucket_steps}[name]
     plans = [plan_with(samples, profile, cfg, epoch, lambda keep, ctx, rng, k=k: maker(keep, ctx, rng, k),
                        packed.PackedCtx) for k in knobs]
     return min(plans, key=lambda p: sum(p.pred_wall_ms))
 
 
-def _draws(keep, ctx, rng, fill):
-    """Shuffled samples cut into steps worth `fill` of R*G micro-batches' memory (at least R*G samples)."""
+def _draws(keep, ctx, rng, fill, by_cost=False):
+    """Shuffled samples (or all by cost, costliest first) cut into steps worth `fill` of R*G micro-batches'
+    memory (at least R*G samples)."""
     order = list(keep)
     rng.shuffle(order)
+    if by_cost:
+        order.sort(key=ctx.cost.__getitem__, reverse=True)
     slots = ctx.cfg.dp_size * ctx.cfg.grad_accum
     room = fill * slots * ctx.budget
     step, used = [], 0.0
@@ -98,10 +104,11 @@ def _to_rounds(mbs, ctx, key):
     return step
 
 
-def _lpt_steps(keep, ctx, rng, fill):
+def _lpt_steps(keep, ctx, rng, knob):
+    by_cost, fill = knob
     steps, carry = [], []
     slots = ctx.cfg.dp_size * ctx.cfg.grad_accum
-    for draw in _draws(keep, ctx, rng, fill):
+    for draw in _draws(keep, ctx, rng, fill, by_cost):
         mbs, carry = _greedy(carry + draw, ctx.cost, slots, ctx.mem, ctx.budget)
         steps.append(_to_rounds(mbs, ctx, ctx.mb_ms))
     while carry:  # what the last steps had no room for
