@@ -41,6 +41,10 @@ def test_packed_policy_dump(tmp_path, manifest, capsys):
                  "--policy", "packed", "--lockstep", "--dump", str(dump), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert KEYS <= set(summary) and summary["policy"] == "packed" and summary["samples_planned"] == 300
+    # the lower bound on the epoch's predicted wall time, and how far the plan is from it
+    assert summary["bound_binds"] in ("fixed", "work", "heaviest")
+    assert 0 < summary["lower_bound_s"] <= summary["predicted_wall_s"] * (1 + 1e-9)
+    assert summary["bound_gap"] == pytest.approx(summary["predicted_wall_s"] / summary["lower_bound_s"] - 1)
     shapes = {s.id: (s.frames, s.height, s.width) for s in make_mix("video-heavy", 300, seed=3)}
     lines = [json.loads(line) for line in open(dump)]
     assert sum(len(r["ids"]) for r in lines if not r.get("pad")) == 300

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.schedule.bound import check_plan
 from ds_adaptiveload.schedule.geometry import Geometry, per_gpu_tokens
 from ds_adaptiveload.schedule.manifest import Sample, load_manifest
 from ds_adaptiveload.schedule.mixes import make_mix
@@ -80,6 +81,9 @@ def check_invariants(samples, profile, cfg, plan):
     assert sorted(plan.skipped) == sorted(set(range(len(samples))) - fits)
     summary = plan.summary()
     assert summary["samples_planned"] == len(fits)
+    check_plan(plan, profile)  # the bench's checker agrees
+    if plan.bound:  # no plan beats the lower bound
+        assert sum(plan.pred_wall_ms) / 1000 >= plan.bound["wall_s"] * (1 - 1e-9)
     assert 0 <= summary["idle_fraction"] < 1 and 0 <= summary["mix_tv"] <= 1
 
 
@@ -303,6 +307,34 @@ def test_packed_light_runs_hold_one_token_count_but_where_counts_meet():
     counts = {t for i, t in enumerate(tokens) if not heavy[i]}
     assert sum(len(set(r)) > 1 for r in light_runs) <= len(counts) - 1
     assert all(len(set(r)) <= 2 for r in light_runs)
+
+
+def test_packed_heavy_runs_go_by_token_count_across_shapes():
+    """Heavy samples (72 shapes that each fill a micro-batch at one clip's memory) come in runs of R by token
+    count, most first, across shapes: only the last run is short, a run spans neighbouring token counts, and at
+    64 ranks the plan is within 1% of the lower bound (runs of one shape left a short run per shape: 7%)."""
+    import random
+
+    from ds_adaptiveload.schedule import packed
+
+    profile = calibrated(75693)
+    samples = make_mix("openvid-720p", 4000)
+    cfg = PlanConfig("packed", 16, lockstep=True)
+    tokens = [GEO.tokens(s.frames, s.height, s.width) for s in samples]
+    ctx = packed.PackedCtx(profile, cfg, tokens, list(tokens), [(s.frames, s.height, s.width) for s in samples], {})
+    keep = list(range(len(samples)))
+    _, heavy = packed._target(keep, ctx, packed.PACK_FILL)
+    assert len({ctx.shape[i] for i in keep if heavy[i]}) >= 50
+    order, runs, _ = packed._stream(keep, ctx, random.Random(0), heavy, 16)
+    assert sum(runs.values()) == sum(heavy[i] for i in keep)
+    assert sum(n < 16 for n in runs.values()) == 1
+    ordered = sorted(tokens[i] for i in keep if heavy[i])[::-1]
+    rank = {t: ordered.index(t) for t in set(ordered)}
+    for p, n in runs.items():  # a run's samples are neighbours in the epoch's heavy samples by token count
+        ts = [tokens[i] for i in order[p:p + n]]
+        assert rank[min(ts)] - rank[max(ts)] < n + max(ordered.count(t) for t in set(ts))
+    plan = make_plan(make_mix("openvid-720p", 20000), profile, PlanConfig("packed", 64, lockstep=True))
+    assert plan.summary()["bound_gap"] < 0.01
 
 
 def calibrated(budget):

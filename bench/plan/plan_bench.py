@@ -6,6 +6,13 @@ peak memory for 1M samples at 1024 ranks. Pure CPU.
     python bench/plan/plan_bench.py --section packed [--out bench/results/plan-packed-DATE-cpu.json]
     python bench/plan/plan_bench.py --section sizes [--out bench/results/plan-sizes-DATE-cpu.json]
 
+--section baselines: every policy and baseline (schedule/baselines.py: runtime LPT, TRL's sum of L^2, an Open-Sora
+bucket table) through one checker (schedule/bound.check_plan), each one's gap to the lower bound (schedule/bound.py),
+under lockstep with the calibrated H200 profile, on the bench's mixes and the held-out ones, at memory for 1, 2, 3
+and 6 720p clips; then packed's planning time and peak memory for --big samples at 1024 ranks per budget:
+
+    nice -n 10 python bench/plan/plan_bench.py --section baselines --samples 20000 [--mixes a,b] [--budgets 1,6]
+
 --section packed: the packed policy against equal-tokens and balanced under lockstep (ZeRO-3) with the
 calibrated H200 profile, memory for about six 720p clips (453,600 tokens) and for one (75,693: one
 81x720x1280 clip and its memory.sample_tokens), on the video-heavy and image-heavy mixes; at the one-clip
@@ -21,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from ds_adaptiveload.schedule.baselines import BASELINES, baseline_plan
+from ds_adaptiveload.schedule.bound import check_plan
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.schedule.planner import POLICIES, PlanConfig, make_plan
 from ds_adaptiveload.schedule.profile import CostProfile
@@ -31,6 +40,9 @@ PROFILE = "tests/data/h200-wan1.3b-blocks.yaml"
 CALIBRATED = "configs/profiles/h200-wan1.3b-zero3.yaml"
 PACKED_BUDGETS = (453600, 75693)  # about six 720p clips per micro-batch; one (75,600 + sample_tokens)
 PACKED_MIXES = ("video-heavy", "image-heavy")
+SWEEP_MIXES = ("video-heavy", "image-heavy", "openvid-720p", "worldmodel", "panda-web")
+NAMES = ("equal-tokens", "balanced", "packed") + BASELINES
+CLIP = 75600  # one 81x720x1280 clip; a budget of k clips is k * CLIP + memory.sample_tokens (93)
 
 
 def plan_row(samples, profile, policy, ranks, g, lockstep=False, **extra):
@@ -39,12 +51,12 @@ def plan_row(samples, profile, policy, ranks, g, lockstep=False, **extra):
     return {**plan.summary(), "plan_seconds": time.perf_counter() - t0, **extra}
 
 
-def big_run(n, ranks, g, policy="balanced", profile=PROFILE, budget=None, lockstep=False):
+def big_run(n, ranks, g, policy="balanced", profile=PROFILE, budget=None, lockstep=False, mix="video-heavy"):
     """In a fresh process so that its peak RSS is the planner's own."""
     code = (f"import json,time,resource,dataclasses\nfrom ds_adaptiveload.schedule.mixes import make_mix\n"
             f"from ds_adaptiveload.schedule.planner import PlanConfig, make_plan\n"
             f"from ds_adaptiveload.schedule.profile import CostProfile\n"
-            f"s = make_mix('video-heavy', {n}); p = CostProfile.load('{profile}')\n"
+            f"s = make_mix('{mix}', {n}); p = CostProfile.load('{profile}')\n"
             + (f"p = dataclasses.replace(p, budget_tokens={budget})\n" if budget else "") +
             f"rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
             f"t = time.perf_counter()\n"
@@ -99,6 +111,92 @@ def packed_section(args):
     }
 
 
+def sweep_row(samples, profile, name, cfg):
+    """One policy's or baseline's plan, checked, as a row with its gap to the lower bound."""
+    t0 = time.perf_counter()
+    if name in POLICIES:
+        plan = make_plan(samples, profile, dataclasses.replace(cfg, policy=name))
+    else:
+        plan = baseline_plan(name, samples, profile, cfg)
+    seconds = time.perf_counter() - t0
+    check_plan(plan, profile)
+    return {**plan.summary(), "policy": name, "plan_seconds": seconds, "bound": plan.bound}
+
+
+def baselines_section(args):
+    """Every policy and baseline against the lower bound, per mix, budget, world size and G (lockstep)."""
+    base = CostProfile.load(CALIBRATED)
+    rows = []
+    for mix in args.mixes.split(","):
+        samples = make_mix(mix, args.samples)
+        for clips in map(int, args.budgets.split(",")):
+            budget = clips * CLIP + 93
+            profile = dataclasses.replace(base, budget_tokens=budget)
+            for ranks in map(int, args.ranks.split(",")):
+                for g in (1, 4):
+                    cfg = PlanConfig("packed", ranks, grad_accum=g, lockstep=True)
+                    for name in NAMES:
+                        row = {**sweep_row(samples, profile, name, cfg), "mix": mix, "budget_tokens": budget}
+                        rows.append(row)
+                        print(f"{mix:12s} clips={clips} ranks={ranks:4d} G={g} {name:12s} gap={row['bound_gap']:.4f} "
+                              f"idle={row['idle_fraction']:.4f} mix_tv={row['mix_tv']:.3f} "
+                              f"wall={row['predicted_wall_s']:.0f}s plan={row['plan_seconds']:.1f}s", flush=True)
+    timing = []
+    for clips in (map(int, args.big_budgets.split(",")) if args.big else ()):
+        for g in (1, 4):
+            t = big_run(args.big, 1024, g, "packed", CALIBRATED, clips * CLIP + 93, True, args.big_mix)
+            timing.append(t)
+            print(f"packed, {args.big_mix}, 1024 ranks, {args.big} samples, {clips} clips, G={g}: plan "
+                  f"{t['plan_seconds']:.1f}s, peak RSS {t['peak_rss_MiB']:.0f} MiB, gap {t['bound_gap']:.4f}", flush=True)
+    return {"what": "Predicted epoch wall time under lockstep (ZeRO-2/3) of every policy and baseline against a lower "
+                    "bound (schedule/bound.py), calibrated H200 Wan-1.3B profile; budget_tokens = clips * 75,600 + 93. "
+                    "bound_gap = wall / bound - 1; mix_tv = mean per-step total-variation distance of class shares. "
+                    "Baselines tuned over their knob on the same epoch (schedule/baselines.py).",
+            "profile": CALIBRATED, "samples": args.samples, "samples_1024": args.big, "rows": rows, "timing_1024": timing,
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+
+
+def record_baselines(raw):
+    """results.csv rows from a --section baselines raw file: per mix, world size and planner, the worst gap to the
+    lower bound over budgets and G (predicted), and packed's planning time for the big epoch; prints the Markdown
+    table docs/scheduler.md shows."""
+    from bench.harness import record
+
+    with open(raw) as f:
+        res = json.load(f)
+    cmd = f"nice -n 10 python bench/plan/plan_bench.py --section baselines --samples {res['samples']} --budgets 1,6"
+    groups = {}
+    for r in res["rows"]:
+        groups.setdefault((r["mix"], r["dp_size"]), {}).setdefault(r["policy"], []).append(r)
+    print("| mix | ranks | " + " | ".join(NAMES) + " |\n|---|---|" + "---|" * len(NAMES))
+    for (mix, ranks), by in groups.items():
+        cells = []
+        for name in NAMES:
+            rows = by[name]
+            worst = max(rows, key=lambda r: r["bound_gap"])
+            eq = {(r["budget_tokens"], r["grad_accum"]): r["mix_tv"] for r in by["equal-tokens"]}
+            tv_over = sum(r["mix_tv"] > eq[(r["budget_tokens"], r["grad_accum"])] + 1e-9 for r in rows)
+            cells.append(f"{100 * worst['bound_gap']:.2f}% / {max(r['mix_tv'] for r in rows):.2f}")
+            record(experiment=f"plan_bench.py --section baselines, {mix} mix, {res['samples']:,} samples, 1 and 6 "
+                              f"clips of memory, G = 1 and 4, lockstep",
+                   variant=name, metric="worst gap to the lower bound (predicted)", unit="%",
+                   value=round(100 * worst["bound_gap"], 3), status="predicted", hardware=f"{ranks}x H200",
+                   gpus=ranks, policy=name if name in POLICIES else "", model="Wan2.1 1.3B", command=cmd,
+                   raw_file=raw, section="scheduler", better="lower", date=res["date"],
+                   note=f"at {worst['budget_tokens']:,} tokens, G={worst['grad_accum']}; mean gap "
+                        f"{100 * sum(r['bound_gap'] for r in rows) / len(rows):.2f}%; mix_tv up to "
+                        f"{max(r['mix_tv'] for r in rows):.3f}, above equal-tokens' in {tv_over} of {len(rows)}")
+        print(f"| {mix} | {ranks} | " + " | ".join(cells) + " |")
+    for t in res["timing_1024"]:
+        record(experiment=f"plan_bench.py --section baselines, packed planning {res['samples_1024']:,} samples for "
+                          f"1024 ranks, {t['budget_tokens']:,} tokens, lockstep",
+               variant=f"packed, G={t['grad_accum']}", metric="planning time", unit="s",
+               value=round(t["plan_seconds"], 1), hardware="CPU (2 cores, shared)", gpus=0, policy="packed",
+               command=cmd + f" --big {res['samples_1024']}", raw_file=raw, section="scheduler", date=res["date"],
+               note=f"peak RSS {t['peak_rss_MiB']:.0f} MiB; gap to the bound {100 * t['bound_gap']:.2f}%; "
+                    f"{res['uptime']}")
+
+
 def sizes_section(args):
     """packed against balanced at the one-clip budget on smaller epochs (8 ranks, lockstep): where the runs'
     remainders weigh more."""
@@ -122,14 +220,23 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=200000)
     ap.add_argument("--big", type=int, default=1000000)
-    ap.add_argument("--section", choices=("all", "packed", "sizes"), default="all")
+    ap.add_argument("--section", choices=("all", "packed", "sizes", "baselines"), default="all")
+    ap.add_argument("--mixes", default=",".join(SWEEP_MIXES), help="--section baselines: mixes to plan")
+    ap.add_argument("--budgets", default="1,2,3,6", help="--section baselines: budgets, in 720p clips")
+    ap.add_argument("--ranks", default="8,64", help="--section baselines: world sizes")
+    ap.add_argument("--big-budgets", default="1,6", help="--section baselines: budgets of the --big timing")
+    ap.add_argument("--big-mix", default="openvid-720p", help="--section baselines: mix of the --big timing")
     ap.add_argument("--out")
+    ap.add_argument("--record", metavar="RAW", help="record a --section baselines raw file into results.csv")
     args = ap.parse_args()
+    if args.record:
+        return record_baselines(args.record)
     env = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
            "cpus": __import__("os").cpu_count(), "python": platform.python_version(),
            "load_avg_1min": __import__("os").getloadavg()[0]}
-    if args.section in ("packed", "sizes"):
-        result = {**(packed_section if args.section == "packed" else sizes_section)(args), **env}
+    if args.section in ("packed", "sizes", "baselines"):
+        section = {"packed": packed_section, "sizes": sizes_section, "baselines": baselines_section}[args.section]
+        result = {**section(args), **env}
         out = args.out or f"bench/results/plan-{args.section}-{result['date']}-cpu.json"
         with open(out, "w") as f:
             json.dump(result, f, indent=1)

@@ -138,6 +138,8 @@ class Plan:
     the sum over micro-batch rounds of the slowest rank's micro-batch (>= the slowest rank's total)."""
     pack_tokens: int = None
     """packed: the memory a micro-batch was filled to, in tokens (PlanConfig.pack_tokens resolved)."""
+    bound: dict = None
+    """bound.lower_bound of the planned samples: the least predicted wall time any plan of them can have."""
 
     def summary(self) -> dict:
         cfg = self.config
@@ -156,6 +158,9 @@ class Plan:
             "mix_tv": mix_tv(self),
             "predicted_wall_s": sum_max / 1000,
             "pack_tokens": self.pack_tokens,
+            "lower_bound_s": self.bound["wall_s"] if self.bound else None,
+            "bound_binds": self.bound["binds"] if self.bound else None,
+            "bound_gap": sum_max / 1000 / self.bound["wall_s"] - 1 if self.bound and self.bound["wall_s"] else None,
         }
 
 
@@ -196,6 +201,23 @@ def mix_tv(plan: Plan) -> float:
 
 def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
     """Plan one epoch. `samples` need .id, .frames, .height, .width (manifest.Sample)."""
+    # packed and balanced have their own modules, imported here because they build on this one's helpers
+    from ds_adaptiveload.schedule import balanced, packed
+
+    if cfg.policy == "packed":
+        return plan_with(samples, profile, cfg, epoch, packed.packed_steps, packed.PackedCtx, packed.pack_cap)
+    if cfg.policy in ("equal-tokens", "dual"):
+        return plan_with(samples, profile, cfg, epoch, _bucket_steps)
+    return plan_with(samples, profile, cfg, epoch, balanced.balanced_steps)
+
+
+def plan_with(samples, profile, cfg: PlanConfig, epoch, steps_of, ctx_cls=None, cap_of=None) -> Plan:
+    """The plan that `steps_of(keep, ctx, rng)` makes of the samples: oversize samples set aside, the last step
+    filled to G micro-batches per rank, every step costed, the lower bound (schedule/bound.py) attached.
+    ctx_cls: the context class (micro-batches of mixed shapes need packed.PackedCtx); cap_of(keep, ctx, seed):
+    the memory a micro-batch may fill (packed's pack_cap), else the profile's budget."""
+    from ds_adaptiveload.schedule.bound import lower_bound
+
     if not samples:
         raise UserError("no samples to plan")
     full, gpu, shape = _tokens(samples, profile, cfg.sp)
@@ -203,26 +225,19 @@ def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
     rng = random.Random(f"{cfg.seed}/{epoch}")
     dual = profile.dual_for(min((gpu[i] for i in keep), default=1), max((gpu[i] for i in keep), default=1))
     cap = _batch_caps(gpu, shape, keep, profile, dual if cfg.policy == "dual" else None)
-    # packed and balanced have their own modules, imported here because they build on this one's helpers
-    from ds_adaptiveload.schedule import balanced, packed
-
-    if cfg.policy == "packed":
-        ctx = packed.PackedCtx(profile, cfg, full, gpu, shape, cap)
-        ctx.budget = packed.pack_cap(keep, ctx, cfg.seed)
-    else:
-        ctx = _Ctx(profile, cfg, full, gpu, shape, cap)
-    if not keep:
-        steps = []
-    elif cfg.policy == "packed":
-        steps = packed.packed_steps(keep, ctx, rng)
-    elif cfg.policy in ("equal-tokens", "dual"):
-        steps = _deal(_micro_batches(_shuffled_buckets(keep, shape, rng), cap), ctx, rng)
-    else:
-        steps = balanced.balanced_steps(keep, ctx, rng)
+    ctx = (ctx_cls or _Ctx)(profile, cfg, full, gpu, shape, cap)
+    if cap_of is not None:
+        ctx.budget = cap_of(keep, ctx, cfg.seed)
+    steps = steps_of(keep, ctx, rng) if keep else []
     pad = _finish_tail(steps, ctx, keep)
     pred, wall = zip(*(ctx.step_pred(step) for step in steps)) if steps else ((), ())
     return Plan(steps, list(pred), pad, skipped, full, cfg, epoch, dual, list(wall),
-                ctx.budget if cfg.policy == "packed" else None)
+                ctx.budget if cap_of is not None else None, lower_bound([gpu[i] for i in keep], profile, cfg))
+
+
+def _bucket_steps(keep, ctx, rng):
+    """equal-tokens and dual: shuffled one-shape micro-batches at the shape's cap, dealt round-robin."""
+    return _deal(_micro_batches(_shuffled_buckets(keep, ctx.shape, rng), ctx.cap), ctx, rng)
 
 
 @dataclass
