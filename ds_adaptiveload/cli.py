@@ -1,10 +1,10 @@
 """`python -m ds_adaptiveload <command>`: each command lives in its own module, imported lazily so that
 `plan` never imports torch."""
-import argparse
 import importlib
 import sys
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.flags import Parser
 
 # command -> (module, help). Each module defines add_arguments(parser) and run(args) -> int, and keeps
 # heavy imports (torch, deepspeed) inside run().
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     # `deepspeed --module ds_adaptiveload encode ...` puts --local_rank=N before the command; the launcher
     # also sets LOCAL_RANK, which is what the commands read.
     argv = [a for a in argv if not a.startswith("--local_rank=")]
-    parser = argparse.ArgumentParser(prog="python -m ds_adaptiveload")
+    parser = Parser(prog="python -m ds_adaptiveload")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -38,9 +38,25 @@ def main(argv=None) -> int:
         # Only the chosen command's module is imported: one broken or heavy command cannot break others.
         if argv and argv[0] == name:
             importlib.import_module(module).add_arguments(p)
-    args = parser.parse_args(argv)
     try:
-        return importlib.import_module(args._module).run(args) or 0
+        args = parser.parse_args(argv)  # a bad flag is a UserError too (flags.Parser)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        error = e
+    else:
+        try:
+            return importlib.import_module(args._module).run(args) or 0
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return flag_error(argv, error)
+
+
+def flag_error(argv, error) -> int:
+    """A bad flag: one `error:` line, exit 2. A command that runs on several ranks and agrees on it first (train:
+    its agreed_exit) does so, outside the `except` block of the error."""
+    module = COMMANDS.get(argv[0]) if argv else None
+    agreed_exit = getattr(importlib.import_module(module[0]), "agreed_exit", None) if module else None
+    if agreed_exit is not None:
+        return agreed_exit(error)
+    print(f"error: {error}", file=sys.stderr)
+    return 2

@@ -199,6 +199,8 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
     for line in lines if dims.rank == 0 else ():
         print(f"[ds_adaptiveload] {line}", file=sys.stderr)
     G = engine.gradient_accumulation_steps()
+    train_config.check_grad_accum(G, dims.dp, len(samples), f"{source or 'DeepSpeed config'}: "
+                                  f"gradient_accumulation_steps", "`samples`")
     plan_cfg = al.plan_config(dims.world, dims.sp, G, engine.zero_optimization_stage())
     sampler = AdaptiveSampler(samples, profile, plan_cfg, dims.dp_rank)
     lr = lr_scaling.install(engine, al.lr_scaling_method, al.lr_reference_batch_size)

@@ -6,7 +6,8 @@ import sys
 import time
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.train.config import AdaptiveLoadConfig, add_flag, flag_name
+from ds_adaptiveload.flags import non_negative_int, positive_int
+from ds_adaptiveload.train.config import AdaptiveLoadConfig, add_flag, check_grad_accum, flag_name
 
 
 def add_arguments(p):
@@ -15,13 +16,13 @@ def add_arguments(p):
     src.add_argument("--mix", metavar="NAME:N", help="a built-in synthetic mix instead, e.g. video-heavy:100000")
     p.add_argument("--profile", required=True,
                    help="cost profile YAML, or the name of a shipped one (e.g. h100-wan1.3b-zero2; shipped.py)")
-    p.add_argument("--world-size", type=int, required=True, help="GPUs (data-parallel size = N / sp)")
-    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step (G)")
+    p.add_argument("--world-size", type=positive_int, required=True, help="GPUs (data-parallel size = N / sp)")
+    p.add_argument("--sp", type=positive_int, default=1, help="Ulysses sequence-parallel degree")
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per rank per step (G)")
     # the flags of adaptive_load keys come from its schema (train/config.py), checked by it in run()
     for key in ("policy", "seed", "on_oversize", "window", "fill"):
         add_flag(p, key)
-    p.add_argument("--epoch", type=int, default=0)
+    p.add_argument("--epoch", type=non_negative_int, default=0)
     add_flag(p, "replicate", default="auto", choices=["auto", "on", "off"], type=None,
              help="packed: light samples in runs of R of one shape, so that a round's micro-batches are copies (auto: "
                   "when a micro-batch holds fewer than about 10 samples)")
@@ -82,6 +83,8 @@ def run(args):
     if args.checkpoint != "all" and RecomputeCost.of(profile, args.checkpoint_policy) is None:
         print(f"{source}: no time_ms.recompute_frac, memory.block_bytes_per_token, capacity_bytes or "
               f"meta.model.num_layers: --checkpoint {args.checkpoint} costs every block checkpointed", file=sys.stderr)
+    check_grad_accum(args.grad_accum, args.world_size // args.sp, len(samples), "--grad-accum",
+                     args.manifest or f"--mix {args.mix}")
     t0 = time.perf_counter()
     plan = make_plan(samples, profile, cfg, epoch=args.epoch)
     elapsed = time.perf_counter() - t0

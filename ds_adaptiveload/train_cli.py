@@ -14,13 +14,17 @@ import sys
 
 
 def _ckpt_blocks(value: str):
-    """--checkpoint-blocks VALUE: 'auto' or a block count k (the flag alone: every block)."""
+    """--checkpoint-blocks VALUE: 'auto' or a block count k >= 0 (the flag alone: every block); at most the model's
+    layers, checked with the model config (train/setup.read_config)."""
     if value == "auto":
         return value
     try:
-        return int(value)
+        blocks = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of blocks, got {value!r}") from None
+        blocks = -1
+    if blocks < 0:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a number of blocks >= 0, got {value!r}")
+    return blocks
 
 
 def add_arguments(p):
@@ -30,6 +34,7 @@ def add_arguments(p):
     default_alloc_conf()  # before anything touches CUDA (importing deepspeed may)
     import deepspeed
 
+    from ds_adaptiveload.flags import folder, non_negative_int, positive_float, positive_int
     from ds_adaptiveload.model.config import ATTENTION_BACKENDS
     from ds_adaptiveload.schedule.mixes import MIXES
     from ds_adaptiveload.train import preview
@@ -37,14 +42,19 @@ def add_arguments(p):
     p.add_argument("--model-config", required=True,
                    help="WanConfig YAML (configs/wan_*.yaml: the shipped ones are found outside a checkout too)")
     p.add_argument("--data", help="training manifest (JSONL with shard/latent_key/text_key per sample)")
+    p.add_argument("--allow-external-shards", action="store_true",
+                   help="read shards the manifest names outside its own folder (absolute paths, ../); refused "
+                        "without this flag (docs/dataset.md)")
     p.add_argument("--synthetic", action="store_true",
                    help="write a synthetic latent dataset under OUTPUT/synthetic and train on it")
-    p.add_argument("--synthetic-num", type=int, default=64, help="samples of the synthetic dataset")
+    p.add_argument("--synthetic-num", type=positive_int, default=64, help="samples of the synthetic dataset")
     p.add_argument("--synthetic-mix", default="tiny", choices=sorted(MIXES),
                    help="shape mix of the synthetic dataset (mixes.py)")
-    p.add_argument("--output", default="runs/train", help="step logs, checkpoints, synthetic data")
-    p.add_argument("--max-steps", type=int, required=True, help="optimizer steps to reach (counting resumed ones)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--output", default="runs/train", type=folder, help="step logs, checkpoints, synthetic data")
+    p.add_argument("--max-steps", type=positive_int, required=True,
+                   help="optimizer steps to reach (counting resumed ones)")
+    p.add_argument("--save-every", type=non_negative_int, default=0,
+                   help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--no-final-save", action="store_true", help="skip the checkpoint at the end (benchmarks)")
     p.add_argument("--resume", help="checkpoint folder to continue from (OUTPUT/checkpoints of a run)")
     p.add_argument("--init-from", metavar="DIR_OR_FILE",
@@ -79,11 +89,12 @@ def add_arguments(p):
     p.add_argument("--compile-cache", help="file of compiled artifacts: loaded at start if present, rewritten after "
                                            "steps that compiled new graphs (a restart or a new machine compiles less)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (engine.compile())")
-    p.add_argument("--timestep-shift", type=float, default=5.0, help="Wan's shift s: t = s*u / (1 + (s-1)*u)")
-    p.add_argument("--peak-tflops", type=float, default=989.0,
+    p.add_argument("--timestep-shift", type=positive_float, default=5.0,
+                   help="Wan's shift s: t = s*u / (1 + (s-1)*u)")
+    p.add_argument("--peak-tflops", type=positive_float, default=989.0,
                    help="per-GPU peak for MFU (H200 bf16 dense: 989)")
-    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
-    p.add_argument("--prefetch-factor", type=int, default=2, help="micro-batches prefetched per worker")
+    p.add_argument("--num-workers", type=non_negative_int, default=2, help="DataLoader workers per rank")
+    p.add_argument("--prefetch-factor", type=positive_int, default=2, help="micro-batches prefetched per worker")
     p.add_argument("--dump-grads", help=argparse.SUPPRESS)  # tests: params + gradients of the last step
     p.add_argument("--fault", action="append", help=argparse.SUPPRESS)  # tests: train/faults.py
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -113,18 +124,50 @@ def check(args) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m ds_adaptiveload train", description=__doc__.split("\n")[0])
+    """The flags; a bad one raises UserError (flags.Parser), which main agrees on with the other ranks."""
+    from ds_adaptiveload.flags import Parser
+
+    p = Parser(prog="python -m ds_adaptiveload train", description=__doc__.split("\n")[0])
     add_arguments(p)
     return p.parse_args(argv)
 
 
+def agreed_exit(error) -> int:
+    """A bad flag (or check's error), found by every rank alone before the process group exists: each rank joins
+    the group to agree on it, then rank 0 prints the one error line and every rank exits 2. A rank that exited at
+    once would get its peers killed by the launcher, now and then before any printed. Call it outside the `except`
+    block of `error`: the agreed error must not chain to the rank's own (failures.first_cause)."""
+    import os
+
+    from ds_adaptiveload.train import engine, failures
+
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            engine.init_distributed()
+        failures.agree(failures.error_text(error))  # every rank raises the same AgreedError here
+        raise failures.AgreedError(failures.error_text(error))  # not reached
+    except failures.AgreedError as e:
+        return failures.report(e)
+    finally:
+        failures.teardown()
+
+
 def run(args) -> int:
-    """check, then Trainer(args).train(); a failure ends as one `error:` line and an exit code (failures.report; a
-    UserError of check: the caller's, cli.main or main)."""
+    """check, then Trainer(args).train(); a failure ends as one `error:` line and an exit code (failures.report;
+    check's UserError: agreed_exit)."""
     import faulthandler
     import signal
 
-    check(args)
+    from ds_adaptiveload.errors import UserError
+
+    try:
+        check(args)
+    except UserError as e:
+        error = e
+    else:
+        error = None
+    if error is not None:
+        return agreed_exit(error)
 
     # A rank stuck in a collective: `kill -USR1 <pid>` prints its Python stacks (docs/reliability.md).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -144,11 +187,13 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    """parse_args, then run: what launch/train_wan.py calls."""
+    """parse_args, then run: what launch/train_wan.py calls. A bad flag: agreed_exit."""
     from ds_adaptiveload.errors import UserError
 
     try:
-        return run(parse_args(argv))
+        args = parse_args(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        error = e
+    else:
+        return run(args)
+    return agreed_exit(error)

@@ -7,6 +7,7 @@ from ds_adaptiveload.calibrate.measure import measure_profile
 from ds_adaptiveload.calibrate.packs import PACKS
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
+from ds_adaptiveload.flags import positive_float
 from ds_adaptiveload.model.config import ATTENTION_BACKENDS
 from ds_adaptiveload.schedule.profile import CostProfile
 
@@ -57,7 +58,8 @@ def add_arguments(p):
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     p.add_argument("--json", help="also write the raw measurements here (JSON)")
     # --estimate
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="--estimate: per-GPU peak (H200 bf16 dense)")
+    p.add_argument("--peak-tflops", type=positive_float, default=989.0,
+                   help="--estimate: per-GPU peak (H200 bf16 dense)")
     p.add_argument("--mfu", type=float, default=0.5,
                    help="--estimate: achieved fraction of the peak (one 1.3B block reached 0.47-0.52 for S >= 7800)")
     p.add_argument("--device-memory-gib", type=float, default=141.0, help="--estimate: device memory (H200: 141)")

@@ -28,29 +28,43 @@ adaptive_load.caption_dropout trains with in place of a sample's caption (train/
 
 
 def add_arguments(p):
+    from ds_adaptiveload.flags import non_negative_int, positive_int
     from ds_adaptiveload.schedule.mixes import MIXES
 
     p.add_argument("--out", required=True, help="folder for manifest.jsonl and the safetensors shards")
-    p.add_argument("--num", type=int, required=True, help="number of samples")
+    p.add_argument("--num", type=positive_int, required=True, help="number of samples")
     p.add_argument("--mix", default="video-heavy", choices=sorted(MIXES),
                    help="shape mix (ds_adaptiveload/schedule/mixes.py); 'tiny' suits the tiny model on CPU")
-    p.add_argument("--seed", type=int, default=0, help="seed of the shapes and the random values")
-    p.add_argument("--text-dim", type=int, default=4096, help="text embedding width (umT5-XXL: 4096)")
-    p.add_argument("--text-len", type=int, default=512, help="longest text context; lengths are drawn in [8, this]")
-    p.add_argument("--shard-size", type=int, default=64, help="samples per safetensors shard")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the shapes and the random values")
+    p.add_argument("--text-dim", type=positive_int, default=4096, help="text embedding width (umT5-XXL: 4096)")
+    p.add_argument("--text-len", type=positive_int, default=512,
+                   help="longest text context; lengths are drawn in [8, this]")
+    p.add_argument("--shard-size", type=positive_int, default=64, help="samples per safetensors shard")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="stored dtype")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the dataset in --out (without it, a folder holding a manifest.jsonl is refused)")
 
 
 def run(args) -> int:
-    if args.num < 1:
-        raise UserError(f"--num must be >= 1, got {args.num}")
     from ds_adaptiveload.schedule.mixes import make_mix
 
+    check_out(args.out, args.overwrite)
     path = write_synthetic(args.out, make_mix(args.mix, args.num, args.seed), text_dim=args.text_dim,
                            max_text_len=args.text_len, seed=args.seed, shard_size=args.shard_size,
                            dtype=args.dtype)
     print(f"wrote {args.num} samples ({args.mix}) to {path}")
     return 0
+
+
+def check_out(out, overwrite: bool) -> None:
+    """--out: a folder (or one to create) whose dataset, if any, is replaced only with --overwrite: a dataset written
+    over another keeps the old shards the new manifest does not name, and may be one a run still reads."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"--out {out}: is a file; give a folder")
+    manifest = os.path.join(out, "manifest.jsonl")
+    if os.path.exists(manifest) and not overwrite:
+        raise UserError(f"--out {out}: holds a dataset already ({manifest}); pass --overwrite to replace it, or "
+                        f"choose another folder")
 
 
 def write_synthetic(out_dir, samples, text_dim=4096, max_text_len=512, seed=0, shard_size=64,
@@ -93,25 +107,66 @@ def _where(sample, manifest):
     return f"{manifest}:{sample.line}" if sample.line else str(manifest)
 
 
-def _shard_path(sample, root, manifest):
+def _shard_path(sample, root, manifest, external=False):
+    """The sample's shard file. A shard outside the manifest's folder (an absolute path, or one through `..`) is
+    refused unless `external`: a manifest from elsewhere could otherwise make the run open any file the user can
+    read. The check is on the path as written; a symbolic link inside the folder is followed."""
     missing = [k for k in ("shard", "latent_key", "text_key") if k not in sample.extra]
     if missing:
         raise UserError(f"{_where(sample, manifest)}: sample {sample.id!r} lacks key(s) {', '.join(missing)} "
                         f"(a training manifest names its safetensors shard and tensor keys)")
-    return os.path.join(root, sample.extra["shard"])
+    name = sample.extra["shard"]
+    path = os.path.normpath(os.path.join(root, name))
+    if not external and (os.path.isabs(name) or os.path.commonpath([root, path]) != root):
+        raise UserError(f"{_where(sample, manifest)}: sample {sample.id!r}: shard {name!r} is outside the manifest's "
+                        f"folder {root}; shards are read there only (allow others with train_wan's "
+                        f"--allow-external-shards, or LatentDataset(..., external_shards=True))")
+    return path
+
+
+SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors format's own limit on its JSON header, in bytes
+
+
+def _not_safetensors(path):
+    """Why the file at `path` cannot be a safetensors file (its 8-byte little-endian header length, then a JSON
+    object that fits in the file), or None. Read before safe_open, so that a foreign file (a manifest naming
+    /etc/passwd, a video) is named as such, not failed on inside the reader."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+    n = int.from_bytes(head[:8], "little") if len(head) == 9 else -1
+    if not 2 <= n <= min(size - 8, SAFETENSORS_MAX_HEADER) or head[8:9] != b"{":
+        return f"not a safetensors file ({size} bytes, no safetensors header)"
+    return None
 
 
 # safetensors header dtype -> the manifest's optional `latent_dtype` spelling; latents must be floats.
 FLOAT_DTYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
 
 
-def check_samples(samples, manifest, geometry, text_dim, on_bad="error") -> list:
+def _open_shard(path):
+    """(safe_open handle, None), or (None, why the shard cannot be read: missing, not a file, not safetensors)."""
+    from safetensors import safe_open
+
+    if not os.path.exists(path):
+        return None, "shard missing"
+    if not os.path.isfile(path):
+        return None, "not a regular file"
+    problem = _not_safetensors(path)
+    if problem:
+        return None, problem
+    try:
+        return safe_open(path, framework="pt"), None
+    except Exception as e:  # a truncated or foreign file; safetensors raises its own types
+        return None, f"not a readable safetensors file ({e})"
+
+
+def check_samples(samples, manifest, geometry, text_dim, on_bad="error", external_shards=False) -> list:
     """Fail before training on a missing or unreadable (e.g. truncated) shard, a missing tensor, a latent
     whose shape disagrees with the manifest or whose dtype is not a float (or not the manifest's
     `latent_dtype`). Reads only the safetensors headers (cheap), once per shard. on_bad="skip": return
-    [(sample, reason)] of the bad samples instead of raising at the first."""
-    from safetensors import safe_open
-
+    [(sample, reason)] of the bad samples instead of raising at the first. external_shards: shards outside the
+    manifest's folder may be read (_shard_path)."""
     root = os.path.dirname(os.path.abspath(manifest))
     by_shard, bad = {}, []
 
@@ -122,20 +177,18 @@ def check_samples(samples, manifest, geometry, text_dim, on_bad="error") -> list
 
     for s in samples:
         try:
-            by_shard.setdefault(_shard_path(s, root, manifest), []).append(s)
+            by_shard.setdefault(_shard_path(s, root, manifest, external_shards), []).append(s)
         except UserError as e:
             fail(s, str(e))
     for path, group in by_shard.items():
-        if not os.path.isfile(path):
-            for s in group:
+        f, problem = _open_shard(path)
+        for s in group if f is None else ():
+            if problem == "shard missing":
                 fail(s, f"{path}: shard missing (needed by sample {s.id!r}, {_where(s, manifest)}"
                         f"{' and %d more' % (len(group) - 1) if len(group) > 1 and s is group[0] else ''})")
-            continue
-        try:
-            f = safe_open(path, framework="pt")
-        except Exception as e:  # a truncated or foreign file; safetensors raises its own types
-            for s in group:
-                fail(s, f"{path}: not a readable safetensors file ({e}) (sample {s.id!r}, {_where(s, manifest)})")
+            else:
+                fail(s, f"{path}: {problem} (sample {s.id!r}, {_where(s, manifest)})")
+        if f is None:
             continue
         with f:
             keys = set(f.keys())
@@ -178,8 +231,10 @@ class LatentDataset:
     one shape are contiguous (stable: the packed planner already emits that order), the four in one order.
     Tensors keep the stored dtype; the trainer casts on the device."""
 
-    def __init__(self, samples, manifest, geometry, text_len, text_dim, on_bad="error"):
+    def __init__(self, samples, manifest, geometry, text_len, text_dim, on_bad="error", external_shards=False):
         self.samples, self.manifest, self.geometry = samples, manifest, geometry
+        self.external_shards = external_shards
+        """Read shards outside the manifest's folder too (refused by default: _shard_path)."""
         self.on_bad = on_bad
         """error: a bad sample raises UserError; skip: the micro-batch comes back as {'bad': [(id, reason)],
         'index', 'ids'} without tensors, and the trainer skips the step on every rank."""
@@ -192,22 +247,17 @@ class LatentDataset:
 
     def _read(self, i):
         import torch
-        from safetensors import safe_open
 
         s = self.samples[i]
-        path = _shard_path(s, self.root, self.manifest)
+        path = _shard_path(s, self.root, self.manifest, self.external_shards)
         f = self._open.get(path)
         if f is None:
-            if not os.path.isfile(path):
-                raise UserError(f"{path}: shard missing (sample {s.id!r}, {_where(s, self.manifest)})")
             if len(self._open) >= 16:  # bound open files/mmaps per worker
                 self._open.pop(next(iter(self._open))).__exit__(None, None, None)
-            try:
-                f = safe_open(path, framework="pt").__enter__()
-            except Exception as e:  # truncated or foreign file
-                raise UserError(f"{path}: not a readable safetensors file ({e}) (sample {s.id!r}, "
-                                f"{_where(s, self.manifest)})") from None
-            self._open[path] = f
+            f, problem = _open_shard(path)
+            if f is None:
+                raise UserError(f"{path}: {problem} (sample {s.id!r}, {_where(s, self.manifest)})")
+            self._open[path] = f.__enter__()
         try:
             latent = f.get_tensor(s.extra["latent_key"])
             text = f.get_tensor(s.extra["text_key"])[: self.text_len]

@@ -1,5 +1,6 @@
 """Wan 2.1 DiT configuration: shape, parameter count and FLOPs. Pure Python (no torch) so planners and
 reports can use it cheaply."""
+import math
 from dataclasses import dataclass, fields
 from math import prod
 
@@ -79,13 +80,19 @@ class WanConfig:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "WanConfig") -> "WanConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        """Keys and types checked here, naming `source` and the key (a `dim: "1536"` is refused, not converted);
+        values by __post_init__."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
         if unknown:
             raise UserError(f"{source}: unknown model config key(s) {unknown}; known: {sorted(known)}")
+        for key, value in data.items():
+            must = _type_problem(known[key].type, value)
+            if must:
+                raise UserError(f"{source}: {key} must be {must}, got {value!r}")
         try:
             return cls(**data)
-        except TypeError as e:
+        except UserError as e:
             raise UserError(f"{source}: {e}") from None
 
     def to_dict(self) -> dict:
@@ -128,3 +135,17 @@ class WanConfig:
                 + self.freq_dim * d + d * d + d * 6 * d          # time MLP + projection
                 + s * d * self.out_dim * p)                      # head
         return 3.0 * 2.0 * macs
+
+
+def _type_problem(annotation, value):
+    """What a WanConfig field of `annotation` must be, where `value` is not of its type (else None); bool is not an
+    int here, as in JSON."""
+    if annotation is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if annotation is int:
+        return None if type(value) is int else "a positive integer"
+    if annotation is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok else "a finite number"
+    ok = isinstance(value, (list, tuple)) and len(value) == 3 and all(type(v) is int for v in value)
+    return None if ok else "a list of 3 positive integers"  # patch_size

@@ -2,12 +2,16 @@
 
 Errors name the file and line so a user can fix a million-line manifest without bisecting it."""
 import json
+import unicodedata
 from dataclasses import dataclass, field
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.geometry import Geometry
 
 REQUIRED = ("id", "frames", "height", "width")
+NAMES = ("shard", "latent_key", "text_key")
+"""Optional keys of a training manifest (data/latents.py) that name a file or a tensor: non-empty strings."""
+LATENT_DTYPES = ("fp32", "fp16", "bf16")
 _INTS = {}
 
 
@@ -39,6 +43,15 @@ def parse_line(text: str, path, lineno: int, geometry: Geometry) -> Sample:
     sid = rec["id"]
     if not isinstance(sid, str) or not sid:
         raise UserError(f"{where}: id must be a non-empty string, got {sid!r}")
+    if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in sid):
+        # a newline or escape sequence in an id would forge or garble the one-line errors and logs that name it
+        raise UserError(f"{where}: id {sid!r} holds a control character")
+    for key in NAMES:
+        if key in rec and (not isinstance(rec[key], str) or not rec[key]):
+            raise UserError(f"{where}: sample {sid!r}: {key} must be a non-empty string, got {rec[key]!r}")
+    if "latent_dtype" in rec and rec["latent_dtype"] not in LATENT_DTYPES:
+        raise UserError(f"{where}: sample {sid!r}: latent_dtype must be one of {', '.join(LATENT_DTYPES)}, "
+                        f"got {rec['latent_dtype']!r}")
     try:
         geometry.check(rec["frames"], rec["height"], rec["width"])
     except ValueError as e:

@@ -120,7 +120,7 @@ class AdaptiveLoadConfig(BaseModel):
         """Validate a section; a bad one is a UserError naming `source` and each bad key as prefix + key (names: a
         key's label where it came from elsewhere, e.g. {"seed": "data_efficiency.seed"})."""
         if not isinstance(d, dict):
-            raise UserError(f"{source}: {prefix.rstrip('.')} must be an object, got {_shown(d)}")
+            raise UserError(f"{source}: {prefix.rstrip('.')} must be an object, got {shown(d)}")
         return cls.checked(d, lambda key: (names or {}).get(key, prefix + key), f"{source}: ")
 
     @classmethod
@@ -215,9 +215,9 @@ def explain(model, err: ValidationError, label) -> list:
         elif ctx.get("key"):
             out.append(f"{label(key)} {e['msg']}")
         elif field is not None:
-            out.append(f"{label(key)} must be {_must(field)}, got {_shown(e['input'])}")
+            out.append(f"{label(key)} must be {_must(field)}, got {shown(e['input'])}")
         else:
-            out.append(f"{label(key) if key else 'the section'}: {e['msg']}, got {_shown(e['input'])}")
+            out.append(f"{label(key) if key else 'the section'}: {e['msg']}, got {shown(e['input'])}")
     return out
 
 
@@ -259,7 +259,8 @@ def _unknown(model, names, label) -> str:
     return f"unknown key {names[-1]!r} in {section}{hint}; known: {', '.join(known)}"
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
+    """A bad value as an error line quotes it: its repr, cut to 80 characters."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -294,17 +295,25 @@ def adaptive_load_section(ds: dict, source, pop=False) -> AdaptiveLoadConfig:
 
 
 def load_ds_config(path):
-    """-> (DeepSpeed dict without `adaptive_load`, AdaptiveLoadConfig). DeepSpeed's config parser tolerates
-    unknown keys, but it stores the dict in every checkpoint and prints it, so ours is removed."""
+    """-> (DeepSpeed dict without `adaptive_load`, AdaptiveLoadConfig). DeepSpeed ignores a top-level key it does not
+    read (a misspelt `zero_optimisation` trained under ZeRO-0), so its keys are checked against the installed
+    DeepSpeed first (ds_keys.py). Ours is removed: DeepSpeed stores the dict in every checkpoint and prints it."""
     ds = read_json_object(path, "DeepSpeed config")
     al = adaptive_load_section(ds, path, pop=True)
-    gas = ds.get("gradient_accumulation_steps", 1)
-    if not isinstance(gas, int) or gas < 1:
-        raise UserError(f"{path}: gradient_accumulation_steps must be a positive integer, got {gas!r}")
-    sp = ds.get("sequence_parallel_size", 1)
-    if not isinstance(sp, int) or sp < 1:
-        raise UserError(f"{path}: sequence_parallel_size must be a positive integer, got {sp!r}")
+    from ds_adaptiveload.train.ds_keys import check_deepspeed_config
+
+    check_deepspeed_config(ds, path)
     return ds, al
+
+
+def check_grad_accum(G: int, dp: int, num_samples: int, label: str, data) -> None:
+    """A step is G micro-batches on each of dp ranks, each holding at least one sample: with more micro-batches
+    than samples every step would be mostly pads (repeats trained with weight 0), and a G of millions plans for
+    ever. Checked before planning; `label` names G where it was given, `data` where the samples are."""
+    if G * dp > num_samples:
+        fix = f"; give at most {num_samples // dp}" if num_samples >= dp else ""
+        raise UserError(f"{label} {G} x {dp} data-parallel rank(s) = {G * dp} micro-batches per step, more than the "
+                        f"{num_samples} samples in {data}{fix}")
 
 
 def ds_batch_keys(ds: dict, dp_world: int) -> dict:

@@ -37,6 +37,11 @@ def read_config(args, world, rank, device=None):
     check_compile_cache(args)
     changed = config.ds_batch_keys(ds_cfg, dims.dp)
     model_cfg = WanConfig.from_yaml(args.model_config)
+    blocks = getattr(args, "checkpoint_blocks", False)
+    if type(blocks) is int and blocks > model_cfg.num_layers:
+        raise UserError(f"--checkpoint-blocks {blocks}: more than the model's {model_cfg.num_layers} blocks "
+                        f"({args.model_config} num_layers); give at most {model_cfg.num_layers}, or the flag alone "
+                        f"for every block")
     gpu = gpu_of(device)
     path, lines = al.profile_path(args.deepspeed_config, model_cfg, stage, dims.sp, gpu)
     profile, moved = profile_for_run(CostProfile.load(path), stage, dims, path, gpu)  # every rank: the same plan
@@ -156,12 +161,13 @@ def prepare_data(args, manifest, c, world, rank):
     from ds_adaptiveload.schedule.memory import RecomputeCost
     from ds_adaptiveload.schedule.sampler import AdaptiveSampler
     from ds_adaptiveload.train import checkpoint
-    from ds_adaptiveload.train.config import zero_stage
+    from ds_adaptiveload.train.config import check_grad_accum, zero_stage
 
     al, geometry = c.al, c.profile.geometry
+    external = getattr(args, "allow_external_shards", False)
     samples = load_manifest(manifest, geometry)
     # skip: samples found bad now leave the plan (every rank reads the same headers, so all agree)
-    bad_upfront = data.check_samples(samples, manifest, geometry, c.model_cfg.text_dim, al.on_bad_sample)
+    bad_upfront = data.check_samples(samples, manifest, geometry, c.model_cfg.text_dim, al.on_bad_sample, external)
     if bad_upfront:
         dropped = {id(s) for s, _ in bad_upfront}
         samples = [s for s in samples if id(s) not in dropped]
@@ -172,13 +178,14 @@ def prepare_data(args, manifest, c, world, rank):
                   f"{len(samples)} remain", file=sys.stderr)
         if not samples:
             raise UserError(f"{manifest}: every sample is bad")
+    check_grad_accum(c.G, c.dims.dp, len(samples), f"{args.deepspeed_config}: gradient_accumulation_steps", manifest)
     stage = zero_stage(c.ds_cfg)
     ckpt = plan_checkpoint(args, stage)
     plan_cfg = al.plan_config(world, c.dims.sp, c.G, stage, **ckpt)
     sampler = AdaptiveSampler(samples, c.profile, plan_cfg, c.dims.dp_rank)
     # Bad samples found while reading come back as data ("bad"), so the loop can agree on them across ranks.
     dataset = data.LatentDataset(samples, manifest, geometry, c.model_cfg.text_len, c.model_cfg.text_dim,
-                                 on_bad="skip")
+                                 on_bad="skip", external_shards=external)
     # Only the keys that shape the plan: failure policies, LR scaling and loss weighting may change between a crash
     # and its resume (e.g. to skip what crashed it), and checkpoints from before a key existed keep loading.
     layout = {"world": world, "sp": c.dims.sp, "grad_accum": c.G, "adaptive_load": al.layout_keys(),
