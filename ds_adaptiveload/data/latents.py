@@ -119,7 +119,7 @@ def _shard_path(sample, root, manifest, external=False):
     path = os.path.normpath(os.path.join(root, name))
     if not external and (os.path.isabs(name) or os.path.commonpath([root, path]) != root):
         raise UserError(f"{_where(sample, manifest)}: sample {sample.id!r}: shard {name!r} is outside the manifest's "
-                        f"folder {root}; shards are read there only (allow others with train_wan's "
+                        f"folder {root}; shards are read there only (allow others with the trainer's "
                         f"--allow-external-shards, or LatentDataset(..., external_shards=True))")
     return path
 
