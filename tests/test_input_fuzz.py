@@ -564,6 +564,10 @@ CLI_CASES = [
     ("plan --grad-accum huge", [*PLAN, "--world-size", "2", "--grad-accum", "1000000000"],
      "error: --grad-accum 1000000000 x 2 data-parallel rank(s) = 2000000000 micro-batches per step, more than the 50 "
      "samples in --mix tiny:50; give at most 25"),
+    ("train --max-steps 0", ["train", "--deepspeed_config", "ds.json", "--model-config", "m.yaml", "--synthetic",
+                             "--max-steps", "0"], "error: --max-steps must be a positive integer, got '0'"),
+    ("train --output a file", ["train", "--deepspeed_config", "ds.json", "--model-config", "m.yaml", "--synthetic",
+                               "--max-steps", "1", "--output", __file__], "error: --output must be a folder, but"),
     ("unknown command", ["trian"], "error: command: invalid choice: 'trian'"),
 ]
 
