@@ -330,8 +330,8 @@ def _oversize(samples, full, gpu, profile, cfg):
             raise UserError(
                 f"sample {samples[i].id!r} ({samples[i].frames}x{samples[i].height}x{samples[i].width}) has "
                 f"{g} tokens per GPU at sp={cfg.sp}{own}, over memory.budget_tokens={budget}; the smallest "
-                f"sequence-parallel degree that fits it is {k} (it must divide the world size), or pass "
-                f"--on-oversize skip")
+                f"sequence-parallel degree that fits it is {k} (it must divide the world size), or set "
+                f"adaptive_load.on_oversize to \"skip\" (plan: --on-oversize skip)")
     return keep, skipped
 
 
