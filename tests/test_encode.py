@@ -276,17 +276,10 @@ def test_encode_writes_the_empty_prompt_once(dataset):
 
 def test_train_two_steps_on_the_encoded_data(dataset, tmp_path):
     """launch/train_wan.py --data OUT/manifest.jsonl, the tiny model, one rank via the deepspeed launcher, with
-    caption dropout (the empty prompt encode wrote); the tiny CPU profile's 192-token budget is raised for 240p
-    clips (780 tokens)."""
-    import yaml
-    with open(os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")) as f:
-        prof = yaml.safe_load(f)
-    prof["memory"]["budget_tokens"] = 2048
-    prof.pop("dual")
-    (tmp_path / "profile.yaml").write_text(yaml.safe_dump(prof))
+    caption dropout (the empty prompt encode wrote) and the shipped CPU profile (its budget holds the 240p clips:
+    780 tokens)."""
     with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
         cfg = json.load(f)
-    cfg["adaptive_load"]["profile"] = str(tmp_path / "profile.yaml")
     cfg["adaptive_load"]["caption_dropout"] = 0.5
     cfg["csv_monitor"]["enabled"] = False
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
@@ -299,3 +292,31 @@ def test_train_two_steps_on_the_encoded_data(dataset, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     steps = read_jsonl(tmp_path / "run" / "steps.rank0.jsonl")
     assert len(steps) == 2 and all(np.isfinite(s["loss"]) for s in steps)
+
+
+@pytest.mark.slow
+def test_a_33_frame_256px_clip_trains_with_the_shipped_cpu_config(tmp_path):
+    """A user's first CPU run: a 33-frame 256x256 clip (the 240p tier's 320x320: 3,600 tokens) through manifest,
+    encode and 2 training steps with configs/ds_tiny_cpu.json exactly as shipped (profile auto: tiny-cpu.yaml,
+    whose budget must hold the clip), from a folder outside the checkout."""
+    tiny_models(tmp_path)
+    media = tmp_path / "media"
+    media.mkdir()
+    write_video(media / "clip.mp4", "mpeg4", 16, 33, 256, 256)
+    (media / "clip.txt").write_text("a bar moves")
+    raw, out = tmp_path / "raw.jsonl", tmp_path / "latents"
+    scan.run(scan_args(media, raw, workers=1))
+    (rec,) = read_jsonl(raw)
+    assert (rec["frames"], rec["height"], rec["width"]) == (33, 320, 320)
+    assert Geometry().tokens(33, 320, 320) == 3600
+    assert encode.run(encode_args(tmp_path, raw, out)) == 0
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "1", "--master_port", str(master_port()), "--module",
+           "ds_adaptiveload", "train", "--deepspeed_config", "configs/ds_tiny_cpu.json", "--model-config",
+           "configs/wan_tiny.yaml", "--data", str(out / "manifest.jsonl"), "--max-steps", "2", "--no-final-save",
+           "--num-workers", "0", "--output", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert "adaptive_load.profile auto: tiny-cpu" in proc.stderr
+    steps = read_jsonl(tmp_path / "run" / "steps.rank0.jsonl")
+    assert len(steps) == 2 and all(np.isfinite(s["loss"]) for s in steps)
+    assert all(s["tokens"] == 3600 for s in steps)  # the clip, once per step (an epoch of one sample)

@@ -68,7 +68,7 @@ def tiny_plan(samples):
     from ds_adaptiveload.schedule.profile import CostProfile
 
     return make_plan(samples, CostProfile.load(os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")),
-                     PlanConfig(world_size=2, grad_accum=2, lockstep=True), 0)
+                     PlanConfig(world_size=2, grad_accum=2, lockstep=True, pack_tokens=192), 0)
 
 
 def write_config(path, **adaptive_load):
@@ -309,7 +309,7 @@ def test_oom_and_bad_samples_skipped_on_every_rank(tmp_path, dataset, reference)
     proc = launch(out, manifest, cfg, "--max-steps", str(len(plan.steps)), "--fault", "oom:1:2:1")
     ok(proc)
     assert f"{len(truncated)} bad sample(s) left out of the plan" in proc.stderr
-    assert "step 2, rank 1: out of memory in micro-batch 1 (B=" in proc.stderr and "budget_tokens 192" in proc.stderr
+    assert "step 2, rank 1: out of memory in micro-batch 1 (B=" in proc.stderr and "budget_tokens 4096" in proc.stderr
     for rank in (0, 1):
         recs = {r["step"]: r for r in lineage(out, rank)}
         assert recs[2]["skipped"]["reason"] == "oom" and recs[4]["skipped"]["reason"] == "bad_sample"

@@ -182,6 +182,10 @@ STAGES = {
     "gemm_rows": Stage([py("bench/model/gemm_rows.py", "--out", "{out}")], 90,
                        "the block's GEMMs at a packed micro-batch's rows vs the separate ones' (cuBLAS, cuBLASLt)"),
     "mfu": Stage([py("bench/mfu.py")], 300, "model FLOPs utilisation", op=True, needs_file="bench/mfu.py"),
+    "shipped": Stage([py("bench/e2e/shipped_configs.py", "--out", "{out}", "--budget-s", "{inner}")], 570,
+                     "the README's command for the shipped ZeRO-2 and ZeRO-3 configs, profile auto, 20 steps each "
+                     "(one config per call: --args shipped=\"--configs configs/ds_zero3_bf16.json\")", op=True,
+                     margin=20),
     "encode": Stage([py("bench/data/encode_bench.py", "--out", "{out}", "--budget-s", "{inner}")], 240,
                     "encode: full-size Wan VAE + umT5-XXL (random weights), clips/s and peak memory", margin=40),
 }

@@ -261,6 +261,8 @@ def write_ds_json(path, base, profile_path=None, policy=None, sp=1, grad_accum=1
                                "on_oversize": "skip", "on_oom": "skip" if z3 else "error"}
     elif policy is not None:
         adaptive["policy"] = policy
+        if policy != "packed":
+            adaptive.setdefault("pack_tokens", None)  # a base's packed cap (ds_tiny_cpu.json) is the packed policy's
     ds["adaptive_load"] = {**ds.get("adaptive_load", {}), **adaptive}
     with open(path, "w") as f:
         json.dump(ds, f, indent=1)

@@ -76,6 +76,12 @@ def launch(ds_json, manifest, steps, work, log_path, launcher_args="--num_gpus 1
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *shlex.split(launcher_args), script or "launch/train_wan.py",
            "--deepspeed_config", ds_json, "--model-config", model_config, "--data", manifest,
            "--max-steps", str(steps), "--no-final-save", "--output", work, *extra]
+    return run_logged(cmd, log_path, timeout)
+
+
+def run_logged(cmd, log_path, timeout=None):
+    """cmd from the repo root in a session of its own, its output into log_path; its exit code, or 'timeout' when
+    cut after `timeout` s (its rank processes killed with it)."""
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()

@@ -1,0 +1,130 @@
+"""The shipped configs out of the box on one GPU: the README's command for configs/ds_zero2_bf16.json and
+configs/ds_zero3_bf16.json (adaptive_load.profile "auto"), 20 steps of the 1.3B model on 32 video-heavy synthetic
+samples; MFU, tokens/s and peak memory as a share of the GPU's, recorded with bench/harness.record into a staging table.
+
+    python bench/e2e/shipped_configs.py --configs configs/ds_zero2_bf16.json --out OUT
+    python bench/device/run.py --wheels .whl --budget-s 590 --stages shipped=570 \\
+        --args shipped="--configs configs/ds_zero3_bf16.json"
+
+OUT gets per config: the launcher's log (which profile auto took, what moved), the step log, and results-staging.csv
+(merge: python bench/harness.py merge OUT/results-staging.csv). Steps 1-2 (compilation, allocator warm-up) are left out
+of the numbers; MFU is weighted by step time, as the trainer's log computes it per step.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import harness  # noqa: E402
+from train_steps import run_logged  # noqa: E402  (bench/e2e, this script's folder)
+
+WARMUP = 2
+# The README's command, per config: the attention checkpoint policy needs ZeRO-0/1/2 (train/setup.py).
+POLICY = {2: "attention", 3: "full"}
+
+
+def command(config, stage, steps, num, work, model="configs/wan_1_3b.yaml", mix="video-heavy"):
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "launch/train_wan.py",
+            "--deepspeed_config", config, "--model-config", model, "--synthetic", "--synthetic-mix",
+            mix, "--synthetic-num", str(num), "--checkpoint-blocks", "auto", "--checkpoint-policy",
+            POLICY[stage], "--compile-blocks", "regions", "--max-steps", str(steps), "--no-final-save", "--output", work]
+
+
+def summarize(recs, warmup=WARMUP):
+    """MFU (time-weighted), tokens/s and the peak memory share of the steps after `warmup`; OOM-skipped steps counted."""
+    trained = [r for r in recs if "skipped" not in r]
+    body = trained[warmup:] or trained
+    ms = sum(r["step_ms"] for r in body)
+    return {"steps": len(trained), "skipped": len(recs) - len(trained), "measured_steps": len(body),
+            "mfu": 100 * sum(r["mfu"] * r["step_ms"] for r in body) / ms,
+            "tokens_per_s": sum(r["tokens"] for r in body) / ms * 1e3,
+            "peak_gib": max(r["mem_peak_gib"] for r in trained), "capacity_gib": trained[0]["mem_capacity_gib"],
+            "peak_share": 100 * max(r["mem_peak_gib"] for r in trained) / trained[0]["mem_capacity_gib"]}
+
+
+def hardware(device):
+    """The results table's hardware name of one GPU of torch's `device` name."""
+    return "1x H100 80GB" if "H100" in device else "1x H200" if "H200" in device else f"1x {device}"
+
+
+def auto_line(log_path):
+    with open(log_path, errors="replace") as f:
+        return next((ln.split("] ", 1)[-1].strip() for ln in f if "adaptive_load.profile auto:" in ln), "")
+
+
+def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num=32, mix="video-heavy"):
+    exp = f"train_wan.py with the shipped ZeRO-{stage} config (profile auto), {num} {mix} samples, {steps} steps"
+    common = dict(experiment=exp, variant="README command, SDPA", hardware=hardware(device), zero_stage=stage,
+                  policy="packed", model="Wan2.1 1.3B", command=" ".join(cmd), raw_file=raw, section="training",
+                  note=f"steps {WARMUP + 1}-{s['steps']}; {profile_line}; {s['skipped']} step(s) skipped")
+    harness.record(staging, metric="MFU, whole step", unit="%", value=round(s["mfu"], 1), **common)
+    harness.record(staging, metric="tokens/s, whole step", unit="tokens/s", value=round(s["tokens_per_s"]), **common)
+    harness.record(staging, metric="peak memory, share of the GPU", unit="%", value=round(s["peak_share"], 1),
+                   better="higher", **{**common, "note": common["note"] + f"; peak {s['peak_gib']:.1f} of "
+                                                                          f"{s['capacity_gib']:.1f} GiB; target 90%"})
+
+
+def run_config(args, config, device, date, timeout):
+    from ds_adaptiveload.train.config import read_json_object, zero_stage
+
+    stage = zero_stage(read_json_object(os.path.join(ROOT, config), "DeepSpeed config"))
+    name = os.path.splitext(os.path.basename(config))[0]
+    work = os.path.join(args.work, name)
+    shutil.rmtree(work, ignore_errors=True)
+    cmd = command(config, stage, args.steps, args.num, work, args.model_config, args.mix)
+    tag = f"shipped-{date}-{'h100' if 'H100' in device else 'h200' if 'H200' in device else 'gpu'}-{name}"
+    log = os.path.join(args.out, f"{tag}.log")
+    rc = run_logged(cmd, log, timeout)
+    steps_file = os.path.join(work, "steps.rank0.jsonl")
+    recs = [json.loads(ln) for ln in open(steps_file)] if os.path.exists(steps_file) else []
+    raw = os.path.join(args.out, f"{tag}-steps.jsonl")
+    if recs:
+        shutil.copy(steps_file, raw)
+    print(f"{config}: exit {rc}, {len(recs)} step(s) logged ({log})", flush=True)
+    if rc != 0 or len(recs) < args.steps:
+        return {"config": config, "exit": rc, "steps": len(recs)}
+    s = summarize(recs)
+    # the staging table names the raw files where the repository keeps them (bench/results/)
+    record(args.staging, config, stage, s, device, cmd, f"bench/results/{os.path.basename(raw)};"
+           f"bench/results/{os.path.basename(log)}", auto_line(log), args.steps, args.num, args.mix)
+    return {"config": config, "exit": rc, **s}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="configs/ds_zero2_bf16.json,configs/ds_zero3_bf16.json",
+                    help="comma list of shipped DeepSpeed JSONs")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--num", type=int, default=32, help="synthetic samples")
+    ap.add_argument("--mix", default="video-heavy", help="their shape mix (a CPU smoke run: tiny)")
+    ap.add_argument("--model-config", default="configs/wan_1_3b.yaml", help="(a CPU smoke run: configs/wan_tiny.yaml)")
+    ap.add_argument("--timeout", type=float, default=560, help="seconds per run")
+    ap.add_argument("--budget-s", type=float, default=None, help="total seconds (the device runner's {inner})")
+    ap.add_argument("--work", default="/tmp/bench_shipped")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    args.staging = os.path.join(args.out, "results-staging.csv")
+    os.makedirs(args.out, exist_ok=True)
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    date, start, results = time.strftime("%Y-%m-%d", time.gmtime()), time.monotonic(), []
+    for config in args.configs.split(","):
+        left = args.budget_s - (time.monotonic() - start) if args.budget_s else args.timeout
+        if left < 120:
+            results.append({"config": config, "skipped": "time budget"})
+            continue
+        results.append(run_config(args, config, device, date, min(args.timeout, left)))
+    with open(os.path.join(args.out, "shipped-configs.json"), "w") as f:
+        json.dump({"env": harness.environment(), "device": device, "runs": results}, f, indent=1)
+    print(json.dumps(results), flush=True)
+    return 0 if all(r.get("exit") == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""bench/e2e/shipped_configs.py on the CPU: the README's command per shipped config, and the numbers it records from a
+step log (the H100 run of 2026-12-06 gives the 44.4% MFU of the results table)."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench", "e2e"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import harness  # noqa: E402
+import shipped_configs as sc  # noqa: E402
+
+
+def test_the_commands_are_the_readmes_with_the_policy_each_stage_allows():
+    z2 = sc.command("configs/ds_zero2_bf16.json", 2, 20, 32, "/w")
+    z3 = sc.command("configs/ds_zero3_bf16.json", 3, 20, 32, "/w")
+    assert z2[z2.index("--checkpoint-policy") + 1] == "attention" and z3[z3.index("--checkpoint-policy") + 1] == "full"
+    for cmd in (z2, z3):
+        assert cmd[cmd.index("--max-steps") + 1] == "20" and "--synthetic" in cmd and "launch/train_wan.py" in cmd
+        assert cmd[cmd.index("--compile-blocks") + 1] == "regions" and cmd[cmd.index("--checkpoint-blocks") + 1] == "auto"
+
+
+def test_summary_and_rows_of_a_step_log(tmp_path):
+    import json
+
+    path = os.path.join(ROOT, "bench", "results", "h100-2026-12-06-zero2-packed-steps.jsonl")
+    recs = [json.loads(line) for line in open(path)]
+    s = sc.summarize(recs)
+    assert round(s["mfu"], 1) == 44.4 and s["measured_steps"] == 4 and s["skipped"] == 0
+    assert round(s["peak_share"], 1) == round(100 * 76.5 / 79.18, 1)
+    staging = str(tmp_path / "staging.csv")
+    sc.record(staging, "configs/ds_zero2_bf16.json", 2, s, "NVIDIA H100 80GB HBM3", ["cmd"], "bench/results/x.jsonl",
+              "adaptive_load.profile auto: h100-wan1.3b-zero2", 6)
+    rows = harness.read_results(staging)
+    assert {r["hardware"] for r in rows} == {"1x H100 80GB"} and len(rows) == 3
+    assert {r["metric"]: r["value"] for r in rows}["MFU, whole step"] == "44.4"
+    assert all("profile auto: h100-wan1.3b-zero2" in r["note"] for r in rows)
