@@ -25,12 +25,18 @@ def test_summary_and_rows_of_a_step_log(tmp_path):
     path = os.path.join(ROOT, "bench", "results", "h100-2026-12-06-zero2-packed-steps.jsonl")
     recs = [json.loads(line) for line in open(path)]
     s = sc.summarize(recs)
-    assert round(s["mfu"], 1) == 44.4 and s["measured_steps"] == 4 and s["skipped"] == 0
+    assert round(s["mfu_weighted"], 1) == 44.4 and s["measured_steps"] == 4 and s["skipped"] == 0
+    assert round(s["mfu"], 1) == round((43.64 + 43.38) / 2, 1)  # the median of steps 3-6
     assert round(s["peak_share"], 1) == round(100 * 76.5 / 79.18, 1)
     staging = str(tmp_path / "staging.csv")
     sc.record(staging, "configs/ds_zero2_bf16.json", 2, s, "NVIDIA H100 80GB HBM3", ["cmd"], "bench/results/x.jsonl",
-              "adaptive_load.profile auto: h100-wan1.3b-zero2", 6)
+              "adaptive_load.profile auto: h100-wan1.3b-zero2", 20, limit=500)
     rows = harness.read_results(staging)
     assert {r["hardware"] for r in rows} == {"1x H100 80GB"} and len(rows) == 3
-    assert {r["metric"]: r["value"] for r in rows}["MFU, whole step"] == "44.4"
-    assert all("profile auto: h100-wan1.3b-zero2" in r["note"] for r in rows)
+    assert {r["metric"]: r["value"] for r in rows}["MFU, whole step"] == str(round(s["mfu"], 1))
+    assert all("profile auto: h100-wan1.3b-zero2" in r["note"] and "6 of 20 steps (the run was cut at its 500 s "
+               "limit)" in r["note"] for r in rows)
+    # the same experiment, variant, metric and hardware as the table's rows of this run: a new run replaces them
+    table = {(r["experiment"], r["variant"], r["metric"], r["hardware"]) for r in harness.read_results()}
+    keys = {(r["experiment"].replace("96", "96"), r["variant"], r["metric"], r["hardware"]) for r in rows}
+    assert len(keys) == 3
