@@ -44,12 +44,13 @@ def summarize(recs, warmup=WARMUP):
     trained = [r for r in recs if "skipped" not in r]
     body = trained[warmup:] or trained
     ms = sum(r["step_ms"] for r in body)
-    peak, cap = max(r["mem_peak_gib"] for r in trained), trained[0]["mem_capacity_gib"]
+    # a CPU run (a smoke run of this script) logs no memory
+    peak, cap = max(r.get("mem_peak_gib", 0.0) for r in trained), trained[0].get("mem_capacity_gib")
     return {"steps": len(trained), "skipped": len(recs) - len(trained), "measured_steps": len(body),
             "mfu": 100 * statistics.median(r["mfu"] for r in body),
             "mfu_weighted": 100 * sum(r["mfu"] * r["step_ms"] for r in body) / ms,
             "tokens_per_s": sum(r["tokens"] for r in body) / ms * 1e3,
-            "peak_gib": peak, "capacity_gib": cap, "peak_share": 100 * peak / cap}
+            "peak_gib": peak, "capacity_gib": cap, "peak_share": 100 * peak / cap if cap else None}
 
 
 def hardware(device):
@@ -72,9 +73,10 @@ def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num
                   model="Wan2.1 1.3B", command=" ".join(cmd), raw_file=raw)
     harness.record(staging, metric="MFU, whole step", unit="%", value=round(s["mfu"], 1), section="headline",
                    note=f"median; time-weighted mean {s['mfu_weighted']:.1f}%; {note}", **common)
-    harness.record(staging, metric="peak memory, share of capacity", unit="%", value=round(s["peak_share"], 1),
-                   section="headline", note=f"{s['peak_gib']:.1f} of {s['capacity_gib']:.1f} GiB; target >= 90%; "
-                                            f"{note}", **common)
+    if s["peak_share"] is not None:
+        harness.record(staging, metric="peak memory, share of capacity", unit="%", value=round(s["peak_share"], 1),
+                       section="headline", note=f"{s['peak_gib']:.1f} of {s['capacity_gib']:.1f} GiB; target >= 90%; "
+                                                f"{note}", **common)
     harness.record(staging, metric="throughput", unit="tokens/s", value=round(s["tokens_per_s"]), section="training",
                    note=note, **common)
 

@@ -42,7 +42,9 @@ def run(args) -> int:
     from ds_adaptiveload.plan_cli import run_profile
     from ds_adaptiveload.schedule.profile import CostProfile
 
-    base = CostProfile.load(args.profile)
+    from ds_adaptiveload import shipped
+
+    base = CostProfile.load(shipped.resolve(args.profile, "--profile"))  # a path, or a shipped profile's name
     samples = load_manifest(args.manifest, base.geometry)
     sp, n = args.sp, args.world_size
 
