@@ -28,6 +28,19 @@ def flags(add_arguments) -> set:
     return {s for a in p._actions for s in a.option_strings}
 
 
+def other_command(before):
+    """The command a message names in backticks before a flag ("... `encode` ... --out"): the flag is that command's.
+    None where it names none (or only these two)."""
+    import importlib
+
+    from ds_adaptiveload.cli import COMMANDS
+
+    named = [c for c in re.findall(r"`(?:python -m ds_adaptiveload )?([a-z]+)`", before) if c in COMMANDS]
+    if not named or named[-1] in ("train", "plan"):
+        return None
+    return named[-1], flags(importlib.import_module(COMMANDS[named[-1]][0]).add_arguments)
+
+
 def messages(patterns):
     """(file, line, text) of each UserError(...) call in the files: its string parts joined (an f-string's
     placeholders left out, so only literal option names are checked)."""
@@ -69,6 +82,10 @@ def test_every_option_an_error_names_exists_where_it_is_printed(patterns, comman
         if not opt.startswith("--"):
             if not known_key(opt):
                 bad.append(f"{where}: {opt} is no adaptive_load or profile key")
+            continue
+        other = other_command(before)
+        if other is not None:  # e.g. "(re-run `encode` on this --out)"
+            bad += [] if opt in other[1] else [f"{where}: {opt} is not a flag of {other[0]}"]
             continue
         # a shared module names a flag of one command only after "plan: " (e.g. "(plan: --on-oversize skip)")
         need = ["plan"] if commands == "plan" or before.endswith("plan: ") else \
