@@ -27,6 +27,17 @@ def _ckpt_blocks(value: str):
     return blocks
 
 
+def _positive(value: str) -> int:
+    """--keep-last K: a positive count."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of checkpoints, got {value!r}")
+    return n
+
+
 def add_arguments(p):
     """The trainer's flags, DeepSpeed's (--deepspeed_config) among them."""
     from ds_adaptiveload.train.config import default_alloc_conf
@@ -67,6 +78,13 @@ def add_arguments(p):
                         "OUTPUT/val.jsonl, the monitor's val/loss)")
     p.add_argument("--val-every", type=int, default=0, help="steps between validations (0: start and end only)")
     preview.add_arguments(p)
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load --resume's files with full unpickling, which can run code stored in them; without it a "
+                        "file needing more than tensors and DeepSpeed's state types is refused (docs/reliability.md)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start from step 0 although OUTPUT/checkpoints holds an earlier run's checkpoints, deleting them")
+    p.add_argument("--keep-last", type=_positive, default=0, metavar="K",
+                   help="after each save keep only the K newest checkpoints (never the one 'latest' names); default: all")
     p.add_argument("--checkpoint-blocks", nargs="?", const=True, default=False, type=_ckpt_blocks,
                    help="per-block activation checkpointing: every block; 'auto': per micro-batch, as many blocks "
                         "as its predicted peak memory needs (profile memory.block_bytes_per_token); an int k: the first k")

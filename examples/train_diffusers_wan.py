@@ -22,6 +22,7 @@ from ds_adaptiveload.data.latents import LatentDataset, write_synthetic  # noqa:
 from ds_adaptiveload.schedule.geometry import Geometry  # noqa: E402
 from ds_adaptiveload.schedule.manifest import load_manifest  # noqa: E402
 from ds_adaptiveload.schedule.mixes import make_mix  # noqa: E402
+from ds_adaptiveload.train.ckpt_safe import install as load_weights_only  # noqa: E402
 from ds_adaptiveload.train.engine import init_distributed  # noqa: E402
 from ds_adaptiveload.train.failures import leave  # noqa: E402
 
@@ -85,6 +86,7 @@ def main():
     loader, lr_scheduler = ds_adaptiveload.get_dataloader_and_lr_scheduler(engine, dataset, samples)
     ckpt = os.path.join(args.output, "checkpoints")
     if args.resume:  # after the call above, so that DeepSpeed restores the wrapped LR schedule too
+        load_weights_only(engine)  # DeepSpeed's files read with torch.load(weights_only=True): no code runs
         _, client = engine.load_checkpoint(ckpt)
         loader.load_state_dict(client["loader"])
 

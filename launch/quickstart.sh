@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up (.venv with torch, DeepSpeed and this package) and run the main job: a real, short training run
 # of a tiny Wan 2.1 DiT on synthetic latents, 2 ranks, ZeRO-3, balanced batching. Runs on CPU when there
-# is no GPU. Extra arguments go to train_wan.py (e.g. --max-steps 20).
+# is no GPU. Extra arguments go to train_wan.py (e.g. --max-steps 20). Each run starts afresh in runs/quickstart
+# (--overwrite: the previous run's checkpoints there are deleted).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/env.sh
 exec deepspeed --num_gpus 2 launch/train_wan.py --deepspeed_config configs/ds_tiny_cpu.json \
-    --model-config configs/wan_tiny.yaml --synthetic --max-steps 4 --output runs/quickstart "$@"
+    --model-config configs/wan_tiny.yaml --synthetic --max-steps 4 --output runs/quickstart --overwrite "$@"

@@ -5,9 +5,12 @@
                           published (checkpoint.save)
     oom:RANK:STEP:MB      rank RANK raises the accelerator's out-of-memory error for micro-batch MB (0-based)
                           of step STEP, before the micro-batch's forward issues any collective
+    enospc-save:RANK:STEP rank RANK's writes inside DeepSpeed's save of STEP fail with ENOSPC (a full disk)
+    enospc-log:RANK:STEP  rank RANK's step-log line of STEP fails with ENOSPC
 
 SIGKILL, not an exception: nothing gets to clean up, as with a preempted node or the kernel's OOM killer.
 """
+import errno
 import os
 import signal
 
@@ -17,17 +20,20 @@ from ds_adaptiveload.errors import UserError
 class Faults:
     def __init__(self, specs, rank: int):
         self.rank = rank
-        self.kill, self.save_abort, self.oom = set(), set(), set()
+        self.kill, self.save_abort, self.oom, self.enospc_save, self.enospc_log = set(), set(), set(), set(), set()
         for spec in specs or ():
             kind, *nums = spec.split(":")
             try:
                 nums = tuple(int(n) for n in nums)
             except ValueError:
                 nums = ()
-            want = {"kill": 2, "save-abort": 1, "oom": 3}.get(kind)
+            kinds = {"kill": (2, self.kill), "save-abort": (1, self.save_abort), "oom": (3, self.oom),
+                     "enospc-save": (2, self.enospc_save), "enospc-log": (2, self.enospc_log)}
+            want, into = kinds.get(kind, (None, None))
             if want is None or len(nums) != want:
-                raise UserError(f"--fault {spec!r}: expected kill:RANK:STEP, save-abort:STEP or oom:RANK:STEP:MB")
-            {"kill": self.kill, "save-abort": self.save_abort, "oom": self.oom}[kind].add(nums)
+                raise UserError(f"--fault {spec!r}: expected kill:RANK:STEP, save-abort:STEP, oom:RANK:STEP:MB, "
+                                f"enospc-save:RANK:STEP or enospc-log:RANK:STEP")
+            into.add(nums)
 
     def after_backward(self, step: int) -> None:
         if (self.rank, step) in self.kill:
@@ -36,6 +42,15 @@ class Faults:
     def before_publish(self, step: int) -> None:
         if self.rank == 0 and (step,) in self.save_abort:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def during_save(self, step, path: str) -> None:
+        """Before each file DeepSpeed writes for the checkpoint of `step` (ckpt_safe.Guard)."""
+        if (self.rank, step) in self.enospc_save:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    def before_log(self, step: int, path: str) -> None:
+        if (self.rank, step) in self.enospc_log:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
     def before_forward(self, step: int, micro: int) -> None:
         if (self.rank, step, micro) in self.oom:

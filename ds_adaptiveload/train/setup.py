@@ -160,7 +160,7 @@ def prepare_data(args, manifest, c, world, rank):
     from ds_adaptiveload.schedule.manifest import load_manifest
     from ds_adaptiveload.schedule.memory import RecomputeCost
     from ds_adaptiveload.schedule.sampler import AdaptiveSampler
-    from ds_adaptiveload.train import checkpoint
+    from ds_adaptiveload.train import checkpoint, ckpt_files
     from ds_adaptiveload.train.config import check_grad_accum, zero_stage
 
     al, geometry = c.al, c.profile.geometry
@@ -192,14 +192,20 @@ def prepare_data(args, manifest, c, world, rank):
               "manifest_samples": len(samples)}
     if ckpt["checkpoint"] != "all" and RecomputeCost.of(c.profile, ckpt["checkpoint_policy"]):
         layout["checkpoint"] = ckpt  # the plan costs recompute by it (absent otherwise: older checkpoints match)
-    tag = checkpoint.find(args.resume) if args.resume else None
-    if tag:
-        checkpoint.check_layout(args.resume, tag, layout)
-    elif args.resume and rank == 0:
-        print(f"[train_wan] --resume {args.resume}: no checkpoint there yet, starting from step 0",
-              file=sys.stderr)
+    # a ZeRO stage or model DeepSpeed's files do not fit: refused before loading (absent in older checkpoints)
+    layout.update(zero_stage=stage, model=c.model_cfg.to_dict())
+    if args.resume and getattr(args, "overwrite", False):
+        raise UserError(f"--resume {args.resume} and --overwrite: give one (--overwrite starts from step 0)")
+    tags, notes = ckpt_files.candidates(args.resume) if args.resume else ([], [])
+    if not tags and not notes:  # this run starts from step 0
+        if getattr(args, "output", None):
+            checkpoint.refuse_fresh_start(args.output, getattr(args, "overwrite", False))
+        if args.resume and rank == 0:
+            print(f"[train_wan] --resume {args.resume}: no checkpoint there yet, starting from step 0",
+                  file=sys.stderr)
     return SimpleNamespace(samples=samples, bad_upfront=bad_upfront, sampler=sampler, dataset=dataset,
-                           stream=data.MicroBatchStream(sampler), layout=layout, resume_tag=tag)
+                           stream=data.MicroBatchStream(sampler), layout=layout, resume_tags=tags,
+                           resume_notes=notes)
 
 
 def plan_checkpoint(args, stage: int) -> dict:

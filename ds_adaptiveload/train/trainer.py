@@ -19,6 +19,7 @@ class Trainer:
     _saved_graphs = 0  # block graphs in the last --compile-cache write
     _pred_peak_gib = 0.0  # the memory model's largest micro-batch peak in the current step
     _step_ks = ()  # [k, k_full(, k_ffn)] of the current step's micro-batches so far (--checkpoint-blocks auto)
+    log_error = None  # this rank's failed step-log write, until agreed
 
     def __init__(self, args):
         import functools
@@ -28,7 +29,7 @@ class Trainer:
 
         from ds_adaptiveload.data import latents as data
         from ds_adaptiveload.train.build import build_model
-        from ds_adaptiveload.train import engine as eng, faults, metrics, sp
+        from ds_adaptiveload.train import checkpoint, ckpt_safe, engine as eng, faults, metrics, sp
 
         self.args = args
         self.step = None
@@ -58,6 +59,11 @@ class Trainer:
             from ds_adaptiveload.train.captions import load_empty_prompt
 
             self.empty_prompt = failures.agreed(load_empty_prompt, self.manifest, self.model_cfg.text_dim)
+        # the newest intact checkpoint (collective: the ranks verify its checksums in parallel); before the model
+        resume_tag = checkpoint.choose(args.resume, d.resume_tags, d.resume_notes, self.layout,
+                                       getattr(args, "trust_checkpoint", False)) if args.resume else None
+        if getattr(args, "overwrite", False):
+            failures.agreed(checkpoint.clear, os.path.join(args.output, "checkpoints"), self.rank)
         workers = max(0, args.num_workers)
         self.loader = torch.utils.data.DataLoader(
             d.dataset, batch_sampler=self.stream, collate_fn=data.first, num_workers=workers,
@@ -90,10 +96,11 @@ class Trainer:
         self.divisor = sp.grad_divisor(self.engine, self.dims)  # what DeepSpeed divides summed gradients by
         self.dtype = eng.compute_dtype(self.engine)
         self.zero3 = self.engine.zero_optimization_stage() == 3
-        # -- checkpoint resume ------------------------------------------------------------------------------
-        self.start = self.resume(d.resume_tag) if d.resume_tag else 0
-        self.ema = self.make_ema(d.resume_tag)
+        # -- checkpoint resume (files loaded without unpickling code: train/ckpt_safe.py) --------------------
         self.ckpt_dir = os.path.join(args.output, "checkpoints")
+        ckpt_safe.install(self.engine, getattr(args, "trust_checkpoint", False), self.fault)
+        self.start = self.resume(resume_tag) if resume_tag else 0
+        self.ema = self.make_ema(resume_tag)
         self.oom_error = faults.out_of_memory_error()
         self.log = metrics.StepLog(args.output, self.rank)
         self.skipped = []  # this launch's skipped steps, for the summary
@@ -163,9 +170,13 @@ class Trainer:
     def resume(self, tag) -> int:
         from ds_adaptiveload.train import checkpoint
 
-        cs = failures.agreed(checkpoint.load, self.engine, self.args.resume, tag, self.layout)  # raises after loading
-        failures.agreed(self.sampler.load_state_dict, cs["sampler"][self.rank])
-        return cs["step"]
+        st = failures.agreed(checkpoint.load, self.engine, self.args.resume, tag, self.layout,
+                             getattr(self.args, "trust_checkpoint", False))  # raises after loading
+        failures.agreed(self.sampler.load_state_dict, st["sampler"][self.rank])
+        if self.rank == 0:
+            print(f"[train_wan] resumed from {os.path.join(self.args.resume, tag)}: step {st['step']} done, "
+                  f"continuing with step {st['step'] + 1}", flush=True)
+        return st["step"]
 
     # -- the loop --------------------------------------------------------------------------------------------
 
@@ -188,12 +199,13 @@ class Trainer:
                 if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.max_steps:
                     self.save(step + 1)
             self.bar.close()
+            failures.agree(self.log_error)  # the last step's line (earlier ones: read_and_agree)
             if self.start < args.max_steps and not args.no_final_save:
                 self.save(args.max_steps)
             if self.rank == 0:
                 write_summary(args.output, self.start, args.max_steps, self.bad_upfront, self.skipped)
         finally:  # every exit path: the bar's line ended (the error line starts a line), workers stopped
-            end_loop(self.batches, self.bar.close, self.log.close)
+            end_loop(self.batches, self.bar.close, self.close_log)
         self._dist.barrier()
 
     def val_due(self, step: int) -> bool:
@@ -246,7 +258,7 @@ class Trainer:
         from ds_adaptiveload.train import checkpoint
 
         checkpoint.save(self.engine, self.ckpt_dir, step, self.plan_step.state, self.layout, self.fault,
-                        write_files=self.write_checkpoint_files)
+                        getattr(self.args, "keep_last", 0) or 0, write_files=self.write_checkpoint_files)
 
     def write_checkpoint_files(self, folder: str) -> None:
         """Beside DeepSpeed's files: the model config (rank 0), which `export` reads, and the EMA (train/ema.py)."""
@@ -271,7 +283,7 @@ class Trainer:
         step_ids = [(b["ids"], g in plan_step.pad) for g, b in enumerate(mbs)]
         if n_bad:  # on_bad_sample "skip": before any compute, on every rank
             entry = self.skip_step(step, "bad_sample", [f"{sid}: {why}" for sid, why in bad], step_ids)
-            self.log.write({**base, "skipped": entry})
+            self.write_log(step, {**base, "skipped": entry})
             self.bar.update(1)
             return
         run = self.run_micro_batches(step, mbs)
@@ -285,6 +297,23 @@ class Trainer:
             base.update(self.validate(step + 1))
         self.log_step(step, base, ranks, run, lr, entry, step_s)
 
+    def write_log(self, step: int, rec: dict) -> None:
+        """One step-log line; a failed write (a full disk) is kept as this rank's error and agreed with the
+        next step's read (or at the end of the loop), so every rank ends with the same line."""
+        try:
+            self.fault.before_log(step + 1, self.log.path)
+            self.log.write(rec)
+        except OSError as e:
+            self.log_error = self.log_error or (f"step {step + 1}, rank {self.rank}: cannot write the step log "
+                                                f"{self.log.path} ({e.strerror or e}); free space, then relaunch "
+                                                f"with --resume")
+
+    def close_log(self) -> None:
+        try:
+            self.log.close()
+        except OSError:  # the lines a full disk refused are already this run's error
+            pass
+
     def sync_clock(self) -> float:
         self.accel.synchronize()
         return time.perf_counter()
@@ -296,7 +325,7 @@ class Trainer:
         mbs, plan_step, read_err = read_step(self.batches, self.stream, self.G, step + 1, self.rank)
         data_ms = (time.perf_counter() - t0) * 1000
         bad = [(sid, why) for b in mbs for sid, why in b.get("bad", ())]
-        fatal = read_err or (failures.bad_sample_message(step + 1, self.rank, bad)
+        fatal = read_err or self.log_error or (failures.bad_sample_message(step + 1, self.rank, bad)
                              if bad and self.al.on_bad_sample != "skip" else None)
         n_bad, n_fatal = failures.sum_over_ranks([len(bad), fatal is not None], self.device)
         if n_fatal:
@@ -507,7 +536,7 @@ class Trainer:
             self.save_compile_cache(rec["block_graphs"])
         if entry:
             rec["skipped"] = entry
-        self.log.write(rec)
+        self.write_log(step, rec)
         if self.engine.monitor.enabled and not entry:
             self.engine.monitor.write_events(metrics.monitor_events(m, step + 1, lr))
         if self.device.type == "cuda":
