@@ -22,6 +22,9 @@ def add_arguments(p):
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest safetensors file before the weights are sharded with an index (default 5GB)")
     p.add_argument("--model-config", help="WanConfig YAML, for a checkpoint without model_config.json")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="read checkpoint files that need more than tensors and DeepSpeed's own types (this runs "
+                        "code from the files: only for checkpoints whose origin you trust)")
 
 
 def load_weights(args):
@@ -33,7 +36,7 @@ def load_weights(args):
     if getattr(args, "ema", False):
         weights = export.read_ema(args.checkpoint, tag, cfg)
     else:
-        weights = export.read_weights(args.checkpoint, tag)
+        weights = export.read_weights(args.checkpoint, tag, getattr(args, "trust_checkpoint", False))
     expected = _expected_keys(cfg)
     missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or extra:

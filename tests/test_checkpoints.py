@@ -5,6 +5,8 @@ launch helpers); one 3-step run with a checkpoint per step is shared by the modu
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -238,3 +240,19 @@ def test_keep_last_keeps_latest_and_spares_saves_in_progress(base, tmp_path):
     assert ckpt_files.checkpoints_to_prune(str(tmp_path), "global_step5", 2) == ["global_step2", "global_step1"]
     assert ckpt_files.prune(str(tmp_path), "global_step5", 1) == ["global_step3", "global_step2", "global_step1"]
     assert sorted(os.listdir(tmp_path)) == [".tmp-global_step7", "global_step0", "global_step5", "global_step6"]
+
+
+def test_export_refuses_a_checkpoint_that_would_run_code(tmp_path):
+    """export reads checkpoints through DeepSpeed's readers, which unpickle fully: the files are checked first."""
+    folder = tmp_path / "checkpoints" / "global_step1"
+    folder.mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("global_step1")
+    marker = tmp_path / "marker"
+    torch.save({"module": {"w": torch.zeros(2)}, "x": Payload(marker)}, folder / "mp_rank_00_model_states.pt")
+    cmd = [sys.executable, "-m", "ds_adaptiveload", "export", "--checkpoint", str(tmp_path / "checkpoints"),
+           "--format", "wan", "--out", str(tmp_path / "out"), "--model-config", "configs/wan_tiny.yaml"]
+    proc = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert not marker.exists()
+    assert "mp_rank_00_model_states.pt" in proc.stderr and "--trust-checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr

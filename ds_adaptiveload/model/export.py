@@ -88,14 +88,19 @@ def _clean(name: str) -> str:
     return name.replace("_orig_mod.", "")
 
 
-def read_weights(ckpt_dir: str, tag: str) -> dict:
+def read_weights(ckpt_dir: str, tag: str, trust: bool = False) -> dict:
     """name -> fp32 tensor, or a DeepSpeed lazy tensor that .contiguous() materialises (ZeRO-1/2/3: DeepSpeed's
-    zero_to_fp32 in lazy mode, so the full state dict is never held twice); ZeRO-0: the module state."""
+    zero_to_fp32 in lazy mode, so the full state dict is never held twice); ZeRO-0: the module state. DeepSpeed's
+    reader unpickles fully, so the folder's files are first checked to need nothing but tensors and the few
+    DeepSpeed types a checkpoint holds (train/ckpt_safe.py), unless `trust`."""
     import glob
 
     import torch
 
+    from ds_adaptiveload.train.ckpt_safe import check_folder, safe_globals
+
     folder = os.path.join(ckpt_dir, tag)
+    check_folder(folder, trust)
     if glob.glob(os.path.join(folder, "*optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -105,7 +110,8 @@ def read_weights(ckpt_dir: str, tag: str) -> dict:
         if not os.path.isfile(path):
             raise UserError(f"{folder}: neither ZeRO optimizer states nor mp_rank_00_model_states.pt: not a "
                             f"DeepSpeed checkpoint")
-        sd = torch.load(path, map_location="cpu", weights_only=False)["module"]
+        with torch.serialization.safe_globals(safe_globals()):
+            sd = torch.load(path, map_location="cpu", weights_only=not trust)["module"]
     return {_clean(k): v for k, v in sd.items()}
 
 

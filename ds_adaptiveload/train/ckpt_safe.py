@@ -5,6 +5,7 @@ hold (SAFE_GLOBALS); a file that needs anything else is refused unless --trust-c
 collectives stay matched) and the error is agreed afterwards (checkpoint.save).
 """
 import functools
+import os
 import pickle
 import zipfile
 
@@ -43,6 +44,20 @@ def unsafe_globals(path: str) -> list:
 def refusal(path: str, needs: list) -> str:
     return (f"{path}: loading it would run code ({', '.join(needs[:3])}{' ...' if len(needs) > 3 else ''} is "
             f"not one of the types a DeepSpeed checkpoint holds); refused: {TRUST_HINT}")
+
+
+def check_folder(folder: str, trust: bool = False) -> None:
+    """Readers outside training (export, sample) call this before DeepSpeed's own readers, which unpickle fully:
+    every torch file in `folder` must need no global beyond SAFE ones, else a UserError names it (unless trust)."""
+    import glob
+
+    for path in sorted(glob.glob(os.path.join(folder, "*.pt"))):
+        try:
+            needs = unsafe_globals(path)
+        except ValueError as e:
+            raise UserError(f"{path}: {e}") from None
+        if needs and not trust:
+            raise UserError(refusal(path, needs))
 
 
 class Guard:
