@@ -144,7 +144,8 @@ def baselines_section(args):
     timing = []
     for clips in (map(int, args.big_budgets.split(",")) if args.big else ()):
         for g in (1, 4):
-            t = big_run(args.big, 1024, g, "packed", CALIBRATED, clips * CLIP + 93, True, args.big_mix)
+            t = {**big_run(args.big, 1024, g, "packed", CALIBRATED, clips * CLIP + 93, True, args.big_mix),
+                 "budget_tokens": clips * CLIP + 93, "mix": args.big_mix}
             timing.append(t)
             print(f"packed, {args.big_mix}, 1024 ranks, {args.big} samples, {clips} clips, G={g}: plan "
                   f"{t['plan_seconds']:.1f}s, peak RSS {t['peak_rss_MiB']:.0f} MiB, gap {t['bound_gap']:.4f}", flush=True)
@@ -156,7 +157,7 @@ def baselines_section(args):
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
 
 
-def record_baselines(raw):
+def record_baselines(raw, timing=None):
     """results.csv rows from a --section baselines raw file: per mix, world size and planner, the worst gap to the
     lower bound over budgets and G (predicted), and packed's planning time for the big epoch; prints the Markdown
     table docs/scheduler.md shows."""
@@ -187,14 +188,18 @@ def record_baselines(raw):
                         f"{100 * sum(r['bound_gap'] for r in rows) / len(rows):.2f}%; mix_tv up to "
                         f"{max(r['mix_tv'] for r in rows):.3f}, above equal-tokens' in {tv_over} of {len(rows)}")
         print(f"| {mix} | {ranks} | " + " | ".join(cells) + " |")
-    for t in res["timing_1024"]:
-        record(experiment=f"plan_bench.py --section baselines, packed planning {res['samples_1024']:,} samples for "
-                          f"1024 ranks, {t['budget_tokens']:,} tokens, lockstep",
+    timing_raw = timing or raw
+    with open(timing_raw) as f:
+        tim = json.load(f)
+    for t in tim["timing_1024"]:
+        record(experiment=f"plan_bench.py --section baselines, packed planning {t['samples_total']:,} "
+                          f"{t.get('mix', 'openvid-720p')} samples for 1024 ranks, {t.get('budget_tokens', 75693):,} "
+                          f"tokens, lockstep",
                variant=f"packed, G={t['grad_accum']}", metric="planning time", unit="s",
                value=round(t["plan_seconds"], 1), hardware="CPU (2 cores, shared)", gpus=0, policy="packed",
-               command=cmd + f" --big {res['samples_1024']}", raw_file=raw, section="scheduler", date=res["date"],
-               note=f"peak RSS {t['peak_rss_MiB']:.0f} MiB; gap to the bound {100 * t['bound_gap']:.2f}%; "
-                    f"{res['uptime']}")
+               command=cmd + f" --big {t['samples_total']} --big-budgets 1", raw_file=timing_raw, section="scheduler",
+               date=tim["date"], note=f"peak RSS {t['peak_rss_MiB']:.0f} MiB; gap to the bound "
+                                      f"{100 * t['bound_gap']:.2f}%; {t.get('uptime_after', tim.get('uptime', ''))}")
 
 
 def sizes_section(args):
@@ -227,10 +232,11 @@ def main():
     ap.add_argument("--big-budgets", default="1,6", help="--section baselines: budgets of the --big timing")
     ap.add_argument("--big-mix", default="openvid-720p", help="--section baselines: mix of the --big timing")
     ap.add_argument("--out")
-    ap.add_argument("--record", metavar="RAW", help="record a --section baselines raw file into results.csv")
+    ap.add_argument("--record", nargs="+", metavar="RAW",
+                    help="record a --section baselines raw file (and a separate timing raw file) into results.csv")
     args = ap.parse_args()
     if args.record:
-        return record_baselines(args.record)
+        return record_baselines(*args.record)
     env = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
            "cpus": __import__("os").cpu_count(), "python": platform.python_version(),
            "load_avg_1min": __import__("os").getloadavg()[0]}

@@ -66,7 +66,11 @@ def _greedy(items, weight, n, mem, limit):
     """Heaviest first into the lightest of n bins with memory room (else the next lightest); returns the bins
     and the items none of the 8 lightest had room for."""
     bins, used, heap, left = [[] for _ in range(n)], [0.0] * n, [(0.0, k) for k in range(n)], []
+    fail = math.inf  # memory of the last item that fit none: nothing placed since, a larger one fails too
     for i in sorted(items, key=weight.__getitem__, reverse=True):
+        if mem[i] >= fail:
+            left.append(i)
+            continue
         tried, k = [], None
         while heap and len(tried) < 8:
             load, j = heapq.heappop(heap)
@@ -79,9 +83,11 @@ def _greedy(items, weight, n, mem, limit):
             heapq.heappush(heap, t)
         if k is None:
             left.append(i)
+            fail = mem[i]
             continue
         bins[k].append(i)
         used[k] += mem[i]
+        fail = math.inf
     return bins, left
 
 

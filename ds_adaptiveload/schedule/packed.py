@@ -412,7 +412,13 @@ def _pack(cand, ctx, slots):
     cost, mem, comp, samples, used, used_c = sl.cost, sl.mem, sl.comp, sl.samples, sl.used, sl.used_c
     limit, limit_c = sl.limit, sl.limit_c
     replace = heapq.heapreplace
+    fail_m = fail_c = math.inf  # memory and compute of the last sample that fit none of the TRIES cheapest slots
     for i in sorted(cand, key=cost.__getitem__, reverse=True):
+        if mem[i] >= fail_m and comp[i] >= fail_c:
+            # Nothing was placed since that sample failed, so the same slots are the cheapest and have no more
+            # room: this one fails them too (at one clip per micro-batch, most of the packing time went here).
+            deferred.append(i)
+            continue
         load, k = heap[0]
         # the common case, inline (the hot loop): the cheapest slot has room
         if not samples[k] or used[k] + mem[i] <= limit and used_c[k] + comp[i] <= limit_c:
@@ -420,6 +426,7 @@ def _pack(cand, ctx, slots):
             samples[k].append(i)
             used[k] += mem[i]
             used_c[k] += comp[i]
+            fail_m = fail_c = math.inf
             continue
         tried, k = [], None
         while heap and len(tried) < TRIES:
@@ -433,8 +440,10 @@ def _pack(cand, ctx, slots):
             heapq.heappush(heap, item)
         if k is None:
             deferred.append(i)
+            fail_m, fail_c = mem[i], comp[i]
             continue
         sl.add(k, i)
+        fail_m = fail_c = math.inf
     sl.load = [0.0] * slots  # the heap held the loads
     for load, k in heap:
         sl.load[k] = load
