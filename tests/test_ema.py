@@ -43,3 +43,24 @@ def test_the_ema_follows_the_weights_and_exports(tmp_path, stage):
     assert set(got) == set(w[3])
     worst = max((got[k] - ema[k]).abs().max().item() for k in got)
     assert worst < 1e-6, worst
+
+
+@pytest.mark.slow
+@needs_launcher
+def test_a_resumed_run_continues_the_ema(tmp_path):
+    """3 steps straight, and 2 + resume + 1 from the step-2 checkpoint: the same EMA at step 3 (ZeRO-3)."""
+    import shutil
+
+    straight, resumed = tmp_path / "a", tmp_path / "b"
+    straight.mkdir()
+    resumed.mkdir()
+    ema = {"ema_decay": DECAY}
+    train_tiny(straight, 3, "--save-every", "2", steps=3, adaptive_load=ema)
+    shutil.copytree(straight / "checkpoints" / "global_step2", resumed / "checkpoints" / "global_step2")
+    (resumed / "checkpoints" / "latest").write_text("global_step2")
+    train_tiny(resumed, 3, "--resume", resumed / "checkpoints", steps=3, adaptive_load=ema)
+    for rank in (0, 1):
+        a = torch.load(straight / "checkpoints" / "global_step3" / f"ema_rank{rank}.pt", weights_only=True)["ema"]
+        b = torch.load(resumed / "checkpoints" / "global_step3" / f"ema_rank{rank}.pt", weights_only=True)["ema"]
+        assert set(a) == set(b)
+        assert all(torch.equal(a[k], b[k]) for k in a), rank

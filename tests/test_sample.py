@@ -77,4 +77,4 @@ def test_preview_without_its_models_is_an_exit_2_error(tmp_path):
                            "--model-config", "configs/wan_tiny.yaml", "--synthetic", "--max-steps", "1",
                            "--preview-every", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "--preview-every 1: needs a number of steps > 0 and --preview-prompt, --vae, --text-encoder" in proc.stderr
+    assert "error: --preview-every 1: needs --preview-prompt, --vae, --text-encoder" in proc.stderr

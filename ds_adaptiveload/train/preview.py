@@ -28,8 +28,10 @@ def check_arguments(args) -> None:
 
     missing = [f for f, v in (("--preview-prompt", args.preview_prompt), ("--vae", args.vae),
                               ("--text-encoder", args.text_encoder)) if not v]
-    if args.preview_every < 0 or missing:
-        raise UserError(f"--preview-every {args.preview_every}: needs a number of steps > 0 and {', '.join(missing)}")
+    if args.preview_every < 0:
+        raise UserError(f"--preview-every {args.preview_every}: must be a number of steps > 0")
+    if missing:
+        raise UserError(f"--preview-every {args.preview_every}: needs {', '.join(missing)}")
     check_shape(args.preview_frames, args.preview_height, args.preview_width, flag="--preview-")
     model_folders(Namespace(vae=args.vae, text_encoder=args.text_encoder, tokenizer=args.tokenizer))
 
