@@ -138,7 +138,8 @@ def run(args) -> int:
         trainer.train()
         return 0
     except (Exception, failures.Terminated) as e:  # bad input, a lost peer, SIGTERM: one line; else re-raised
-        return failures.report(e, trainer.step if trainer else None, getattr(trainer, "bar", None))
+        return failures.report(e, trainer.step if trainer else None, getattr(trainer, "bar", None),
+                               trainer.relaunch_advice() if trainer else failures.RELAUNCH)
     finally:
         failures.teardown()
 

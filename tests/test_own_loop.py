@@ -17,7 +17,7 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.train import config, flow
 from ds_adaptiveload.train.lr_scaling import BatchSizeLR, scale_lr
-from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher
+from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher, spawn_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")
@@ -259,6 +259,48 @@ def test_refusals_name_the_key():
     # packed (the default) with a Dataset that torch's default_collate would have to stack in mixed shapes
     with pytest.raises(UserError, match="adaptive_load.policy to \"balanced\""):
         get_dataloader_and_lr_scheduler(stand_in_engine({"policy": "packed"}), ShapeDataset(samples), samples)
+
+
+class FailingDataset(ShapeDataset):
+    """ShapeDataset whose sample `bad` is bad input on rank `rank` only (a shard one node reads damaged)."""
+
+    def __init__(self, samples, bad, rank):
+        super().__init__(samples)
+        self.bad, self.rank = bad, rank
+
+    def __getitem__(self, i):
+        if i == self.bad and self.rank == 1:
+            raise UserError(f"shard.safetensors: sample {i} latent has 1 NaN/Inf value(s)")
+        return super().__getitem__(i)
+
+
+def _agreeing_worker(rank, world, port, out):
+    """Read every step of an epoch; the error each rank ends with, in out/rank<R>.json."""
+    import torch.distributed as dist
+
+    from ds_adaptiveload import get_dataloader_and_lr_scheduler
+    from ds_adaptiveload.train.failures import AgreedError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    samples = make_mix("tiny", 16, seed=0)
+    loader, _ = get_dataloader_and_lr_scheduler(stand_in_engine({}), FailingDataset(samples, 5, rank), samples)
+    got = None
+    try:
+        for _ in range(len(loader)):
+            next(loader)
+    except AgreedError as e:
+        got = {"error": str(e), "code": e.code}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def test_a_bad_sample_on_one_rank_ends_every_rank_with_the_same_error(tmp_path):
+    """The loader API agrees each step's read over ranks: rank 1's bad sample raises the same AgreedError (exit code 2)
+    on both ranks in the same step. Before, rank 1 raised alone and rank 0 went on into the step's collectives."""
+    spawn_ranks(_agreeing_worker, 2, master_port(), str(tmp_path))
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got[0] == got[1] and got[0]["code"] == 2, got
+    assert re.fullmatch(r"rank 1: shard.safetensors: sample 5 latent has 1 NaN/Inf value\(s\)", got[0]["error"]), got
 
 
 def test_import_stays_torch_free():

@@ -123,8 +123,11 @@ def test_report_names_the_first_error_when_a_signal_lands_during_its_handling(ca
     assert capsys.readouterr().err.startswith("<bar closed>\nerror: step 4: stopped by SIGTERM")
     with pytest.raises(KeyError):  # a bug in the handling code
         failures.report(_raised_while_handling(failures.AgreedError("x"), KeyError("y")))
-    with pytest.raises(RuntimeError):  # a worker that died otherwise is no SIGTERM
-        failures.report(RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed."))
+    # a worker killed otherwise (the OOM killer) is no SIGTERM, and no bad input: the retryable code, one line
+    assert failures.report(RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed."), step=3) == \
+        failures.EXIT_PEER_LOST
+    assert capsys.readouterr().err == ("error: step 3, rank 0: DataLoader worker (pid 1) is killed by signal: Killed.; "
+                                       "the data is not at fault: Relaunch (docs/reliability.md)\n")
 
 
 _LAUNCHER_KILL = """
@@ -192,8 +195,8 @@ def test_the_launchers_sigterms_during_a_peer_failure_leave_one_line(pause, duri
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     assert [x for x in lines if x.startswith("error:")] == [
-        "error: step 4: another rank stopped answering (a collective failed); rank 0 stops too. Relaunch with "
-        "--resume OUTPUT/checkpoints (docs/reliability.md)"], proc.stderr[-3000:]
+        "error: step 4: another rank stopped answering (a collective failed); rank 0 stops too. Relaunch "
+        "(docs/reliability.md)"], proc.stderr[-3000:]
     assert all(x.startswith(("error:", "note:")) for x in lines if "error:" in x or "note:" in x), proc.stderr[-3000:]
 
 
@@ -253,8 +256,8 @@ def test_a_failed_collective_with_every_peer_alive_says_what_failed():
     assert "note: rank 0: the collective failed with: RuntimeError: [gloo] Connection reset by peer: 127.0.0.1:4242" \
         in lines, proc.stderr[-3000:]
     assert [x for x in lines if x.startswith("error:")] == [
-        "error: step 3: another rank stopped answering (a collective failed); rank 0 stops too. Relaunch with "
-        "--resume OUTPUT/checkpoints (docs/reliability.md)"]
+        "error: step 3: another rank stopped answering (a collective failed); rank 0 stops too. Relaunch "
+        "(docs/reliability.md)"]
 
 
 def test_compile_cache_argument_is_checked_before_training(tmp_path):
