@@ -320,11 +320,17 @@ def load_example():
     return mod
 
 
-def run_example(out, *extra):
-    """`deepspeed --num_gpus 2 examples/train_diffusers_wan.py ...` -> its step lines (step, loss, samples, lr)."""
+def launch_example(out, *extra):
+    """`deepspeed --num_gpus 2 examples/train_diffusers_wan.py ...` -> the finished process."""
     env = launcher_env()
-    proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(master_port()), "examples/train_diffusers_wan.py",
-                           "--output", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(master_port()),
+                           "examples/train_diffusers_wan.py", "--output", str(out), *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def run_example(out, *extra):
+    """The example's step lines (step, loss, samples, lr) of a run that must succeed."""
+    proc = launch_example(out, *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return re.findall(r"^step (\d+) loss (\S+) samples (\d+) lr (\S+)$", proc.stdout, re.M)
 
@@ -382,3 +388,29 @@ def test_diffusers_example_resumes_where_it_stopped(two_steps, tmp_path):
     assert [int(s) for s, *_ in resumed] == [3]
     assert first[0][2:] == straight[0][2:] and resumed[0][2:] == straight[2][2:]  # same samples, same LR
     assert float(resumed[0][1]) == pytest.approx(float(straight[2][1]), rel=1e-5)
+
+
+@needs_launcher
+def test_diffusers_example_trains_on_bf16_shards(two_steps, tmp_path):
+    """`encode` writes bf16 latents and text; the example's fp32 engine stopped on them with "mat1 and mat2 must have
+    the same dtype". The same data as the fp32 run's, rounded to bf16: the same samples and LR, the loss within the
+    rounding."""
+    from ds_adaptiveload.data.latents import write_synthetic
+
+    ex = load_example()
+    manifest = write_synthetic(str(tmp_path / "data"), make_mix("tiny", 48, seed=0), text_dim=ex.MODEL["text_dim"],
+                               max_text_len=ex.TEXT_LEN, dtype="bf16")
+    lines = run_example(tmp_path / "run", "--steps", "2", "--data", manifest)
+    _, _, fp32 = two_steps
+    assert [int(s) for s, *_ in lines] == [1, 2] and [x[2:] for x in lines] == [x[2:] for x in fp32]
+    for (_, loss, _, _), (_, want, _, _) in zip(lines, fp32):
+        assert float(loss) == pytest.approx(float(want), rel=0.02)
+
+
+@needs_launcher
+def test_diffusers_example_ends_every_rank_with_one_error(tmp_path):
+    """A manifest that does not exist: one `error:` line naming it, exit 2, no traceback from either rank."""
+    proc = launch_example(tmp_path / "run", "--steps", "1", "--data", str(tmp_path / "missing.jsonl"))
+    errors = [x for x in proc.stderr.splitlines() if "error:" in x]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-5000:]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and "missing.jsonl" in errors[0], proc.stderr[-5000:]
