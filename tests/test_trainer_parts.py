@@ -53,6 +53,47 @@ def test_agreement_without_a_process_group():
         failures.agreed(bad)
 
 
+@pytest.mark.parametrize("key,module,pip", [("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"),
+                                            ("comet", "comet_ml", "comet_ml>=3.41.0")])
+def test_a_monitor_without_its_package_is_named_when_the_config_is_read(tmp_path, monkeypatch, key, module, pip):
+    """tensorboard enabled and not installed failed 89 s into a run, inside deepspeed.initialize on rank 0, among C++
+    stack dumps. Now loading the config names the key and the package; disabled or installed, it loads."""
+    missing = set()
+    monkeypatch.setattr(config, "module_installed", lambda name: name not in missing)
+    cfg = config.derive_ds_config(TINY_JSON, adaptive_load={"profile": os.path.join(ROOT, "configs", "profiles",
+                                                                                  "tiny-cpu.yaml")})
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**cfg, key: {"enabled": True, "output_path": str(tmp_path)}}))
+    config.load_ds_config(path)  # installed
+    missing.add(module)
+    with pytest.raises(UserError) as e:
+        config.load_ds_config(path)
+    assert str(e.value) == (f"{path}: {key}.enabled is true but the {module} package is not installed: "
+                            f"pip install '{pip}', or set {key}.enabled to false")
+    path.write_text(json.dumps({**cfg, key: {"enabled": False}}))
+    config.load_ds_config(path)
+
+
+def test_a_failure_before_any_checkpoint_does_not_advise_resume(tmp_path):
+    """A lost peer's line advised `--resume OUTPUT/checkpoints` before any checkpoint existed."""
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.train.trainer import Trainer
+
+    ckpt = tmp_path / "out" / "checkpoints"
+    run = SimpleNamespace(ckpt_dir=str(ckpt), args=SimpleNamespace(resume=None), start=0)
+    assert "--resume" not in Trainer.relaunch_advice(run) and "starts from step 0" in Trainer.relaunch_advice(run)
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step2")
+    assert Trainer.relaunch_advice(run) == f"Relaunch with --resume {ckpt} (docs/reliability.md)"
+    old = tmp_path / "old"  # resumed from another folder, no save of this run yet
+    old.mkdir()
+    (old / "latest").write_text("global_step4")
+    run = SimpleNamespace(ckpt_dir=str(tmp_path / "new"), args=SimpleNamespace(resume=str(old)), start=4)
+    assert Trainer.relaunch_advice(run) == f"Relaunch with --resume {old} (docs/reliability.md)"
+    assert "--resume" not in failures.RELAUNCH
+
+
 def test_combined_messages_are_one_line():
     assert failures.combine([None, "a", "a", "b"]) == "a; b"
     assert failures.combine(["m1", "m2", "m3", "m4", "m5"]) == "m1; m2; m3 (and 2 more)"

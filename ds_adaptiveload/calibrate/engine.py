@@ -23,7 +23,7 @@ def init_engine(cfg, ds, args):
     mpu = tsp.init_sequence_parallel(dims)
     # Every micro-batch is one optimizer step here, so fwd+bwd and the step are timed apart; no monitors.
     ds = tconfig.derive_ds_config(ds, grad_accum=1, sp=k, dp=dims.dp, tensorboard=None, csv_monitor=None,
-                                  wandb=None, steps_per_print=10**9)
+                                  wandb=None, comet=None, steps_per_print=10**9)
     ds.pop("adaptive_load", None)
     model, seq_shard = build_model(cfg, args, mpu)
     engine = eng.build_engine(model, ds, mpu)
