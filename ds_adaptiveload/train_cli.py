@@ -129,11 +129,13 @@ def run(args) -> int:
     # A rank stuck in a collective: `kill -USR1 <pid>` prints its Python stacks (docs/reliability.md).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from ds_adaptiveload.train import failures
-    from ds_adaptiveload.train.trainer import Trainer
 
+    # Before the trainer's imports (seconds): a SIGTERM during them ended the rank silently, by its default action (-15)
     signal.signal(signal.SIGTERM, failures.on_sigterm)
     trainer = None
     try:
+        from ds_adaptiveload.train.trainer import Trainer
+
         trainer = Trainer(args)
         trainer.train()
         return 0

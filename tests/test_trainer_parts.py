@@ -500,3 +500,21 @@ def test_checkpoint_for_sets_the_ffn_blocks_the_memory_model_gives(policy):
     assert (k_ffn > 0) == (policy == "attention")
     assert tr._step_ks == [[k, k_full, k_ffn] if k_ffn else [k, k_full]]
     assert tr._pred_peak_gib == pytest.approx(predicted_peak_bytes(tokens, 2, mem, L, k, k_full, k_ffn) / 2**30)
+
+
+def test_the_exit_codes_docs_list_are_the_codes_failures_returns():
+    """docs/reliability.md's exit-code table holds every code failures.py returns, and its entry-point table names no
+    other code (besides the launcher's 247 for a SIGKILLed rank)."""
+    import re
+
+    text = open(os.path.join(ROOT, "docs", "reliability.md")).read()
+    table = text[text.index("| exit code | meaning |"):text.index("### Every multi-rank entry point")]
+    listed = {int(m) for m in re.findall(r"^\| (\d+)", table, re.M)}
+    ours = {0, failures.EXIT_FAILED, failures.EXIT_USER_ERROR, failures.EXIT_PEER_LOST, failures.EXIT_TERMINATED}
+    assert ours <= listed and listed - ours == {247}, listed
+    entry = text[text.index("| entry point |"):text.index("A script of your own")]
+    rows = [r for r in entry.splitlines()[2:] if r.startswith("|")]
+    assert {r.split("|")[1].strip().split(" ")[0] for r in rows} == {"`train`", "`calibrate`", "`encode`", "loader"}
+    for row in rows:
+        codes = {int(c) for c in re.findall(r"\b(\d{1,3})\b", row.split("|")[-2])}
+        assert codes <= listed, row

@@ -209,9 +209,10 @@ RELAUNCH = "Relaunch (docs/reliability.md)"
 """What a lost peer's line advises where no checkpoint exists to resume from (the trainer passes --resume's form)."""
 
 
-def peer_lost_message(step, advice=RELAUNCH) -> tuple:
-    """(message, whether this rank prints it, the ranks found gone): the lowest rank still running prints, once."""
-    gone, me = stopped_ranks(), _rank()
+def peer_lost_message(step, advice=RELAUNCH, gone=None) -> tuple:
+    """(message, whether this rank prints it, the ranks found gone): the lowest rank still running prints, once.
+    gone: the ranks whose process ended (default: stopped_ranks())."""
+    gone, me = stopped_ranks() if gone is None else gone, _rank()
     when = f"step {step}: " if step else ""
     if gone:
         who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"
@@ -220,6 +221,71 @@ def peer_lost_message(step, advice=RELAUNCH) -> tuple:
         msg = f"{when}another rank stopped answering (a collective failed)"
     first_alive = min(r for r in range(me + 1) if r not in gone)
     return msg + f"; rank {me} stops too. {advice}", me == first_alive, gone
+
+
+def _sigterm_key(rank: int) -> str:
+    return f"ds_adaptiveload/sigterm/{rank}"
+
+
+def _mark_sigterm() -> None:
+    """Tell the other ranks (in the store) that this rank got SIGTERM, so that its exit is not taken for a crash."""
+    store = _store()
+    try:
+        if store is not None:
+            store.set(_sigterm_key(_rank()), "1")
+    except Exception:  # the store is served by rank 0, which may be gone
+        pass
+
+
+def _sigtermed() -> set:
+    """The other ranks that marked a SIGTERM (_mark_sigterm)."""
+    dist, store = _dist(), _store()
+    if dist is None or store is None:
+        return set()
+    try:
+        return {r for r in range(dist.get_world_size()) if r != _rank() and store.check([_sigterm_key(r)])}
+    except Exception:  # the store is unreachable: rank 0 is gone
+        return set()
+
+
+def _outlive_peers(timeout_s: float = 5.0) -> None:
+    """Rank 0 serves the store: it closes its group's connections (a peer waiting in a collective then fails at once,
+    instead of waiting for rank 0's exit) but keeps the store up until the other ranks on this host have left (at most
+    timeout_s), since they read it to tell a SIGTERM from a crash. Had it left first, a SIGTERMed peer found the store
+    gone and named rank 0 as a lost rank (1 run in 4 of a group SIGTERM)."""
+    import time
+
+    dist, store = _dist(), _store()
+    if dist is None or store is None or _rank() != 0 or dist.get_world_size() == 1:
+        return
+    import psutil
+
+    host, pids = socket.gethostname(), []
+    for r in range(1, dist.get_world_size()):
+        try:
+            if store.check([f"ds_adaptiveload/pid/{r}"]):
+                h, pid = store.get(f"ds_adaptiveload/pid/{r}").decode().rsplit(":", 1)
+                pids += [int(pid)] if h == host else []
+        except Exception:
+            return
+    teardown()  # `store` still holds the store, which keeps serving
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and any(_alive(psutil, p) for p in pids):
+        time.sleep(0.05)
+
+
+def _stopped_or_sigtermed(terminated: bool, wait_s: float = 3.0):
+    """(ranks gone without a SIGTERM, whether the run is being ended by SIGTERM). A failed collective with no peer
+    gone yet is looked at again for up to wait_s: a peer that just left may still be exiting."""
+    import time
+
+    end = time.monotonic() + wait_s
+    while True:
+        gone, marked = stopped_ranks(), _sigtermed()
+        lost = [r for r in gone if r not in marked]
+        if lost or terminated or marked or time.monotonic() >= end:
+            return lost, terminated or bool(marked), gone
+        time.sleep(0.1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -286,23 +352,39 @@ def report(e: BaseException, step=None, bar=None, advice=RELAUNCH) -> int:
             _barrier()  # no rank exits (and gets its peers killed by the launcher) before rank 0 printed
         return getattr(e, "code", EXIT_USER_ERROR)
     terminated = _ended(e)
-    if is_peer_failure(e) or (terminated and stopped_ranks()):
-        msg, mine, gone = peer_lost_message(step, advice)
-        if not gone and not terminated:
+    if terminated or is_peer_failure(e):
+        try:
+            return _lost_or_terminated(e, step, advice, terminated)
+        finally:
+            _outlive_peers()
+    if worker_killed(e):  # the DataLoader's SIGCHLD check raised outside a step's read
+        print(f"error: {f'step {step}, ' if step else ''}rank {_rank()}: {error_text(e)}; the data is not at fault: "
+              f"{advice}", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
+    raise e
+
+
+def _lost_or_terminated(e, step, advice, terminated) -> int:
+    """A failed collective, or SIGTERM. A peer whose process ended without marking a SIGTERM stopped answering (killed,
+    crashed): the lowest rank still running names it, exit 3. Otherwise SIGTERM reached this rank or a peer (a
+    scheduler ending the job, or the launcher once a rank failed): every rank exits 143 and the lowest rank still
+    running prints the one line (a group SIGTERM gave exit codes 3 and 143 and two lines before)."""
+    if terminated:
+        _mark_sigterm()
+    lost, sigterm, gone = _stopped_or_sigtermed(terminated)
+    if lost or not sigterm:
+        msg, mine, _ = peer_lost_message(step, advice, lost)
+        if not lost:
             # every peer still runs: what failed is the clue (which rank failed first shows in these notes)
             print(f"note: rank {_rank()}: the collective failed with: {cause_line(e)}", file=sys.stderr, flush=True)
         if mine:
             print(f"error: {msg}", file=sys.stderr, flush=True)
         return EXIT_PEER_LOST
-    if worker_killed(e) and not terminated:  # the DataLoader's SIGCHLD check raised outside a step's read
-        print(f"error: {f'step {step}, ' if step else ''}rank {_rank()}: {error_text(e)}; the data is not at fault: "
-              f"{advice}", file=sys.stderr, flush=True)
-        return EXIT_PEER_LOST
-    if terminated:
-        print(f"error: {f'step {step}: ' if step else ''}stopped by SIGTERM (the launcher ends every rank once "
-              f"one has failed: see the first error above)", file=sys.stderr, flush=True)
-        return EXIT_TERMINATED
-    raise e
+    me = _rank() if _dist() is not None else int(os.environ.get("RANK", 0))
+    if me == min(r for r in range(me + 1) if r not in gone):
+        print(f"error: {f'step {step}: ' if step else ''}stopped by SIGTERM (from a scheduler, or from the launcher "
+              f"once a rank failed: then the first error above says why). {advice}", file=sys.stderr, flush=True)
+    return EXIT_TERMINATED
 
 
 def cause_line(e: BaseException, width: int = 300) -> str:

@@ -302,7 +302,8 @@ class Trainer:
         every rank, or the step skipped on every rank) before any collective of the step."""
         t0 = time.perf_counter()
         mbs, plan_step, read_err = read_step(self.batches, self.stream, self.G, step + 1, self.rank,
-                                             lambda: self.fault.before_read(step + 1, self.batches))
+                                             lambda: self.fault.before_read(step + 1, self.batches),
+                                             self.relaunch_advice())
         data_ms = (time.perf_counter() - t0) * 1000
         bad = [(sid, why) for b in mbs for sid, why in b.get("bad", ())]
         fatal = read_err or ((failures.bad_sample_message(step + 1, self.rank, bad), failures.EXIT_USER_ERROR)
