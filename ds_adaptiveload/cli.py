@@ -1,10 +1,12 @@
 """`python -m ds_adaptiveload <command>`: each command lives in its own module, imported lazily so that
 `plan` never imports torch."""
 import importlib
+import signal
 import sys
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.flags import Parser
+from ds_adaptiveload.train import failures  # torch-free: imports torch only when a command has
 
 # command -> (module, help). Each module defines add_arguments(parser) and run(args) -> int, and keeps
 # heavy imports (torch, deepspeed) inside run().
@@ -43,11 +45,11 @@ def main(argv=None) -> int:
     except UserError as e:
         error = e
     else:
+        signal.signal(signal.SIGTERM, failures.on_sigterm)  # one error line and exit 143, not a silent death
         try:
             return importlib.import_module(args._module).run(args) or 0
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        except (Exception, failures.Terminated) as e:
+            return _report(e)
     return flag_error(argv, error)
 
 
@@ -60,3 +62,21 @@ def flag_error(argv, error) -> int:
         return agreed_exit(error)
     print(f"error: {error}", file=sys.stderr)
     return 2
+
+
+def _report(e) -> int:
+    """The exit code of a failed command, after one `error:` line; a bug is re-raised (its traceback is wanted).
+    A command running on several ranks (calibrate, encode under a launcher) ends as the trainer does
+    (failures.report): an agreed error printed once, a lost peer named, the same exit code on every rank."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return failures.report(e)
+    if isinstance(e, UserError):
+        print(f"error: {e}", file=sys.stderr)
+        return getattr(e, "code", failures.EXIT_USER_ERROR)  # an agreed bug on one process: 1
+    if isinstance(e, failures.Terminated):
+        print("error: stopped by SIGTERM", file=sys.stderr, flush=True)
+        return failures.EXIT_TERMINATED
+    raise e

@@ -84,9 +84,11 @@ class AdaptiveLoader:
     A torch DataLoader reads the micro-batches (workers, prefetch); the plan position of the last step
     handed out is `state_dict()`, a plain dict to store in the checkpoint's client_state."""
 
-    def __init__(self, sampler, dataset, collate_fn, loader_kwargs, divisor, lr, settings):
+    def __init__(self, sampler, dataset, collate_fn, loader_kwargs, divisor, lr, settings, device=None, rank=0):
         self.sampler, self.dataset, self.collate_fn = sampler, dataset, collate_fn
         self.loader_kwargs, self.divisor, self.lr, self.settings = loader_kwargs, divisor, lr, settings
+        self.device, self.rank = device, rank
+        """The per-step agreement's counter lives on `device` (the engine's: NCCL reduces CUDA tensors only)."""
         self._it = self._stream = self._state = None
 
     def __len__(self):
@@ -111,7 +113,7 @@ class AdaptiveLoader:
         if self._it is None:
             self._start()
         G = self.sampler.cfg.grad_accum
-        batches = [next(self._it) for _ in range(G)]
+        batches = self._read(G)
         ps = self._stream.pending.popleft()  # the DataLoader draws ahead; this is the step just read
         self._state = ps.state
         weight = flow.loss_scale(self.divisor, G, ps.global_samples)
@@ -119,6 +121,19 @@ class AdaptiveLoader:
                           self.settings) for g, b in enumerate(batches)]
         self.lr.set_batch_size(ps.global_samples)
         return Step(mbs, ps.epoch, ps.step, ps.global_samples, ps.pred_ms, ps.pred_wall_ms)
+
+    def _read(self, G) -> list:
+        """The step's G micro-batches, read before any compute and agreed over ranks (as the trainer's steps,
+        docs/reliability.md): a bad sample or a killed DataLoader worker on one rank raises the same AgreedError on
+        every rank (its exit code: e.code), before any rank enters the step's collectives. Raised on that rank alone,
+        its peers would wait in their forward's collectives and die there with gloo's or NCCL's error instead."""
+        from ds_adaptiveload.train import failures
+        from ds_adaptiveload.train.setup import read_micro_batches
+
+        batches, err = read_micro_batches(self._it, G)
+        if failures.sum_over_ranks([err is not None], self.device)[0]:
+            failures.agree(*((f"rank {self.rank}: {err[0]}", err[1]) if err else (None,)))
+        return batches
 
     def state_dict(self) -> dict:
         """Points at the step after the last one handed out (not at what the DataLoader prefetched)."""
@@ -160,6 +175,17 @@ def _parallel_dims(engine, ds):
 
 def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, collate_fn=None, config=None,
                                     timestep_shift=5.0, num_workers=None, pin_memory=None, prefetch_factor=2):
+    """-> (AdaptiveLoader, BatchSizeLR) for a DeepSpeed engine (_build's docstring says what each argument is).
+    Called on every rank: an error on any rank (a profile one node cannot read, bad config) raises the same
+    AgreedError on every rank (failures.agreed), so no rank goes on into training while a peer has left."""
+    from ds_adaptiveload.train import failures
+
+    return failures.agreed(_build, engine, dataset, samples, profile, collate_fn, config, timestep_shift, num_workers,
+                           pin_memory, prefetch_factor)
+
+
+def _build(engine, dataset, samples, profile, collate_fn, config, timestep_shift, num_workers, pin_memory,
+           prefetch_factor):
     """-> (AdaptiveLoader, BatchSizeLR) for a DeepSpeed engine; the LR scheduler is installed as
     `engine.lr_scheduler` (so engine.step() steps it and checkpoints carry it).
 
@@ -218,5 +244,6 @@ def get_dataloader_and_lr_scheduler(engine, dataset, samples, profile=None, coll
     loader_kwargs = {"num_workers": workers, "prefetch_factor": prefetch_factor if workers else None,
                      "pin_memory": bool(sampling.get("pin_memory", False) if pin_memory is None else pin_memory)}
     settings = _Settings(al.seed, timestep_shift, al.loss_weighting)
-    loader = AdaptiveLoader(sampler, dataset, collate_fn, loader_kwargs, sp.grad_divisor(engine, dims), lr, settings)
+    loader = AdaptiveLoader(sampler, dataset, collate_fn, loader_kwargs, sp.grad_divisor(engine, dims), lr, settings,
+                            getattr(engine, "device", None), dims.rank)
     return loader, lr

@@ -190,16 +190,19 @@ def run(args) -> int:
     # A rank stuck in a collective: `kill -USR1 <pid>` prints its Python stacks (docs/reliability.md).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from ds_adaptiveload.train import failures
-    from ds_adaptiveload.train.trainer import Trainer
 
+    # Before the trainer's imports (seconds): a SIGTERM during them ended the rank silently, by its default action (-15)
     signal.signal(signal.SIGTERM, failures.on_sigterm)
     trainer = None
     try:
+        from ds_adaptiveload.train.trainer import Trainer
+
         trainer = Trainer(args)
         trainer.train()
         return 0
     except (Exception, failures.Terminated) as e:  # bad input, a lost peer, SIGTERM: one line; else re-raised
-        return failures.report(e, trainer.step if trainer else None, getattr(trainer, "bar", None))
+        return failures.report(e, trainer.step if trainer else None, getattr(trainer, "bar", None),
+                               trainer.relaunch_advice() if trainer else failures.RELAUNCH)
     finally:
         failures.teardown()
 

@@ -57,8 +57,26 @@ def test_report_writes_plots_and_sections(tmp_path):
     assert sum(line.startswith(f"| {f}x{h}x{w} |") for line in md.splitlines() for f, h, w in SHAPES) == 6
     # Idle table: every policy at 8, 64, 1024 and the requested world size.
     for w in ("4 (--world-size)", "8", "64", "1024"):
-        for p in ("equal-tokens", "dual", "balanced"):
+        for p in ("equal-tokens", "dual", "balanced", "packed"):  # packed: the default policy
             assert re.search(rf"^\| {re.escape(w)} \| {p} \| \d+ \| [\d.]+% \|", md, re.M), (w, p)
+
+
+def test_report_lists_every_policy_the_planner_has():
+    from ds_adaptiveload.schedule.planner import POLICIES
+    assert sorted(report.POLICIES) == sorted(POLICIES) and report.POLICIES[0] == "equal-tokens"
+
+
+def test_p90_stays_within_the_data(tmp_path):
+    """Three samples of 1,560, 29,120 and 31,200 tokens: statistics' default percentile extrapolated p90 to 32,448,
+    above the max. Interpolated between the data (as numpy's default), p90 is 29,120 + 0.8 x 2,080 = 30,784."""
+    m = tmp_path / "m.jsonl"
+    m.write_text("".join(json.dumps(dict(id=f"s{i}", frames=f, height=h, width=w)) + "\n"
+                         for i, (f, h, w) in enumerate([(1, 480, 832), (49, 640, 896), (17, 832, 1920)])))
+    out = tmp_path / "rep"
+    report.run(report_args(manifest=m, profile=PROFILE, world_size=2, out=out))
+    row = re.search(r"^\| 3 \| 1 \| 2 \| 3 \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|", (out / "report.md").read_text(), re.M)
+    assert row and [int(x) for x in row.groups()] == [1560, 29120, 30784, 31200]
+    assert report.percentile([5], 90) == 5.0
 
 
 def test_report_sp_skips_indivisible_world_sizes(tmp_path):

@@ -20,7 +20,7 @@ from test_dataset_scan import read_jsonl, scan_args, write_video  # noqa: E402
 from ds_adaptiveload.data import encode, frames, scan  # noqa: E402
 from ds_adaptiveload.errors import UserError  # noqa: E402
 from ds_adaptiveload.schedule.geometry import Geometry  # noqa: E402
-from tests.launcher import BIN, launcher_env, master_port  # noqa: E402
+from tests.launcher import BIN, DEEPSPEED, launcher_env, master_port, needs_launcher  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_DIM, TEXT_LEN = 64, 32  # configs/wan_tiny.yaml: text_dim, text_len
@@ -274,6 +274,27 @@ def test_encode_writes_the_empty_prompt_once(dataset):
     assert torch.allclose(text.float(), want, atol=0.05)
 
 
+@needs_launcher
+def test_a_failure_on_one_rank_ends_every_rank_with_one_error(dataset, tmp_path):
+    """Rank 1 cannot publish its shard (a folder holds the shard's name): every rank ends with the agreed error, one
+    line naming the file, exit 2 from the launcher. Before, rank 1 left with a traceback (exit 1) while rank 0 died
+    in the next barrier with gloo's "Connection closed by peer" traceback."""
+    out = tmp_path / "out"
+    (out / "shard-00001.safetensors").mkdir(parents=True)
+    (out / "shard-00001.safetensors" / "x").write_text("not a shard")
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(master_port()), "--no_local_rank", "--module",
+           "ds_adaptiveload", "encode", *encode_argv(dataset["dir"], dataset["raw"], out, shard_size=1)]
+    env = launcher_env(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    errors = [x for x in proc.stderr.splitlines() if "error:" in x]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1: IsADirectoryError"), proc.stderr[-4000:]
+    assert str(out / "shard-00001.safetensors") in errors[0]
+    assert not (out / "manifest.jsonl").exists()
+
+
+@pytest.mark.slow
 def test_train_two_steps_on_the_encoded_data(dataset, tmp_path):
     """launch/train_wan.py --data OUT/manifest.jsonl, the tiny model, one rank via the deepspeed launcher, with
     caption dropout (the empty prompt encode wrote) and the shipped CPU profile (its budget holds the 240p clips:

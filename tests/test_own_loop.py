@@ -17,7 +17,7 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.train import config, flow
 from ds_adaptiveload.train.lr_scaling import BatchSizeLR, scale_lr
-from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher
+from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher, spawn_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.path.join(ROOT, "configs", "profiles", "tiny-cpu.yaml")
@@ -261,6 +261,48 @@ def test_refusals_name_the_key():
         get_dataloader_and_lr_scheduler(stand_in_engine({"policy": "packed"}), ShapeDataset(samples), samples)
 
 
+class FailingDataset(ShapeDataset):
+    """ShapeDataset whose sample `bad` is bad input on rank `rank` only (a shard one node reads damaged)."""
+
+    def __init__(self, samples, bad, rank):
+        super().__init__(samples)
+        self.bad, self.rank = bad, rank
+
+    def __getitem__(self, i):
+        if i == self.bad and self.rank == 1:
+            raise UserError(f"shard.safetensors: sample {i} latent has 1 NaN/Inf value(s)")
+        return super().__getitem__(i)
+
+
+def _agreeing_worker(rank, world, port, out):
+    """Read every step of an epoch; the error each rank ends with, in out/rank<R>.json."""
+    import torch.distributed as dist
+
+    from ds_adaptiveload import get_dataloader_and_lr_scheduler
+    from ds_adaptiveload.train.failures import AgreedError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    samples = make_mix("tiny", 16, seed=0)
+    loader, _ = get_dataloader_and_lr_scheduler(stand_in_engine({}), FailingDataset(samples, 5, rank), samples)
+    got = None
+    try:
+        for _ in range(len(loader)):
+            next(loader)
+    except AgreedError as e:
+        got = {"error": str(e), "code": e.code}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def test_a_bad_sample_on_one_rank_ends_every_rank_with_the_same_error(tmp_path):
+    """The loader API agrees each step's read over ranks: rank 1's bad sample raises the same AgreedError (exit code 2)
+    on both ranks in the same step. Before, rank 1 raised alone and rank 0 went on into the step's collectives."""
+    spawn_ranks(_agreeing_worker, 2, master_port(), str(tmp_path))
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got[0] == got[1] and got[0]["code"] == 2, got
+    assert re.fullmatch(r"rank 1: shard.safetensors: sample 5 latent has 1 NaN/Inf value\(s\)", got[0]["error"]), got
+
+
 def test_import_stays_torch_free():
     code = "import sys, ds_adaptiveload; assert 'torch' not in sys.modules; ds_adaptiveload.get_dataloader_and_lr_scheduler"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
@@ -278,11 +320,17 @@ def load_example():
     return mod
 
 
-def run_example(out, *extra):
-    """`deepspeed --num_gpus 2 examples/train_diffusers_wan.py ...` -> its step lines (step, loss, samples, lr)."""
+def launch_example(out, *extra):
+    """`deepspeed --num_gpus 2 examples/train_diffusers_wan.py ...` -> the finished process."""
     env = launcher_env()
-    proc = subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(master_port()), "examples/train_diffusers_wan.py",
-                           "--output", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(master_port()),
+                           "examples/train_diffusers_wan.py", "--output", str(out), *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def run_example(out, *extra):
+    """The example's step lines (step, loss, samples, lr) of a run that must succeed."""
+    proc = launch_example(out, *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return re.findall(r"^step (\d+) loss (\S+) samples (\d+) lr (\S+)$", proc.stdout, re.M)
 
@@ -340,3 +388,29 @@ def test_diffusers_example_resumes_where_it_stopped(two_steps, tmp_path):
     assert [int(s) for s, *_ in resumed] == [3]
     assert first[0][2:] == straight[0][2:] and resumed[0][2:] == straight[2][2:]  # same samples, same LR
     assert float(resumed[0][1]) == pytest.approx(float(straight[2][1]), rel=1e-5)
+
+
+@needs_launcher
+def test_diffusers_example_trains_on_bf16_shards(two_steps, tmp_path):
+    """`encode` writes bf16 latents and text; the example's fp32 engine stopped on them with "mat1 and mat2 must have
+    the same dtype". The same data as the fp32 run's, rounded to bf16: the same samples and LR, the loss within the
+    rounding."""
+    from ds_adaptiveload.data.latents import write_synthetic
+
+    ex = load_example()
+    manifest = write_synthetic(str(tmp_path / "data"), make_mix("tiny", 48, seed=0), text_dim=ex.MODEL["text_dim"],
+                               max_text_len=ex.TEXT_LEN, dtype="bf16")
+    lines = run_example(tmp_path / "run", "--steps", "2", "--data", manifest)
+    _, _, fp32 = two_steps
+    assert [int(s) for s, *_ in lines] == [1, 2] and [x[2:] for x in lines] == [x[2:] for x in fp32]
+    for (_, loss, _, _), (_, want, _, _) in zip(lines, fp32):
+        assert float(loss) == pytest.approx(float(want), rel=0.02)
+
+
+@needs_launcher
+def test_diffusers_example_ends_every_rank_with_one_error(tmp_path):
+    """A manifest that does not exist: one `error:` line naming it, exit 2, no traceback from either rank."""
+    proc = launch_example(tmp_path / "run", "--steps", "1", "--data", str(tmp_path / "missing.jsonl"))
+    errors = [x for x in proc.stderr.splitlines() if "error:" in x]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-5000:]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and "missing.jsonl" in errors[0], proc.stderr[-5000:]

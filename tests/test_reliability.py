@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from ds_adaptiveload.schedule.geometry import Geometry
 from ds_adaptiveload.schedule.manifest import load_manifest
 from ds_adaptiveload.model import WanConfig
 from ds_adaptiveload.data import latents as data
-from ds_adaptiveload.train import checkpoint, config, faults, metrics
+from ds_adaptiveload.train import checkpoint, config, failures, faults, metrics
 from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,13 +30,7 @@ NUM, STEPS = 100, 5  # the plan of 100 tiny samples on 2 ranks, G = 2, ZeRO-3 (l
 def launch(out, manifest, cfg, *extra, port=None, timeout=180, gpus=2):
     """Run the launcher in its own process group; on timeout kill the whole group (a surviving rank can
     hang in a collective) and fail. manifest None: --synthetic data. port None: a free one."""
-    data = ["--synthetic"] if manifest is None else ["--data", str(manifest)]
-    cmd = [DEEPSPEED, "--num_gpus", str(gpus), "--master_port", str(port or master_port()), "launch/train_wan.py",
-           "--deepspeed_config", str(cfg), "--model-config", "configs/wan_tiny.yaml", *data,
-           "--output", str(out), "--num-workers", "1", *extra]
-    env = launcher_env()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = start(out, manifest, cfg, *extra, port=port, gpus=gpus)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -43,7 +38,17 @@ def launch(out, manifest, cfg, *extra, port=None, timeout=180, gpus=2):
         _, stderr = proc.communicate()
         pytest.fail(f"launcher still running after {timeout} s: the surviving rank was not torn down "
                     f"(a hang):\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def start(out, manifest, cfg, *extra, port=None, gpus=2):
+    """The launcher started in its own process group (launch's arguments), not waited for."""
+    data = ["--synthetic"] if manifest is None else ["--data", str(manifest)]
+    cmd = [DEEPSPEED, "--num_gpus", str(gpus), "--master_port", str(port or master_port()), "launch/train_wan.py",
+           "--deepspeed_config", str(cfg), "--model-config", "configs/wan_tiny.yaml", *data,
+           "--output", str(out), "--num-workers", "1", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
 
 
 def ok(proc):
@@ -374,6 +379,45 @@ def test_nan_latent_on_one_rank_ends_every_rank_with_one_error(tmp_path, dataset
                                f"sample {victim.id!r} latent has 1 NaN/Inf value(s) "
                                f"({manifest}:{victim.line})"), line
         assert [r["step"] for r in lineage(tmp_path / f"run{run}", 0)] == [1]  # step 2 never ran
+
+
+@needs_launcher
+def test_a_killed_dataloader_worker_is_not_bad_input(tmp_path, dataset):
+    """A DataLoader worker of rank 1 SIGKILLed (the kernel's OOM killer): every rank exits 3 (relaunch), not 2 (fix the
+    input, which a relaunch would not need), with one line naming the worker."""
+    cfg = write_config(tmp_path / "ds.json")
+    proc = launch(tmp_path / "run", dataset, cfg, "--max-steps", "4", "--no-final-save", "--fault", "worker-kill:1:2")
+    line = one_error(proc, code=failures.EXIT_PEER_LOST)
+    assert line.startswith("error: step 2, rank 1: DataLoader worker (pid") and "the data is not at fault" in line, line
+    assert "--resume" not in line  # no checkpoint yet
+
+
+SIGTERM_RUNS = int(os.environ.get("RELIABILITY_RUNS", 4))
+
+
+@needs_launcher
+def test_sigterm_to_the_process_group_ends_every_rank_with_one_line(tmp_path, dataset):
+    """A scheduler's SIGTERM to the job's process group in step 2 or later: the `deepspeed` runner dies of it (a shell
+    sees 143), and every rank says so in one line together (exit 143 each). Before, the lines and codes depended on
+    which rank saw the other gone first (3 and 143), and a SIGTERM during start-up ended a rank silently (-15)."""
+    cfg = write_config(tmp_path / "ds.json")
+    for run in range(SIGTERM_RUNS):
+        out = tmp_path / f"run{run}"
+        proc = start(out, dataset, cfg, "--max-steps", "50", "--no-final-save")
+        log, deadline = out / "steps.rank0.jsonl", time.monotonic() + 150
+        while time.monotonic() < deadline and proc.poll() is None and not (log.exists() and log.read_text().strip()):
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            _, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"run {run}: still running 120 s after SIGTERM")
+        lines = [x for x in stderr.splitlines() if "error:" in x]
+        assert proc.returncode == -signal.SIGTERM, (run, proc.returncode, stderr[-4000:])
+        assert len(lines) == 1 and lines[0].startswith("error: step ") and "stopped by SIGTERM" in lines[0], \
+            (run, stderr[-4000:])
+        assert "Traceback" not in stderr and "terminate called" not in stderr, (run, stderr[-4000:])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -53,6 +53,47 @@ def test_agreement_without_a_process_group():
         failures.agreed(bad)
 
 
+@pytest.mark.parametrize("key,module,pip", [("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"),
+                                            ("comet", "comet_ml", "comet_ml>=3.41.0")])
+def test_a_monitor_without_its_package_is_named_when_the_config_is_read(tmp_path, monkeypatch, key, module, pip):
+    """tensorboard enabled and not installed failed 89 s into a run, inside deepspeed.initialize on rank 0, among C++
+    stack dumps. Now loading the config names the key and the package; disabled or installed, it loads."""
+    missing = set()
+    monkeypatch.setattr(config, "module_installed", lambda name: name not in missing)
+    cfg = config.derive_ds_config(TINY_JSON, adaptive_load={"profile": os.path.join(ROOT, "configs", "profiles",
+                                                                                  "tiny-cpu.yaml")})
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**cfg, key: {"enabled": True, "output_path": str(tmp_path)}}))
+    config.load_ds_config(path)  # installed
+    missing.add(module)
+    with pytest.raises(UserError) as e:
+        config.load_ds_config(path)
+    assert str(e.value) == (f"{path}: {key}.enabled is true but the {module} package is not installed: "
+                            f"pip install '{pip}', or set {key}.enabled to false")
+    path.write_text(json.dumps({**cfg, key: {"enabled": False}}))
+    config.load_ds_config(path)
+
+
+def test_a_failure_before_any_checkpoint_does_not_advise_resume(tmp_path):
+    """A lost peer's line advised `--resume OUTPUT/checkpoints` before any checkpoint existed."""
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.train.trainer import Trainer
+
+    ckpt = tmp_path / "out" / "checkpoints"
+    run = SimpleNamespace(ckpt_dir=str(ckpt), args=SimpleNamespace(resume=None), start=0)
+    assert "--resume" not in Trainer.relaunch_advice(run) and "starts from step 0" in Trainer.relaunch_advice(run)
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step2")
+    assert Trainer.relaunch_advice(run) == f"Relaunch with --resume {ckpt} (docs/reliability.md)"
+    old = tmp_path / "old"  # resumed from another folder, no save of this run yet
+    old.mkdir()
+    (old / "latest").write_text("global_step4")
+    run = SimpleNamespace(ckpt_dir=str(tmp_path / "new"), args=SimpleNamespace(resume=str(old)), start=4)
+    assert Trainer.relaunch_advice(run) == f"Relaunch with --resume {old} (docs/reliability.md)"
+    assert "--resume" not in failures.RELAUNCH
+
+
 def test_combined_messages_are_one_line():
     assert failures.combine([None, "a", "a", "b"]) == "a; b"
     assert failures.combine(["m1", "m2", "m3", "m4", "m5"]) == "m1; m2; m3 (and 2 more)"
@@ -123,8 +164,11 @@ def test_report_names_the_first_error_when_a_signal_lands_during_its_handling(ca
     assert capsys.readouterr().err.startswith("<bar closed>\nerror: step 4: stopped by SIGTERM")
     with pytest.raises(KeyError):  # a bug in the handling code
         failures.report(_raised_while_handling(failures.AgreedError("x"), KeyError("y")))
-    with pytest.raises(RuntimeError):  # a worker that died otherwise is no SIGTERM
-        failures.report(RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed."))
+    # a worker killed otherwise (the OOM killer) is no SIGTERM, and no bad input: the retryable code, one line
+    assert failures.report(RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed."), step=3) == \
+        failures.EXIT_PEER_LOST
+    assert capsys.readouterr().err == ("error: step 3, rank 0: DataLoader worker (pid 1) is killed by signal: Killed.; "
+                                       "the data is not at fault: Relaunch (docs/reliability.md)\n")
 
 
 _LAUNCHER_KILL = """
@@ -192,8 +236,8 @@ def test_the_launchers_sigterms_during_a_peer_failure_leave_one_line(pause, duri
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     assert [x for x in lines if x.startswith("error:")] == [
-        "error: step 4: another rank stopped answering (a collective failed); rank 0 stops too. Relaunch with "
-        "--resume OUTPUT/checkpoints (docs/reliability.md)"], proc.stderr[-3000:]
+        "error: step 4: another rank stopped answering (a collective failed); rank 0 stops too. Relaunch "
+        "(docs/reliability.md)"], proc.stderr[-3000:]
     assert all(x.startswith(("error:", "note:")) for x in lines if "error:" in x or "note:" in x), proc.stderr[-3000:]
 
 
@@ -253,8 +297,8 @@ def test_a_failed_collective_with_every_peer_alive_says_what_failed():
     assert "note: rank 0: the collective failed with: RuntimeError: [gloo] Connection reset by peer: 127.0.0.1:4242" \
         in lines, proc.stderr[-3000:]
     assert [x for x in lines if x.startswith("error:")] == [
-        "error: step 3: another rank stopped answering (a collective failed); rank 0 stops too. Relaunch with "
-        "--resume OUTPUT/checkpoints (docs/reliability.md)"]
+        "error: step 3: another rank stopped answering (a collective failed); rank 0 stops too. Relaunch "
+        "(docs/reliability.md)"]
 
 
 def test_compile_cache_argument_is_checked_before_training(tmp_path):
@@ -456,3 +500,21 @@ def test_checkpoint_for_sets_the_ffn_blocks_the_memory_model_gives(policy):
     assert (k_ffn > 0) == (policy == "attention")
     assert tr._step_ks == [[k, k_full, k_ffn] if k_ffn else [k, k_full]]
     assert tr._pred_peak_gib == pytest.approx(predicted_peak_bytes(tokens, 2, mem, L, k, k_full, k_ffn) / 2**30)
+
+
+def test_the_exit_codes_docs_list_are_the_codes_failures_returns():
+    """docs/reliability.md's exit-code table holds every code failures.py returns, and its entry-point table names no
+    other code (besides the launcher's 247 for a SIGKILLed rank)."""
+    import re
+
+    text = open(os.path.join(ROOT, "docs", "reliability.md")).read()
+    table = text[text.index("| exit code | meaning |"):text.index("### Every multi-rank entry point")]
+    listed = {int(m) for m in re.findall(r"^\| (\d+)", table, re.M)}
+    ours = {0, failures.EXIT_FAILED, failures.EXIT_USER_ERROR, failures.EXIT_PEER_LOST, failures.EXIT_TERMINATED}
+    assert ours <= listed and listed - ours == {247}, listed
+    entry = text[text.index("| entry point |"):text.index("A script of your own")]
+    rows = [r for r in entry.splitlines()[2:] if r.startswith("|")]
+    assert {r.split("|")[1].strip().split(" ")[0] for r in rows} == {"`train`", "`calibrate`", "`encode`", "loader"}
+    for row in rows:
+        codes = {int(c) for c in re.findall(r"\b(\d{1,3})\b", row.split("|")[-2])}
+        assert codes <= listed, row

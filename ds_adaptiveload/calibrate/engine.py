@@ -8,10 +8,11 @@ import time
 
 def init_engine(cfg, ds, args):
     """deepspeed.initialize exactly as launch/train_wan.py does; a single process needs no launcher."""
-    from ds_adaptiveload.train import config as tconfig, engine as eng, sp as tsp
+    from ds_adaptiveload.train import config as tconfig, engine as eng, failures, sp as tsp
 
     eng.single_process_env()
     accel, rank, world = eng.init_distributed()
+    failures.register_rank()  # a peer that finds this rank gone names it (failures.report)
     # Ranks share the host's cores (as training does), unless the user set OMP_NUM_THREADS.
     device = eng.pick_device(accel, int(os.environ.get("LOCAL_RANK", 0)), threads="OMP_NUM_THREADS" not in os.environ)
     # Calibrate on the JSON's sequence_parallel_size only when launched on enough ranks for it.
@@ -22,7 +23,7 @@ def init_engine(cfg, ds, args):
     mpu = tsp.init_sequence_parallel(dims)
     # Every micro-batch is one optimizer step here, so fwd+bwd and the step are timed apart; no monitors.
     ds = tconfig.derive_ds_config(ds, grad_accum=1, sp=k, dp=dims.dp, tensorboard=None, csv_monitor=None,
-                                  wandb=None, steps_per_print=10**9)
+                                  wandb=None, comet=None, steps_per_print=10**9)
     ds.pop("adaptive_load", None)
     model, seq_shard = build_model(cfg, args, mpu)
     engine = eng.build_engine(model, ds, mpu)
@@ -102,14 +103,7 @@ class StepFn:
             self.reserved = torch.cuda.max_memory_reserved(self.device) if cuda else None
         except torch.cuda.OutOfMemoryError as e:
             if self.world > 1:
-                print(f"calibrate: rank {self.rank} ran out of memory at B={p.B} x s={p.s} ({p.tokens} tokens per "
-                      f"GPU, role {p.role}): not recoverable with {self.world} ranks, stopping. Lower "
-                      f"--probe-tokens/--batches, or --no-probe-budget. ({str(e).splitlines()[0][:200]})",
-                      file=sys.stderr, flush=True)
-                if self.before_exit:
-                    self.before_exit(p)
-                sys.stdout.flush()
-                os._exit(3)
+                self._stop(p, e)
             self._recover()
             raise
         ms = ((t1 - t0) * 1000, (t2 - t1) * 1000, peak)
@@ -124,6 +118,21 @@ class StepFn:
             fwd_bwd = int(v[4]) if fwd_bwd is not None else None
         self.fwd_bwd_peak = fwd_bwd
         return ms
+
+    def _stop(self, p, err):
+        """Several ranks, out of memory: say so and exit EXIT_PEER_LOST now. The peers wait in a collective this rank
+        cannot join (a stand-in's Ulysses all-to-all would not match theirs, and on a GPU the OOM can land after some
+        of the step's collectives); its exit fails theirs, and each ends with the same code (failures.report: rank R
+        stopped answering), so the launcher returns 3 whichever rank it polls first."""
+        from ds_adaptiveload.train import failures
+
+        print(f"error: calibrate: rank {self.rank} ran out of memory at B={p.B} x s={p.s} ({p.tokens} tokens per GPU, "
+              f"role {p.role}): not recoverable with {self.world} ranks, stopping. Lower --probe-tokens/--batches, or "
+              f"--no-probe-budget. ({str(err).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+        if self.before_exit:
+            self.before_exit(p)
+        sys.stdout.flush()
+        os._exit(failures.EXIT_PEER_LOST)
 
     def set_checkpointing(self, blocks, policy="full"):
         """The model's per-block checkpointing for the next steps (calibrate/blocks.py's open-block runs): the first

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.train import failures
 
 DTYPES = ("bf16", "fp32")  # no fp16: T5-family encoders overflow in it
 SAVE_DTYPE = "bf16"
@@ -306,44 +307,42 @@ def check_settings(args, folders, rank):
 
 
 def _distributed():
-    """(rank, world, local_rank, barrier, finish) from torchrun / deepspeed-launcher variables; gloo serves
-    the barriers, so no GPU collective is needed and one slow rank cannot time out the others (24 h)."""
+    """(rank, world, local_rank, finish) from torchrun / deepspeed-launcher variables; gloo serves the agreements
+    (failures.agreed), so no GPU collective is needed and one slow rank cannot time out the others (24 h)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return 0, 1, local_rank, lambda: None, lambda: None
+        return 0, 1, local_rank, lambda: None
     from datetime import timedelta
 
     import torch.distributed as dist
 
     if dist.is_initialized():  # a caller's group: leave it to them
-        return dist.get_rank(), dist.get_world_size(), local_rank, dist.barrier, lambda: None
+        return dist.get_rank(), dist.get_world_size(), local_rank, lambda: None
     dist.init_process_group("gloo", timeout=timedelta(hours=24))
-    return dist.get_rank(), dist.get_world_size(), local_rank, dist.barrier, dist.destroy_process_group
+    failures.register_rank()  # a peer that finds this rank's process gone names it
+    return dist.get_rank(), dist.get_world_size(), local_rank, dist.destroy_process_group
 
 
-def run(args) -> int:
+def prepare_out(args, folders, rank) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    check_settings(args, folders, rank)
+
+
+def encode_mine(args, folders, shards, mine, rank, world, local_rank) -> None:
+    """Encode this rank's shards that are not done yet, and on rank 0 the empty prompt (no collectives: the caller
+    agrees on the error)."""
     import torch
     from tqdm import tqdm
 
     from ds_adaptiveload.data.latents import EMPTY_PROMPT_FILE
-    from ds_adaptiveload.schedule.manifest import load_manifest
 
-    samples = load_manifest(args.manifest)
-    check_inputs(args, samples)
-    folders = model_folders(args)
-    rank, world, local_rank, barrier, finish = _distributed()
-    os.makedirs(args.out, exist_ok=True)
-    check_settings(args, folders, rank)
-    barrier()
-    shards = _grouped(samples, args.shard_size)
-    mine = [k for k in range(len(shards)) if k % world == rank]
     todo = [k for k in mine if (read_shard_meta(os.path.join(args.out, shard_name(k))) or {}).get("ids")
             != [s.id for s in shards[k]]]
     n_mine = sum(len(shards[k]) for k in mine)
     n_todo = sum(len(shards[k]) for k in todo)
     t0, n_err, models = time.perf_counter(), 0, None
+    device = torch.device(args.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
     if todo:
-        device = torch.device(args.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
         models = load_models(args, folders, device)
         bar = tqdm(total=n_mine, initial=n_mine - n_todo, unit="sample", desc=f"encode rank {rank}/{world}",
                    disable=None if rank == 0 else True, dynamic_ncols=True)
@@ -354,13 +353,29 @@ def run(args) -> int:
     print(f"[encode rank {rank}/{world}] {n_todo} samples encoded ({n_err} errors), {n_mine - n_todo} already "
           f"done, in {dt:.1f} s ({n_todo / dt if dt > 0 and n_todo else 0:.2f} samples/s)", file=sys.stderr)
     if rank == 0 and not os.path.isfile(os.path.join(args.out, EMPTY_PROMPT_FILE)):
-        device = torch.device(args.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
         write_empty_prompt(models or load_models(args, folders, device), args.out, args.text_len)
-    barrier()
-    if rank == 0:
-        n_ok, n_bad = merge(args.out, samples, args.shard_size)
-        print(f"{os.path.join(args.out, 'manifest.jsonl')}: {n_ok} samples; {n_bad} errors "
-              f"({os.path.join(args.out, 'errors.jsonl')})", file=sys.stderr)
-    barrier()
+
+
+def merged(args, samples) -> None:
+    n_ok, n_bad = merge(args.out, samples, args.shard_size)
+    print(f"{os.path.join(args.out, 'manifest.jsonl')}: {n_ok} samples; {n_bad} errors "
+          f"({os.path.join(args.out, 'errors.jsonl')})", file=sys.stderr)
+
+
+def run(args) -> int:
+    """Every stage after the process group exists runs on each rank and is agreed (failures.agreed): an error on one
+    rank (a full disk, out of memory, a stale shard) ends every rank with one error line and the same exit code,
+    where that rank alone used to exit while its peers died in the next barrier with gloo's traceback."""
+    from ds_adaptiveload.schedule.manifest import load_manifest
+
+    samples = load_manifest(args.manifest)
+    check_inputs(args, samples)
+    folders = model_folders(args)
+    rank, world, local_rank, finish = _distributed()
+    failures.agreed(prepare_out, args, folders, rank)  # also the barrier before the other ranks read encode.json
+    shards = _grouped(samples, args.shard_size)
+    mine = [k for k in range(len(shards)) if k % world == rank]
+    failures.agreed(encode_mine, args, folders, shards, mine, rank, world, local_rank)
+    failures.agreed(merged if rank == 0 else lambda *a: None, args, samples)
     finish()
     return 0

@@ -303,6 +303,13 @@ def load_ds_config(path):
     from ds_adaptiveload.train.ds_keys import check_deepspeed_config
 
     check_deepspeed_config(ds, path)
+    gas = ds.get("gradient_accumulation_steps", 1)
+    if not isinstance(gas, int) or isinstance(gas, bool) or gas < 1:
+        raise UserError(f"{path}: gradient_accumulation_steps must be a positive integer, got {gas!r}")
+    sp = ds.get("sequence_parallel_size", 1)
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+        raise UserError(f"{path}: sequence_parallel_size must be a positive integer, got {sp!r}")
+    check_monitors(ds, path)
     return ds, al
 
 
@@ -327,6 +334,26 @@ def ds_batch_keys(ds: dict, dp_world: int) -> dict:
 
 
 MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
+MONITOR_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                    "comet": ("comet_ml", "comet_ml>=3.41.0")}
+"""DeepSpeed monitor section -> (the module it imports, what to pip install); csv_monitor needs no package."""
+
+
+def module_installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def check_monitors(ds: dict, source) -> None:
+    """A monitor the DeepSpeed JSON enables whose package is missing, named when the config is read. DeepSpeed imports
+    it only inside deepspeed.initialize, on rank 0: a CPU run with tensorboard enabled and not installed failed 89 s
+    in, its cause buried in C++ stack dumps of the other rank."""
+    for key, (module, pip) in MONITOR_PACKAGES.items():
+        section = ds.get(key)
+        if isinstance(section, dict) and section.get("enabled") and not module_installed(module):
+            raise UserError(f"{source}: {key}.enabled is true but the {module} package is not installed: "
+                            f"pip install '{pip}', or set {key}.enabled to false")
 
 
 def zero_stage(ds_cfg: dict) -> int:

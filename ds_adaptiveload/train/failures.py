@@ -12,13 +12,21 @@ import sys
 
 from ds_adaptiveload.errors import UserError
 
+EXIT_FAILED = 1
+"""An unexpected error (a bug) on some rank: that rank printed its traceback."""
 EXIT_USER_ERROR = 2
 EXIT_PEER_LOST = 3
-"""A rank stopped answering (killed, preempted, crashed): relaunch with --resume; 2 means fix the input."""
+"""A rank or one of its DataLoader workers stopped (killed, preempted, crashed): relaunch (with --resume where a
+checkpoint exists); 2 means fix the input."""
 
 
 class AgreedError(UserError):
-    """Raised on every rank with the same message after a collective (agree); rank 0 prints it."""
+    """Raised on every rank with the same message after a collective (agree); rank 0 prints it and every rank
+    exits with `code` (EXIT_USER_ERROR, EXIT_PEER_LOST for a killed DataLoader worker, EXIT_FAILED for a bug)."""
+
+    def __init__(self, message, code=EXIT_USER_ERROR):
+        super().__init__(message)
+        self.code = code
 
 
 class Terminated(BaseException):
@@ -56,28 +64,44 @@ def combine(messages) -> str:
     return "; ".join(distinct[:3]) + more
 
 
-def agree(message) -> None:
-    """Collective: every rank calls it with its error message or None. When any rank has one, every rank
-    raises the same AgreedError (the ranks' messages combined); otherwise returns on every rank."""
+def agree(message, code=EXIT_USER_ERROR) -> None:
+    """Collective: every rank calls it with its error message or None (and the exit code it asks for). When any
+    rank has one, every rank raises the same AgreedError (the ranks' messages combined, the lowest failing rank's
+    code); otherwise returns on every rank."""
     dist = _dist()
     if dist is None or dist.get_world_size() == 1:
         if message:
-            raise AgreedError(message)
+            raise AgreedError(message, code)
         return
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, message)
-    if any(everyone):
-        raise AgreedError(combine(everyone))
+    dist.all_gather_object(everyone, (message, code) if message else None)
+    failed = [m for m in everyone if m]
+    if failed:
+        raise AgreedError(combine(m for m, _ in failed), failed[0][1])
+
+
+def own_error(e: Exception) -> tuple:
+    """(message, exit code) of an error this rank hit on its own, for agree: bad input, a full disk or out of memory
+    exit 2 (fix what the line names); anything else is a bug, whose traceback this rank prints now (exit 1)."""
+    import traceback
+
+    if isinstance(e, UserError):
+        return error_text(e), EXIT_USER_ERROR
+    if isinstance(e, OSError) or "out of memory" in str(e).lower():
+        return f"rank {_rank()}: {cause_line(e)}", EXIT_USER_ERROR
+    traceback.print_exc()
+    return f"rank {_rank()}: {cause_line(e)} (its traceback is above)", EXIT_FAILED
 
 
 def agreed(fn, *args, **kwargs):
-    """Run fn on every rank, then agree on its UserError (fn must issue no collective: a rank that failed
-    inside it would leave its peers' collective unmatched). Returns fn's result."""
+    """Run fn on every rank, then agree on its error (own_error): every rank raises the same AgreedError (fn must
+    issue no collective: a rank that failed inside it would leave its peers' collective unmatched). Returns fn's
+    result."""
     try:
         out, err = fn(*args, **kwargs), None
-    except UserError as e:
-        out, err = None, error_text(e)
-    agree(err)
+    except Exception as e:
+        out, err = None, own_error(e)
+    agree(*(err or (None,)))
     return out
 
 
@@ -181,9 +205,14 @@ def _alive(psutil, pid: int) -> bool:
         return False
 
 
-def peer_lost_message(step) -> tuple:
-    """(message, whether this rank prints it, the ranks found gone): the lowest rank still running prints, once."""
-    gone, me = stopped_ranks(), _rank()
+RELAUNCH = "Relaunch (docs/reliability.md)"
+"""What a lost peer's line advises where no checkpoint exists to resume from (the trainer passes --resume's form)."""
+
+
+def peer_lost_message(step, advice=RELAUNCH, gone=None) -> tuple:
+    """(message, whether this rank prints it, the ranks found gone): the lowest rank still running prints, once.
+    gone: the ranks whose process ended (default: stopped_ranks())."""
+    gone, me = stopped_ranks() if gone is None else gone, _rank()
     when = f"step {step}: " if step else ""
     if gone:
         who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))}"
@@ -191,8 +220,72 @@ def peer_lost_message(step) -> tuple:
     else:
         msg = f"{when}another rank stopped answering (a collective failed)"
     first_alive = min(r for r in range(me + 1) if r not in gone)
-    return (msg + f"; rank {me} stops too. Relaunch with --resume OUTPUT/checkpoints (docs/reliability.md)",
-            me == first_alive, gone)
+    return msg + f"; rank {me} stops too. {advice}", me == first_alive, gone
+
+
+def _sigterm_key(rank: int) -> str:
+    return f"ds_adaptiveload/sigterm/{rank}"
+
+
+def _mark_sigterm() -> None:
+    """Tell the other ranks (in the store) that this rank got SIGTERM, so that its exit is not taken for a crash."""
+    store = _store()
+    try:
+        if store is not None:
+            store.set(_sigterm_key(_rank()), "1")
+    except Exception:  # the store is served by rank 0, which may be gone
+        pass
+
+
+def _sigtermed() -> set:
+    """The other ranks that marked a SIGTERM (_mark_sigterm)."""
+    dist, store = _dist(), _store()
+    if dist is None or store is None:
+        return set()
+    try:
+        return {r for r in range(dist.get_world_size()) if r != _rank() and store.check([_sigterm_key(r)])}
+    except Exception:  # the store is unreachable: rank 0 is gone
+        return set()
+
+
+def _outlive_peers(timeout_s: float = 5.0) -> None:
+    """Rank 0 serves the store: it closes its group's connections (a peer waiting in a collective then fails at once,
+    instead of waiting for rank 0's exit) but keeps the store up until the other ranks on this host have left (at most
+    timeout_s), since they read it to tell a SIGTERM from a crash. Had it left first, a SIGTERMed peer found the store
+    gone and named rank 0 as a lost rank (1 run in 4 of a group SIGTERM)."""
+    import time
+
+    dist, store = _dist(), _store()
+    if dist is None or store is None or _rank() != 0 or dist.get_world_size() == 1:
+        return
+    import psutil
+
+    host, pids = socket.gethostname(), []
+    for r in range(1, dist.get_world_size()):
+        try:
+            if store.check([f"ds_adaptiveload/pid/{r}"]):
+                h, pid = store.get(f"ds_adaptiveload/pid/{r}").decode().rsplit(":", 1)
+                pids += [int(pid)] if h == host else []
+        except Exception:
+            return
+    teardown()  # `store` still holds the store, which keeps serving
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and any(_alive(psutil, p) for p in pids):
+        time.sleep(0.05)
+
+
+def _stopped_or_sigtermed(terminated: bool, wait_s: float = 3.0):
+    """(ranks gone without a SIGTERM, whether the run is being ended by SIGTERM). A failed collective with no peer
+    gone yet is looked at again for up to wait_s: a peer that just left may still be exiting."""
+    import time
+
+    end = time.monotonic() + wait_s
+    while True:
+        gone, marked = stopped_ranks(), _sigtermed()
+        lost = [r for r in gone if r not in marked]
+        if lost or terminated or marked or time.monotonic() >= end:
+            return lost, terminated or bool(marked), gone
+        time.sleep(0.1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -218,8 +311,15 @@ def _ended(e: BaseException) -> bool:
     return isinstance(e, Terminated) or ("DataLoader worker" in text and "killed by signal: Terminated" in text)
 
 
+def worker_killed(e: BaseException) -> bool:
+    """The DataLoader's error for a worker a signal ended or that exited unexpectedly: killed from outside (the kernel's
+    OOM killer, a scheduler), which a relaunch survives; not bad input."""
+    text = str(e) if isinstance(e, RuntimeError) else ""
+    return "DataLoader worker" in text and ("killed by signal" in text or "exited unexpectedly" in text)
+
+
 def _known(e: BaseException) -> bool:
-    return isinstance(e, UserError) or _ended(e) or is_peer_failure(e)
+    return isinstance(e, UserError) or _ended(e) or is_peer_failure(e) or worker_killed(e)
 
 
 def first_cause(e: BaseException) -> BaseException:
@@ -231,10 +331,11 @@ def first_cause(e: BaseException) -> BaseException:
     return next((x for x in reversed(chain) if _known(x)), e)
 
 
-def report(e: BaseException, step=None, bar=None) -> int:
+def report(e: BaseException, step=None, bar=None, advice=RELAUNCH) -> int:
     """Print the error line (once over all ranks) and return the exit code; re-raises anything that is
     neither bad input nor a lost peer nor SIGTERM (a bug: its traceback is wanted). bar: the run's progress bar,
-    closed first so that the line starts a line (the loop's `finally` closes it, unless a signal cut it short)."""
+    closed first so that the line starts a line (the loop's `finally` closes it, unless a signal cut it short).
+    advice: what a lost peer's line tells the user to do (RELAUNCH, or --resume's form once a checkpoint exists)."""
     hold_signals()
     if bar is not None:
         bar.close()
@@ -249,21 +350,41 @@ def report(e: BaseException, step=None, bar=None) -> int:
             print(f"error: {error_text(e)}", file=sys.stderr, flush=True)
         if agreed_ and dist is not None:
             _barrier()  # no rank exits (and gets its peers killed by the launcher) before rank 0 printed
-        return EXIT_USER_ERROR
+        return getattr(e, "code", EXIT_USER_ERROR)
     terminated = _ended(e)
-    if is_peer_failure(e) or (terminated and stopped_ranks()):
-        msg, mine, gone = peer_lost_message(step)
-        if not gone and not terminated:
+    if terminated or is_peer_failure(e):
+        try:
+            return _lost_or_terminated(e, step, advice, terminated)
+        finally:
+            _outlive_peers()
+    if worker_killed(e):  # the DataLoader's SIGCHLD check raised outside a step's read
+        print(f"error: {f'step {step}, ' if step else ''}rank {_rank()}: {error_text(e)}; the data is not at fault: "
+              f"{advice}", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
+    raise e
+
+
+def _lost_or_terminated(e, step, advice, terminated) -> int:
+    """A failed collective, or SIGTERM. A peer whose process ended without marking a SIGTERM stopped answering (killed,
+    crashed): the lowest rank still running names it, exit 3. Otherwise SIGTERM reached this rank or a peer (a
+    scheduler ending the job, or the launcher once a rank failed): every rank exits 143 and the lowest rank still
+    running prints the one line (a group SIGTERM gave exit codes 3 and 143 and two lines before)."""
+    if terminated:
+        _mark_sigterm()
+    lost, sigterm, gone = _stopped_or_sigtermed(terminated)
+    if lost or not sigterm:
+        msg, mine, _ = peer_lost_message(step, advice, lost)
+        if not lost:
             # every peer still runs: what failed is the clue (which rank failed first shows in these notes)
             print(f"note: rank {_rank()}: the collective failed with: {cause_line(e)}", file=sys.stderr, flush=True)
         if mine:
             print(f"error: {msg}", file=sys.stderr, flush=True)
         return EXIT_PEER_LOST
-    if terminated:
-        print(f"error: {f'step {step}: ' if step else ''}stopped by SIGTERM (the launcher ends every rank once "
-              f"one has failed: see the first error above)", file=sys.stderr, flush=True)
-        return EXIT_TERMINATED
-    raise e
+    me = _rank() if _dist() is not None else int(os.environ.get("RANK", 0))
+    if me == min(r for r in range(me + 1) if r not in gone):
+        print(f"error: {f'step {step}: ' if step else ''}stopped by SIGTERM (from a scheduler, or from the launcher "
+              f"once a rank failed: then the first error above says why). {advice}", file=sys.stderr, flush=True)
+    return EXIT_TERMINATED
 
 
 def cause_line(e: BaseException, width: int = 300) -> str:

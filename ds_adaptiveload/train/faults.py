@@ -3,6 +3,8 @@
     kill:RANK:STEP        SIGKILL rank RANK during step STEP (1-based), after its first backward
     save-abort:STEP       rank 0 SIGKILLs itself after the checkpoint of STEP is written, before it is
                           published (checkpoint.save)
+    worker-kill:RANK:STEP rank RANK SIGKILLs one of its DataLoader workers as it starts reading step STEP, and
+                          waits for its death (the kernel's OOM killer, e.g.)
     oom:RANK:STEP:MB      rank RANK raises the accelerator's out-of-memory error for micro-batch MB (0-based)
                           of step STEP, before the micro-batch's forward issues any collective
     enospc-save:RANK:STEP rank RANK's writes inside DeepSpeed's save of STEP fail with ENOSPC (a full disk)
@@ -20,7 +22,8 @@ from ds_adaptiveload.errors import UserError
 class Faults:
     def __init__(self, specs, rank: int):
         self.rank = rank
-        self.kill, self.save_abort, self.oom, self.enospc_save, self.enospc_log = set(), set(), set(), set(), set()
+        self.kill, self.save_abort, self.oom, self.worker_kill = set(), set(), set(), set()
+        self.enospc_save, self.enospc_log = set(), set()
         for spec in specs or ():
             kind, *nums = spec.split(":")
             try:
@@ -28,16 +31,25 @@ class Faults:
             except ValueError:
                 nums = ()
             kinds = {"kill": (2, self.kill), "save-abort": (1, self.save_abort), "oom": (3, self.oom),
-                     "enospc-save": (2, self.enospc_save), "enospc-log": (2, self.enospc_log)}
+                     "worker-kill": (2, self.worker_kill), "enospc-save": (2, self.enospc_save),
+                     "enospc-log": (2, self.enospc_log)}
             want, into = kinds.get(kind, (None, None))
             if want is None or len(nums) != want:
                 raise UserError(f"--fault {spec!r}: expected kill:RANK:STEP, save-abort:STEP, oom:RANK:STEP:MB, "
-                                f"enospc-save:RANK:STEP or enospc-log:RANK:STEP")
+                                f"worker-kill:RANK:STEP, enospc-save:RANK:STEP or enospc-log:RANK:STEP")
             into.add(nums)
 
     def after_backward(self, step: int) -> None:
         if (self.rank, step) in self.kill:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_read(self, step: int, batches) -> None:
+        """Inside the step's read, so that the DataLoader's SIGCHLD check raises there, as it does when a worker dies
+        while the rank waits for its data."""
+        workers = getattr(batches, "_workers", None)
+        if (self.rank, step) in self.worker_kill and workers:
+            os.kill(workers[0].pid, signal.SIGKILL)
+            workers[0].join(timeout=30)
 
     def before_publish(self, step: int) -> None:
         if self.rank == 0 and (step,) in self.save_abort:

@@ -218,23 +218,39 @@ def plan_checkpoint(args, stage: int) -> dict:
     return {"checkpoint": "auto-step" if stage == 3 else "auto", "checkpoint_policy": policy}
 
 
-def read_step(batches, stream, G, step, rank):
-    """-> (the step's G micro-batches, its PlannedStep, None) or (..., None, error line) when reading
-    failed on this rank (the caller agrees on it before any rank leaves the step)."""
+def read_micro_batches(batches, G, before=None, advice=None):
+    """-> (the micro-batches read, None), or (..., (error line, exit code)) when reading failed on this rank (the
+    caller agrees on it before any rank leaves the step). A DataLoader worker killed from outside (the kernel's OOM
+    killer, a scheduler) is no bad input: its code is the lost peer's, 3, and its line ends with `advice` (default
+    failures.RELAUNCH). before(): tests' fault, inside."""
     import traceback
 
-    from ds_adaptiveload.train.failures import error_text
+    from ds_adaptiveload.train import failures
 
     mbs = []
     try:
+        if before is not None:
+            before()
         for _ in range(G):
             mbs.append(next(batches))
-        return mbs, stream.pending.popleft(), None
-    except UserError as e:  # e.g. the sampler planned no steps
-        return mbs, None, f"step {step}, rank {rank}: {error_text(e)}"
-    except Exception as e:  # a worker died or a bug: keep its traceback, still end every rank together
+        return mbs, None
+    except UserError as e:  # e.g. the sampler planned no steps, a bad sample in error mode
+        return mbs, (failures.error_text(e), failures.EXIT_USER_ERROR)
+    except Exception as e:  # a worker died or a bug: keep a bug's traceback, still end every rank together
+        if failures.worker_killed(e):
+            return mbs, (f"{failures.error_text(e)}; the data is not at fault: {advice or failures.RELAUNCH}",
+                         failures.EXIT_PEER_LOST)
         traceback.print_exc()
-        return mbs, None, f"step {step}, rank {rank}: reading the step failed ({type(e).__name__}: {error_text(e)})"
+        return mbs, (f"reading the step failed ({type(e).__name__}: {failures.error_text(e)})", failures.EXIT_FAILED)
+
+
+def read_step(batches, stream, G, step, rank, before=None, advice=None):
+    """-> (the step's G micro-batches, its PlannedStep, None) or (..., None, (error line, exit code)) when reading
+    failed on this rank (read_micro_batches)."""
+    mbs, err = read_micro_batches(batches, G, before, advice)
+    if err:
+        return mbs, None, (f"step {step}, rank {rank}: {err[0]}", err[1])
+    return mbs, stream.pending.popleft(), None
 
 
 def end_loop(batches, *closers) -> None:

@@ -129,6 +129,14 @@ class Trainer:
                   f"file(s) in {time.perf_counter() - t0:.1f} s, {stats['bytes_read'] / 2**20:.1f} MiB read on "
                   f"rank 0", flush=True)
 
+    def relaunch_advice(self) -> str:
+        """What a lost peer's line advises: --resume where a checkpoint exists to continue from, else a relaunch from
+        step 0 (a line advising --resume before any save sent users looking for a checkpoint that never existed)."""
+        for folder in (getattr(self, "ckpt_dir", None), self.args.resume if getattr(self, "start", 0) else None):
+            if folder and os.path.isfile(os.path.join(folder, "latest")):
+                return f"Relaunch with --resume {folder} (docs/reliability.md)"
+        return "Relaunch; no checkpoint was saved yet, so it starts from step 0 (docs/reliability.md)"
+
     def apply_block_compile(self, model):
         """--compile-blocks: the blocks (or their regions) compiled before deepspeed.initialize, and the compile
         cache loaded where --compile-cache names one."""
@@ -322,14 +330,16 @@ class Trainer:
         """The step's G micro-batches, read before any compute, so a bad sample is agreed on (an error on
         every rank, or the step skipped on every rank) before any collective of the step."""
         t0 = time.perf_counter()
-        mbs, plan_step, read_err = read_step(self.batches, self.stream, self.G, step + 1, self.rank)
+        mbs, plan_step, read_err = read_step(self.batches, self.stream, self.G, step + 1, self.rank,
+                                             lambda: self.fault.before_read(step + 1, self.batches),
+                                             self.relaunch_advice())
         data_ms = (time.perf_counter() - t0) * 1000
         bad = [(sid, why) for b in mbs for sid, why in b.get("bad", ())]
-        fatal = read_err or self.log_error or (failures.bad_sample_message(step + 1, self.rank, bad)
-                             if bad and self.al.on_bad_sample != "skip" else None)
+        bad_err = failures.bad_sample_message(step + 1, self.rank, bad) if bad and self.al.on_bad_sample != "skip" else None
+        fatal = read_err or next(((e, failures.EXIT_USER_ERROR) for e in (self.log_error, bad_err) if e), None)
         n_bad, n_fatal = failures.sum_over_ranks([len(bad), fatal is not None], self.device)
         if n_fatal:
-            failures.agree(fatal)  # raises on every rank
+            failures.agree(*(fatal or (None,)))  # raises on every rank
         for g, batch in enumerate(mbs):
             assert batch["index"] == plan_step.micro_batches[g], "loader and sampler out of step"
         self.plan_step = plan_step
