@@ -335,7 +335,8 @@ class Trainer:
                                              self.relaunch_advice())
         data_ms = (time.perf_counter() - t0) * 1000
         bad = [(sid, why) for b in mbs for sid, why in b.get("bad", ())]
-        bad_err = failures.bad_sample_message(step + 1, self.rank, bad) if bad and self.al.on_bad_sample != "skip" else None
+        skip = self.al.on_bad_sample == "skip"
+        bad_err = failures.bad_sample_message(step + 1, self.rank, bad) if bad and not skip else None
         fatal = read_err or next(((e, failures.EXIT_USER_ERROR) for e in (self.log_error, bad_err) if e), None)
         n_bad, n_fatal = failures.sum_over_ranks([len(bad), fatal is not None], self.device)
         if n_fatal:
