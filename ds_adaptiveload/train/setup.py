@@ -21,6 +21,7 @@ def read_config(args, world, rank, device=None):
     from ds_adaptiveload.train.config import zero_stage
 
     ds_cfg, al = config.load_ds_config(args.deepspeed_config)
+    al = config.lora_from_flags(args, al)  # --lora-rank and friends over adaptive_load.lora
     dims = sp.ParallelDims(world=world, sp=ds_cfg.get("sequence_parallel_size", 1), rank=rank)
     if world % dims.sp:
         raise UserError(f"{args.deepspeed_config}: sequence_parallel_size {dims.sp} does not divide "
@@ -190,6 +191,8 @@ def prepare_data(args, manifest, c, world, rank):
     # and its resume (e.g. to skip what crashed it), and checkpoints from before a key existed keep loading.
     layout = {"world": world, "sp": c.dims.sp, "grad_accum": c.G, "adaptive_load": al.layout_keys(),
               "manifest_samples": len(samples)}
+    if al.lora:  # a resume must train the same adapters (absent without LoRA: older checkpoints match)
+        layout["lora"] = al.lora.model_dump()
     if ckpt["checkpoint"] != "all" and RecomputeCost.of(c.profile, ckpt["checkpoint_policy"]):
         layout["checkpoint"] = ckpt  # the plan costs recompute by it (absent otherwise: older checkpoints match)
     tag = checkpoint.find(args.resume) if args.resume else None
