@@ -97,6 +97,10 @@ def test_only_the_adapters_train_and_the_custom_layers_wrap_o_and_ffn2():
     adapted = {n.rsplit(".lora_A.", 1)[0] for n, _ in only_q.named_parameters() if ".lora_A." in n}
     assert adapted == {f"blocks.{i}.{m}" for i in range(TINY.num_layers) for m in ("self_attn.q", "ffn.0")}
     assert target_pattern(LoraSettings(rank=2, targets=["ffn.2"])) == r"blocks\.\d+\.(ffn\.2)"
+    head = apply_lora(WanModel(TINY), LoraSettings(rank=2, targets=["head"]))
+    assert [n for n, p in head.named_parameters() if p.requires_grad] == ["head.head.lora_A.default.weight",
+                                                                          "head.head.lora_B.default.weight"]
+    assert TINY.lora_params(2, ["head"]) == 2 * (TINY.dim + TINY.out_dim * 4)
 
 
 # -- gradients -----------------------------------------------------------------------------------------------------

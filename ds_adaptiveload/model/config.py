@@ -145,8 +145,9 @@ class WanConfig:
     def lora_params(self, rank: int, modules) -> int:
         """Adapter parameters of rank `rank` on the block-relative projections `modules` (LoraSettings.modules()):
         r * (in + out) per projection and block."""
-        shapes = self._projection_shapes()
-        return self.num_layers * rank * sum(sum(shapes[m]) for m in modules)
+        shapes, modules = self._projection_shapes(), set(modules)
+        head = rank * (self.dim + self.out_dim * prod(self.patch_size)) if "head" in modules else 0
+        return self.num_layers * rank * sum(sum(shapes[m]) for m in modules - {"head"}) + head
 
     def lora_flops_per_sample(self, tokens: int, rank: int, modules, text_len: int | None = None) -> float:
         """Model FLOPs of a LoRA step (frozen base, adapters of rank `rank` on `modules`) for one sample: what it runs.
@@ -168,11 +169,12 @@ class WanConfig:
         proj_bwd = sum(rows[m] * i * o for m, (i, o) in shapes.items() if rows[m] == s)
         self_attn, cross_attn = 2 * s * s * d, 2 * s * l * d
         cross_bwd = 2 if modules & {"cross_attn.k", "cross_attn.v"} else 1
-        adapters = sum(rows[m] * rank * sum(shapes[m]) for m in modules)
+        adapters = sum(rows[m] * rank * sum(shapes[m]) for m in modules - {"head"})
         embed = s * self.in_dim * p * d + l * (self.text_dim * d + d * d) + self.freq_dim * d + d * d + d * 6 * d
         head = s * d * self.out_dim * p
+        head_adapter = 3 * s * rank * (d + self.out_dim * p) if "head" in modules else 0
         macs = (self.num_layers * (proj + proj_bwd + 3 * self_attn + (1 + cross_bwd) * cross_attn + 3 * adapters)
-                + embed + 2 * head)
+                + embed + 2 * head + head_adapter)
         return 2.0 * macs
 
 def _type_problem(annotation, value):

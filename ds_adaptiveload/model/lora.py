@@ -69,8 +69,12 @@ CUSTOM_LAYERS = {RowsLinear: RowsLoraLinear, GeluLinear: GeluLoraLinear}
 
 
 def target_pattern(settings) -> str:
-    """The regular expression peft matches full module names against: the settings' projections in every block."""
-    return r"blocks\.\d+\.(" + "|".join(re.escape(m) for m in settings.modules()) + ")"
+    """The regular expression peft matches full module names against: the settings' projections in every block, and
+    head.head for the target "head"."""
+    blocks = [re.escape(m) for m in settings.modules() if m != "head"]
+    parts = ([r"blocks\.\d+\.(" + "|".join(blocks) + ")"] if blocks else []) + \
+        ([r"head\.head"] if "head" in settings.modules() else [])
+    return "|".join(parts)
 
 
 def peft_config(settings) -> LoraConfig:

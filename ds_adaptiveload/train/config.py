@@ -49,6 +49,7 @@ LORA_TARGETS = {
     **{f"{a}.{p}": (f"{a}.{p}",) for a in ("self_attn", "cross_attn") for p in "qkvo"},
     "self_attn": tuple(f"self_attn.{p}" for p in "qkvo"), "cross_attn": tuple(f"cross_attn.{p}" for p in "qkvo"),
     "ffn": ("ffn.0", "ffn.2"), "ffn.0": ("ffn.0",), "ffn.2": ("ffn.2",),
+    "head": ("head",),  # the output projection (head.head), not in a block
 }
 # The set musubi-tuner and DiffSynth-Studio train on Wan: every attention projection and both FFN linears.
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o", "ffn")
@@ -69,14 +70,15 @@ class LoraSettings(BaseModel):
     targets: list[Literal[tuple(LORA_TARGETS)]] = setting(list(DEFAULT_LORA_TARGETS), min_length=1,
                                                            must="a non-empty list of " + ", ".join(LORA_TARGETS))
     """Projections of every block that get adapters: q, k, v, o (both attentions), self_attn.q ... cross_attn.o,
-    self_attn, cross_attn (their four), ffn.0, ffn.2, ffn (both). Default: q, k, v, o, ffn."""
+    self_attn, cross_attn (their four), ffn.0, ffn.2, ffn (both); and head, the model's output projection. Default:
+    q, k, v, o, ffn."""
 
     @property
     def scale(self) -> float:
         return (self.alpha if self.alpha is not None else self.rank) / self.rank
 
     def modules(self) -> tuple:
-        """The block-relative module names the targets adapt, sorted, each once."""
+        """The module names the targets adapt (block-relative; "head" for the output projection), sorted, each once."""
         return tuple(sorted({m for t in self.targets for m in LORA_TARGETS[t]}))
 
 
