@@ -133,7 +133,7 @@ def lora_reference_check(out, dump, sp, settings):
 def _packed_config(tmp_path, **changes):
     with open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")) as f:
         al = json.load(f)["adaptive_load"]
-    al.update(policy="packed", profile=os.path.join(ROOT, al["profile"]))
+    al.update(policy="packed")
     return test_config(tmp_path, scheduler=None, adaptive_load=al,
                        optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, **changes)
 
