@@ -266,6 +266,20 @@ def lora_from_flags(args, al: "AdaptiveLoadConfig") -> "AdaptiveLoadConfig":
     return al.model_copy(update={"lora": lora})
 
 
+def lora_settings(args, ds: dict, source: str) -> Optional[LoraSettings]:
+    """The LoRA settings of a tool that reads a DeepSpeed dict (calibrate): the --lora-* flags over the dict's
+    adaptive_load.lora, or None for full training."""
+    section = (ds.get("adaptive_load") or {}) if isinstance(ds, dict) else {}
+    base = section.get("lora") if isinstance(section, dict) else None
+    al = AdaptiveLoadConfig.model_construct(lora=None)
+    if base is not None:
+        try:
+            al = AdaptiveLoadConfig.model_construct(lora=LoraSettings.model_validate(base))
+        except ValidationError as e:
+            raise UserError(f"{source}: " + "; ".join(explain(LoraSettings, e, lambda k: f"adaptive_load.lora.{k}")))
+    return lora_from_flags(args, al).lora
+
+
 def explain(model, err: ValidationError, label) -> list:
     """One phrase per bad key of a pydantic ValidationError of `model`: "LABEL must be <the field's must>, got
     <value>", "unknown key ... (did you mean ...)", "LABEL is required". A union reports one error per member; the

@@ -45,7 +45,8 @@ def read_config(args, world, rank, device=None):
                         f"for every block")
     gpu = gpu_of(device)
     path, lines = al.profile_path(args.deepspeed_config, model_cfg, stage, dims.sp, gpu)
-    profile, moved = profile_for_run(CostProfile.load(path), stage, dims, path, gpu)  # every rank: the same plan
+    lora = model_cfg.lora_params(al.lora.rank, al.lora.modules()) if al.lora else None
+    profile, moved = profile_for_run(CostProfile.load(path), stage, dims, path, gpu, lora)  # every rank: the same plan
     lines += moved
     lines += compile_mismatch(profile, getattr(args, "compile_blocks", None), path)
     attention, core = resolve_attention(getattr(args, "attention", "sdpa"))  # fa4 where it cannot run: agreed here
@@ -61,15 +62,16 @@ def read_config(args, world, rank, device=None):
                            attention_core=core)
 
 
-def profile_for_run(profile, stage: int, dims, source: str = "profile", gpu=None):
+def profile_for_run(profile, stage: int, dims, source: str = "profile", gpu=None, lora=None):
     """(profile, lines): the profile with its memory moved to this run's ZeRO `stage` and world size where it was
     calibrated for another (schedule/zero.for_run: what it moved, and what that leaves out), to this run's GPU where
     it was measured on one of another capacity (gpu: gpu_of's (name, capacity bytes); profile.for_device), and a
-    warning where it was calibrated for another Ulysses degree, which no accounting fixes."""
+    warning where it was calibrated for another Ulysses degree, which no accounting fixes. lora: a LoRA run's adapter
+    parameter count (None: full training): a profile of the other kind has its state bytes moved too."""
     from ds_adaptiveload.schedule.profile import for_device
     from ds_adaptiveload.schedule.zero import for_run
 
-    profile, lines = for_run(profile, stage, dims.world, source)
+    profile, lines = for_run(profile, stage, dims.world, source, lora)
     if gpu is not None:
         profile, more = for_device(profile, gpu[1], gpu[0], source)
         lines += more
