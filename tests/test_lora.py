@@ -192,3 +192,24 @@ def test_gelu_adapter_with_dropout_takes_the_plain_path():
     model.train()
     with torch.no_grad():
         assert not torch.allclose(layer(h), fused(h))  # dropout acts on the adapter's input
+
+
+def test_read_config_takes_the_lora_flags_and_refuses_an_ema_with_them(tmp_path):
+    """--lora-rank reaches the run's settings and its profile's memory (the base's state bytes gone); an EMA of the
+    weights with LoRA is refused naming both keys."""
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.train.setup import read_config
+
+    ds = json.load(open(os.path.join(ROOT, "configs", "ds_tiny_cpu.json")))
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    args = SimpleNamespace(deepspeed_config=str(tmp_path / "ds.json"), model_config="configs/wan_tiny.yaml",
+                           fault=None, checkpoint_blocks=False, checkpoint_policy="full", compile_blocks=False,
+                           compile_cache=None, resume=None, lora_rank=4, lora_alpha=None, lora_dropout=None,
+                           lora_targets=["q", "ffn"])
+    c = read_config(args, 1, 0)
+    assert (c.al.lora.rank, c.al.lora.targets) == (4, ["q", "ffn"])
+    ds["adaptive_load"]["ema_decay"] = 0.99
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    with pytest.raises(UserError, match="adaptive_load.ema_decay is not supported with adaptive_load.lora"):
+        read_config(args, 1, 0)

@@ -22,6 +22,9 @@ def read_config(args, world, rank, device=None):
 
     ds_cfg, al = config.load_ds_config(args.deepspeed_config)
     al = config.lora_from_flags(args, al)  # --lora-rank and friends over adaptive_load.lora
+    if al.lora and al.ema_decay is not None:  # the EMA follows every weight, and a frozen one has no fp32 copy
+        raise UserError(f"{args.deepspeed_config}: adaptive_load.ema_decay is not supported with adaptive_load.lora "
+                        f"(or --lora-rank); remove one of them")
     dims = sp.ParallelDims(world=world, sp=ds_cfg.get("sequence_parallel_size", 1), rank=rank)
     if world % dims.sp:
         raise UserError(f"{args.deepspeed_config}: sequence_parallel_size {dims.sp} does not divide "
