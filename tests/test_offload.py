@@ -94,3 +94,23 @@ def test_cuda_offload_lowers_the_peak_and_keeps_gradients():
     assert peaks[0] - peaks[1] > 0.5 * (cfg.num_layers - 1) * tokens * cfg.dim * 4, peaks
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["regions", "block"])
+def test_offload_with_compiled_blocks(kind):
+    """Compiled regions or blocks (aot_eager: traced, no code generation) with offloaded inputs: the eager gradients."""
+    from ds_adaptiveload.model.compile import apply_compile
+
+    torch.manual_seed(0)
+    eager = WanModel(TINY, checkpoint_blocks=True)
+    torch.nn.init.normal_(eager.head.head.weight, std=0.02)
+    compiled = WanModel(TINY, checkpoint_blocks=True)
+    compiled.load_state_dict(eager.state_dict())
+    apply_compile(compiled, kind, backend="aot_eager")
+    compiled.offload_blocks = TINY.num_layers
+    inputs = _inputs()
+    _, want = _grads(eager, inputs)
+    got = {k.replace("_orig_mod.", ""): v for k, v in _grads(compiled, inputs)[1].items()}
+    assert compiled._offload.stats()["tensors"] == TINY.num_layers and got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
