@@ -56,6 +56,7 @@ def test_lora_flops():
     assert 0.85 < lora / full < 0.95
 
 
+@pytest.mark.slow
 def test_calibrate_lora_rank_on_cpu(tmp_path):
     """The measuring loop with --lora-rank: the step measured trains adapters only; meta.lora names them."""
     out = tmp_path / "tiny-lora.yaml"

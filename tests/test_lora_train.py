@@ -59,6 +59,7 @@ class _nothing:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_optimizer_holds_only_adapters_and_the_base_stays_bit_identical(stage):
     from ds_adaptiveload.train import engine as eng, flow
@@ -138,6 +139,7 @@ def _packed_config(tmp_path, **changes):
                        optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, **changes)
 
 
+@pytest.mark.slow
 @needs_launcher
 @pytest.mark.parametrize("sp", [1, 2])
 def test_lora_packed_gradient_equals_one_big_batch(tmp_path, sp):
@@ -155,6 +157,7 @@ def test_lora_packed_gradient_equals_one_big_batch(tmp_path, sp):
     lora_reference_check(out, dump, sp, settings)
 
 
+@pytest.mark.slow
 @needs_launcher
 def test_lora_resume_is_exact_under_zero3(tmp_path):
     """ZeRO-3 (the tiny config's), adapters in the JSON: 4 steps straight equal 2 steps, then a resume to 4; a resume
