@@ -50,7 +50,10 @@ setup(
     install_requires=["torch>=2.4", "deepspeed>=0.16", "einops", "pydantic>=2.7", "pyyaml", "safetensors", "tqdm",
                       "huggingface_hub"],
     extras_require={
-        "test": ["pytest", "hypothesis", "diffusers", "transformers", "tokenizers", "av", "matplotlib", "accelerate"],
+        "test": ["pytest", "hypothesis", "diffusers", "transformers", "tokenizers", "av", "matplotlib", "accelerate",
+                 "peft>=0.17"],
+        # adaptive_load.lora / --lora-rank: LoRA adapters through peft (model/lora.py)
+        "lora": ["peft>=0.17"],
         "dataset": ["av", "matplotlib"],
         # --attention fa4 (auto takes it on Hopper): FlashAttention-4, CuTe DSL kernels (model/attention.py)
         "fa4": ["flash-attn-4"],

@@ -1,5 +1,6 @@
 """`python -m ds_adaptiveload export`: a training checkpoint (ZeRO-0 to 3, read directly) to a diffusers
-WanTransformer3DModel folder or the original Wan 2.1 layout (model/export.py), weights or their EMA."""
+WanTransformer3DModel folder or the original Wan 2.1 layout (model/export.py), weights or their EMA; a LoRA run's
+adapters alone (lora-diffusers, lora-wan) or merged into its base (--merge; model/lora_export.py)."""
 import os
 import sys
 import time
@@ -9,13 +10,18 @@ from ds_adaptiveload.errors import UserError
 
 def add_arguments(p):
     from ds_adaptiveload.model.export import DTYPES, FORMATS
+    from ds_adaptiveload.model.lora_export import LORA_FORMATS
 
     p.add_argument("--checkpoint", required=True, help="the run's OUTPUT/checkpoints folder")
     p.add_argument("--tag", help="checkpoint to export, e.g. global_step1000 (default: the one 'latest' names)")
-    p.add_argument("--format", required=True, choices=sorted(FORMATS),
+    p.add_argument("--format", required=True, choices=sorted(FORMATS) + list(LORA_FORMATS),
                    help="diffusers: a folder WanTransformer3DModel.from_pretrained loads (a pipeline's "
                         "transformer/); wan: the original Wan 2.1 release's keys and config.json (Wan's repository, "
-                        "ComfyUI)")
+                        "ComfyUI); a LoRA run's adapters alone: lora-diffusers (pytorch_lora_weights.safetensors, "
+                        "which WanPipeline.load_lora_weights loads) or lora-wan (wan_lora.safetensors, the original "
+                        "Wan keys, which ComfyUI loads)")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA run: write the base with the adapters merged in, in --format diffusers or wan")
     p.add_argument("--out", required=True, help="output folder (created; files of the same names are replaced)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the written weights (default bf16)")
     p.add_argument("--ema", action="store_true", help="export the EMA of the weights (adaptive_load.ema_decay)")
@@ -37,12 +43,35 @@ def load_weights(args):
         weights = export.read_ema(args.checkpoint, tag, cfg)
     else:
         weights = export.read_weights(args.checkpoint, tag, getattr(args, "trust_checkpoint", False))
+    weights = _lora(args, tag, weights)
+    if args.format in ("lora-diffusers", "lora-wan"):
+        return cfg, tag, weights
     expected = _expected_keys(cfg)
     missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or extra:
         raise UserError(f"--checkpoint {os.path.join(args.checkpoint, tag)}: its parameters are not the model "
                         f"config's (missing {missing[:5]}, extra {extra[:5]}); give the run's --model-config")
     return cfg, tag, weights
+
+
+def _lora(args, tag, weights) -> dict:
+    """A LoRA checkpoint: merged into its base with --merge; kept as it is for a lora-* format (with its scale in
+    args.lora_scale). A checkpoint without adapters: a lora-* format or --merge is an error."""
+    from ds_adaptiveload.model import lora_export
+
+    fmt, merge = args.format, getattr(args, "merge", False)
+    if not lora_export.is_lora_checkpoint(weights):
+        if fmt in lora_export.LORA_FORMATS or merge:
+            raise UserError(f"--checkpoint {os.path.join(args.checkpoint, tag)}: holds no LoRA adapters (the run had no "
+                            f"adaptive_load.lora); --format {fmt}{' --merge' if merge else ''} needs them")
+        return weights
+    if fmt in lora_export.LORA_FORMATS and merge:
+        raise UserError(f"--merge writes the merged model in --format diffusers or wan, not {fmt}")
+    if fmt not in lora_export.LORA_FORMATS and not merge:
+        raise UserError(f"--checkpoint {os.path.join(args.checkpoint, tag)}: holds LoRA adapters; give --merge to "
+                        f"write the merged model as {fmt}, or --format lora-diffusers / lora-wan for the adapters")
+    args.lora_scale = lora_export.scale_of(args.checkpoint, tag, weights)
+    return weights if fmt in lora_export.LORA_FORMATS else lora_export.merged(weights, args.lora_scale)
 
 
 def _expected_keys(cfg) -> list:
@@ -61,7 +90,12 @@ def run(args) -> int:
     cfg, tag, weights = load_weights(args)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UserError(f"--out {args.out}: exists and is not a folder")
-    files = export.write(weights, cfg, args.format, args.out, args.dtype, args.max_shard_size)
+    if args.format in ("lora-diffusers", "lora-wan"):
+        from ds_adaptiveload.model import lora_export
+
+        files = lora_export.write(weights, args.lora_scale, args.format, args.out, args.dtype)
+    else:
+        files = export.write(weights, cfg, args.format, args.out, args.dtype, args.max_shard_size)
     print(f"[export] {os.path.join(args.checkpoint, tag)}{' (EMA)' if args.ema else ''} -> {args.out}: "
           f"{args.format}, {args.dtype}, {len(files)} safetensors file(s), {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)

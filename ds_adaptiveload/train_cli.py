@@ -49,6 +49,7 @@ def add_arguments(p):
     from ds_adaptiveload.model.config import ATTENTION_BACKENDS
     from ds_adaptiveload.schedule.mixes import MIXES
     from ds_adaptiveload.train import preview
+    from ds_adaptiveload.train.config import add_lora_flags
 
     p.add_argument("--model-config", required=True,
                    help="WanConfig YAML (configs/wan_*.yaml: the shipped ones are found outside a checkout too)")
@@ -107,6 +108,7 @@ def add_arguments(p):
     p.add_argument("--compile-cache", help="file of compiled artifacts: loaded at start if present, rewritten after "
                                            "steps that compiled new graphs (a restart or a new machine compiles less)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (engine.compile())")
+    add_lora_flags(p)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets (adaptive_load.lora)
     p.add_argument("--timestep-shift", type=positive_float, default=5.0,
                    help="Wan's shift s: t = s*u / (1 + (s-1)*u)")
     p.add_argument("--peak-tflops", type=positive_float, default=989.0,

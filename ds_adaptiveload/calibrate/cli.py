@@ -10,6 +10,7 @@ from ds_adaptiveload.fileio import read_json_object
 from ds_adaptiveload.flags import positive_float
 from ds_adaptiveload.model.config import ATTENTION_BACKENDS
 from ds_adaptiveload.schedule.profile import CostProfile
+from ds_adaptiveload.train.config import add_lora_flags, lora_settings
 
 
 def add_arguments(p):
@@ -55,6 +56,7 @@ def add_arguments(p):
     p.add_argument("--pin-dual", action="store_true",
                    help="write the dual (p, m_comp) fitted over the calibrated range into the profile's dual: "
                         "section (default: only report it under fit:, and the planner derives it per dataset)")
+    add_lora_flags(p)  # calibrate --lora-rank R: the LoRA step (adapters trained, base frozen) is what is measured
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     p.add_argument("--json", help="also write the raw measurements here (JSON)")
     # --estimate
@@ -82,6 +84,9 @@ def run(args) -> int:
     heldout = parse_shapes(args.heldout, "--heldout") if args.heldout is not None else HELDOUT_SHAPES
     if not shapes:
         raise UserError("--shapes: at least one shape is needed")
+    args.lora = lora_settings(args, ds, args.deepspeed_config)
+    if args.estimate and args.lora:
+        raise UserError("--estimate models full training only; calibrate a LoRA step without --estimate")
     if args.estimate:
         prof = estimate_profile(cfg, ds, args)
     else:

@@ -43,6 +43,10 @@ def build_model(cfg, args, mpu=None):
     model = WanModel(cfg, checkpoint_blocks=args.checkpoint_blocks)
     with torch.no_grad():  # the zero-initialised head would make every other gradient zero
         model.head.head.weight.normal_(std=0.02)
+    if getattr(args, "lora", None):  # calibrate --lora-rank: the step a LoRA run trains (as the trainer adds them)
+        from ds_adaptiveload.model.lora import apply_lora
+
+        apply_lora(model, args.lora)
     _, core = resolve_attention(getattr(args, "attention", "sdpa"))  # as the trainer does
     seq_shard = tsp.apply_ulysses(model, mpu, cfg.num_heads, core)
     if getattr(args, "compile_blocks", None):  # as the trainer does, before deepspeed.initialize

@@ -145,6 +145,13 @@ class Calibration:
         self.mem = mem = fit_memory(self.points)
         sharded = ZERO_SHARDED_BYTES.get(zero_stage(self.ds), ZERO_BYTES_PER_PARAM)
         fixed_bytes = train_fixed_bytes(mem[0], self.cfg.num_params(), self.dims.world, self.train_world, sharded)
+        lora = getattr(self.args, "lora", None)
+        if lora:  # the frozen base holds weights only: the shards move as schedule/zero.state_bytes counts them
+            from ds_adaptiveload.schedule.zero import state_bytes
+
+            params, n, stage = self.cfg.num_params(), self.cfg.lora_params(lora.rank, lora.modules()), zero_stage(self.ds)
+            fixed_bytes = max(mem[0] - state_bytes(params, stage, self.dims.world, n)
+                              + state_bytes(params, stage, self.train_world, n), 0.0)
         self.mem_doc = (fixed_bytes, mem[1], mem[3])
         self.mem_note = {"fixed_bytes_measured": int(mem[0]), "floor_bytes_measured": int(mem[2]),
                          "model": "peak = max(floor, fixed + bytes_per_token * tokens + bytes_per_sample * B)",

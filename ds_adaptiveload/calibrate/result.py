@@ -70,6 +70,12 @@ def header(meta):
             "dual: B * s^p <= m_comp, derived from the time model (profile.derive_dual). fit: per-point errors.")
 
 
+def lora_meta(cfg, lora) -> dict:
+    """meta.lora of a LoRA profile: the settings and the adapters' parameter count (schedule/zero.lora_of)."""
+    return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets),
+            "params": cfg.lora_params(lora.rank, lora.modules())}
+
+
 def run_meta(cfg, ds, args, sp, world):
     """Provenance both modes record: model and DeepSpeed config, parallelism, versions, date."""
     import importlib.metadata as md
@@ -88,6 +94,7 @@ def run_meta(cfg, ds, args, sp, world):
             "world_size": world, "checkpoint_blocks": bool(args.checkpoint_blocks),
             "compile_blocks": getattr(args, "compile_blocks", None) or "none",
             "attention": getattr(args, "attention", "sdpa"),
+            **({"lora": lora_meta(cfg, args.lora)} if getattr(args, "lora", None) else {}),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "torch": ver("torch"), "deepspeed": ver("deepspeed"), "python": sys.version.split()[0],
             "ln_modulate": os.environ.get("DS_ADAPTIVELOAD_LN_MODULATE", "auto")}

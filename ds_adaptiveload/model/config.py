@@ -136,6 +136,46 @@ class WanConfig:
                 + s * d * self.out_dim * p)                      # head
         return 3.0 * 2.0 * macs
 
+    def _projection_shapes(self) -> dict:
+        """(in, out) of every block projection LoRA can adapt, by block-relative name."""
+        d, f = self.dim, self.ffn_dim
+        return {**{f"{a}.{p}": (d, d) for a in ("self_attn", "cross_attn") for p in "qkvo"},
+                "ffn.0": (d, f), "ffn.2": (f, d)}
+
+    def lora_params(self, rank: int, modules) -> int:
+        """Adapter parameters of rank `rank` on the block-relative projections `modules` (LoraSettings.modules()):
+        r * (in + out) per projection and block."""
+        shapes, modules = self._projection_shapes(), set(modules)
+        head = rank * (self.dim + self.out_dim * prod(self.patch_size)) if "head" in modules else 0
+        return self.num_layers * rank * sum(sum(shapes[m]) for m in modules - {"head"}) + head
+
+    def lora_flops_per_sample(self, tokens: int, rank: int, modules, text_len: int | None = None) -> float:
+        """Model FLOPs of a LoRA step (frozen base, adapters of rank `rank` on `modules`) for one sample: what it runs.
+
+        - forward: every matmul of the model, as flops_per_sample counts them, and the adapters (x A^T, then B);
+        - backward, base: the input gradient of every block projection and of the head (no weight gradients); none
+          for the patch, text and time embeddings and the cross-attention's k, v on the text, whose inputs need no
+          gradient (the adapters' own backward aside);
+        - backward, attention: self-attention's QK^T and PV twice their forward (dQ, dK, dV); cross-attention's
+          the same where its k or v carries an adapter, else once (dQ and dP only);
+        - backward, adapters: twice their forward (input and weight gradients).
+        Recompute of activation checkpointing is not counted, as in flops_per_sample."""
+        d, f, s = self.dim, self.ffn_dim, int(tokens)
+        l = self.text_len if text_len is None else int(text_len)
+        p = prod(self.patch_size)
+        shapes, modules = self._projection_shapes(), set(modules)
+        rows = {m: (l if m in ("cross_attn.k", "cross_attn.v") else s) for m in shapes}
+        proj = sum(rows[m] * i * o for m, (i, o) in shapes.items())          # block projections, forward MACs
+        proj_bwd = sum(rows[m] * i * o for m, (i, o) in shapes.items() if rows[m] == s)
+        self_attn, cross_attn = 2 * s * s * d, 2 * s * l * d
+        cross_bwd = 2 if modules & {"cross_attn.k", "cross_attn.v"} else 1
+        adapters = sum(rows[m] * rank * sum(shapes[m]) for m in modules - {"head"})
+        embed = s * self.in_dim * p * d + l * (self.text_dim * d + d * d) + self.freq_dim * d + d * d + d * 6 * d
+        head = s * d * self.out_dim * p
+        head_adapter = 3 * s * rank * (d + self.out_dim * p) if "head" in modules else 0
+        macs = (self.num_layers * (proj + proj_bwd + 3 * self_attn + (1 + cross_bwd) * cross_attn + 3 * adapters)
+                + embed + 2 * head + head_adapter)
+        return 2.0 * macs
 
 def _type_problem(annotation, value):
     """What a WanConfig field of `annotation` must be, where `value` is not of its type (else None); bool is not an

@@ -23,6 +23,7 @@ from ds_adaptiveload.model.attention import FA4_FORWARD_OP, drop_padding
 from ds_adaptiveload.model.config import WanConfig
 from ds_adaptiveload.model.gelu_linear import GELU_LINEAR_OP, GeluLinear
 from ds_adaptiveload.model.layout import AttentionFn, BlockFns, Layout, modulate_rows
+from ds_adaptiveload.model.offload import BlockInputOffload, offload_context
 from ds_adaptiveload.model.packed_ops import RowsLinear
 from ds_adaptiveload.model.packing import Packing, merge, plan_packing
 
@@ -271,6 +272,9 @@ class WanModel(nn.Module):
         checkpoint_ffn_blocks of the checkpointed blocks keep their FFN output as well).
         Not under ZeRO-3 without leaf blocks: its parameter hooks inside the block run different ops in the
         recompute, which selective checkpointing rejects.
+    offload_blocks (attribute, 0 by default; settable per micro-batch): the first offload_blocks of the checkpointed
+        blocks keep their inputs in pinned host memory instead of device memory from forward to backward, copied on a
+        side stream (model/offload.py); schedule/memory.offload_blocks sizes it.
     open_recompute (attribute, "none" by default): "elementwise" runs the blocks not checkpointed under selective
         checkpointing that keeps every matmul and attention output (save_matmuls_policy) and recomputes only the
         elementwise steps; less memory than keeping everything, for one more pass of those steps. Measured by
@@ -290,6 +294,8 @@ class WanModel(nn.Module):
         self.checkpoint_full_blocks = 0  # settable per micro-batch: schedule/memory.selective_checkpoint
         self.checkpoint_ffn_blocks = 0  # likewise: schedule/memory.ffn_blocks
         self.open_recompute = "none"  # the blocks not checkpointed: keep all they save, or recompute "elementwise"
+        self.offload_blocks = 0  # likewise: schedule/memory.offload_blocks
+        self.__dict__["_offload"] = BlockInputOffload()  # outside the module tree: no state, no ZeRO hooks
         d = cfg.dim
         self.patch_embedding = PatchEmbed(cfg.in_dim, d, kernel_size=cfg.patch_size, stride=cfg.patch_size)
         self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"),
@@ -387,12 +393,16 @@ class WanModel(nn.Module):
         # last checkpoint_ffn_blocks keep their FFN output too (more memory, less recompute).
         n_full = min(self.checkpoint_full_blocks, n_ckpt) if selective else n_ckpt
         first_ffn = max(n_ckpt - self.checkpoint_ffn_blocks, n_full) if selective else n_ckpt
+        n_off = min(int(self.offload_blocks or 0), n_ckpt) if torch.is_grad_enabled() else 0
+        if n_off:
+            self._offload.begin()
         for i, block in enumerate(self.blocks):
-            if i < n_full and torch.is_grad_enabled():
-                h = checkpoint(block, h, e0, context, lay, use_reentrant=False)
-            else:
-                h = block(h, e0, context, lay, i < n_ckpt and selective, first_ffn <= i < n_ckpt,
-                          i >= n_ckpt and self.open_recompute == "elementwise")
+            with offload_context(self._offload, i < n_off, h):  # the checkpointed block's inputs to host memory
+                if i < n_full and torch.is_grad_enabled():
+                    h = checkpoint(block, h, e0, context, lay, use_reentrant=False)
+                else:
+                    h = block(h, e0, context, lay, i < n_ckpt and selective, first_ffn <= i < n_ckpt,
+                              i >= n_ckpt and self.open_recompute == "elementwise")
         h = self.head(h, e, packing)                                            # [T, out*pt*ph*pw]
         outs = self._unpatchify_groups(h, packing, shard)
         if not packed:

@@ -42,6 +42,46 @@ def setting(default=..., must=None, plan=False, **constraints):
     return Field(default, json_schema_extra={"must": must, "plan": plan}, **constraints)
 
 
+# LoRA target names (adaptive_load.lora.targets, --lora-targets) -> the block-relative module names they adapt. q, k,
+# v, o name both attentions' projections; ffn.0 is the FFN's first linear, ffn.2 its second (after the GELU).
+LORA_TARGETS = {
+    **{p: (f"self_attn.{p}", f"cross_attn.{p}") for p in "qkvo"},
+    **{f"{a}.{p}": (f"{a}.{p}",) for a in ("self_attn", "cross_attn") for p in "qkvo"},
+    "self_attn": tuple(f"self_attn.{p}" for p in "qkvo"), "cross_attn": tuple(f"cross_attn.{p}" for p in "qkvo"),
+    "ffn": ("ffn.0", "ffn.2"), "ffn.0": ("ffn.0",), "ffn.2": ("ffn.2",),
+    "head": ("head",),  # the output projection (head.head), not in a block
+}
+# The set musubi-tuner and DiffSynth-Studio train on Wan: every attention projection and both FFN linears.
+DEFAULT_LORA_TARGETS = ("q", "k", "v", "o", "ffn")
+
+
+class LoraSettings(BaseModel):
+    """adaptive_load.lora: train LoRA adapters (through peft) on a frozen base instead of every weight."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True,
+                              validate_assignment=True)
+
+    rank: int = setting(must="a positive integer", ge=1)
+    """Rank r of each adapter: W x + (alpha / r) B A x, A [r, in], B [out, r] (B starts at zero)."""
+    alpha: Optional[float] = setting(None, must="a positive number or null (the rank)", gt=0)
+    """Scale numerator: the adapter's output is multiplied by alpha / rank (null: alpha = rank, scale 1)."""
+    dropout: float = setting(0.0, must="a number in [0, 1)", ge=0.0, lt=1.0)
+    """Dropout on the adapter's input (not on the base path)."""
+    targets: list[Literal[tuple(LORA_TARGETS)]] = setting(list(DEFAULT_LORA_TARGETS), min_length=1,
+                                                           must="a non-empty list of " + ", ".join(LORA_TARGETS))
+    """Projections of every block that get adapters: q, k, v, o (both attentions), self_attn.q ... cross_attn.o,
+    self_attn, cross_attn (their four), ffn.0, ffn.2, ffn (both); and head, the model's output projection. Default:
+    q, k, v, o, ffn."""
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+    def modules(self) -> tuple:
+        """The module names the targets adapt (block-relative; "head" for the output projection), sorted, each once."""
+        return tuple(sorted({m for t in self.targets for m in LORA_TARGETS[t]}))
+
+
 class AdaptiveLoadConfig(BaseModel):
     """The `adaptive_load` section of the DeepSpeed JSON: types, ranges, choices and unknown keys checked
     (strict: `"seed": true` or `"window": "4"` are refused, not converted). A new key is one field here."""
@@ -107,6 +147,9 @@ class AdaptiveLoadConfig(BaseModel):
     """Keep an exponential moving average of the weights, ema = d * ema + (1 - d) * w after every applied update
     (e.g. 0.999), in fp32, partitioned like the weights under ZeRO-3; saved in checkpoints, exported with
     `export --ema`. null: none."""
+    lora: Optional[LoraSettings] = setting(None, must="an object {rank, alpha, dropout, targets} or null")
+    """LoRA fine-tuning (model/lora.py, docs/training.md): the base weights frozen in bf16 and out of the optimizer,
+    adapters of rank `rank` on `targets` trained. null: every weight is trained."""
 
     @model_validator(mode="after")
     def _pack_tokens_for_packed(self):
@@ -181,17 +224,60 @@ def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
-def add_flag(parser, key: str, **kw):
-    """parser.add_argument for the AdaptiveLoadConfig field `key`, derived from the schema: the flag's name, default,
-    choices (a Literal's) or type (int, float) and help (the field's docstring); kw overrides any of them. The value
-    is checked by the schema afterwards (AdaptiveLoadConfig.checked(..., flag_name))."""
-    field = AdaptiveLoadConfig.model_fields[key]
+def add_flag(parser, key: str, model=None, prefix: str = "", **kw):
+    """parser.add_argument for the AdaptiveLoadConfig field `key` (or the field of `model`, a nested section, its flag
+    named prefix + key), derived from the schema: the flag's name, default, choices (a Literal's) or type (int, float)
+    and help (the field's docstring); kw overrides any of them. The value is checked by the schema afterwards
+    (AdaptiveLoadConfig.checked(..., flag_name))."""
+    field = (model or AdaptiveLoadConfig).model_fields[key]
     spec = {"default": field.default, "help": " ".join((field.description or "").split()).replace("%", "%%")}
     if get_origin(field.annotation) is Literal:
         spec["choices"] = get_args(field.annotation)
     else:
         spec["type"] = next((t for t in (field.annotation, *get_args(field.annotation)) if t in (int, float)), str)
-    return parser.add_argument(flag_name(key), **{**spec, **kw})
+    return parser.add_argument(flag_name(prefix + key), **{**spec, **kw})
+
+
+def _comma_list(text: str) -> list:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_lora_flags(parser) -> None:
+    """--lora-rank, --lora-alpha, --lora-dropout and --lora-targets (a comma list), derived from LoraSettings; each
+    left None when not given, so that lora_from_flags keeps the JSON's adaptive_load.lora values."""
+    for key in LoraSettings.model_fields:
+        kw = {"type": _comma_list, "metavar": "T[,T...]"} if key == "targets" else {}
+        add_flag(parser, key, model=LoraSettings, prefix="lora_", default=None, **kw)
+
+
+def lora_from_flags(args, al: "AdaptiveLoadConfig") -> "AdaptiveLoadConfig":
+    """`al` with the --lora-* flags given on the command line merged over its lora section (a flag wins over the
+    JSON's key); bad values are one UserError naming the flags. `al` itself when no flag is given."""
+    given = {k: getattr(args, "lora_" + k) for k in LoraSettings.model_fields
+             if getattr(args, "lora_" + k, None) is not None}
+    if not given:
+        return al
+    values = {**(al.lora.model_dump() if al.lora else {}), **given}
+    try:
+        lora = LoraSettings.model_validate(values)
+    except ValidationError as e:
+        label = (lambda k: flag_name("lora_" + k) if k in given or k not in values else f"adaptive_load.lora.{k}")
+        raise UserError("; ".join(explain(LoraSettings, e, label))) from None
+    return al.model_copy(update={"lora": lora})
+
+
+def lora_settings(args, ds: dict, source: str) -> Optional[LoraSettings]:
+    """The LoRA settings of a tool that reads a DeepSpeed dict (calibrate): the --lora-* flags over the dict's
+    adaptive_load.lora, or None for full training."""
+    section = (ds.get("adaptive_load") or {}) if isinstance(ds, dict) else {}
+    base = section.get("lora") if isinstance(section, dict) else None
+    al = AdaptiveLoadConfig.model_construct(lora=None)
+    if base is not None:
+        try:
+            al = AdaptiveLoadConfig.model_construct(lora=LoraSettings.model_validate(base))
+        except ValidationError as e:
+            raise UserError(f"{source}: " + "; ".join(explain(LoraSettings, e, lambda k: f"adaptive_load.lora.{k}")))
+    return lora_from_flags(args, al).lora
 
 
 def explain(model, err: ValidationError, label) -> list:

@@ -76,11 +76,12 @@ def pick_device(accel, local_rank: int, threads: bool = True):
 
 
 def build_engine(model, ds_cfg: dict, mpu, compile: bool = False):
-    """deepspeed.initialize with every parameter and the sequence-parallel mpu (sp.init_sequence_parallel)."""
+    """deepspeed.initialize with the trainable parameters (all of them, or a LoRA run's adapters: the frozen base
+    gets no optimizer state and no gradient buffers) and the sequence-parallel mpu (sp.init_sequence_parallel)."""
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_cfg,
-                                           mpu=mpu)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_cfg, mpu=mpu)
     if compile:
         from ds_adaptiveload.model.compile import engine_compile_kwargs
 
@@ -158,7 +159,13 @@ def dump_grads(engine, path, rank: int, step: int) -> None:
     params, grads = {}, {}
     for n, p in engine.module.named_parameters():
         full = safe_get_full_fp32_param(p)
+        if full is None and hasattr(p, "ds_id"):  # a frozen ZeRO-3 parameter: no fp32 copy, gather the partitions
+            from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+            with GatheredParameters([p]):
+                full = p.detach().clone()
         params[n] = (p if full is None else full).detach().float().cpu().clone()
-        grads[n] = safe_get_full_grad(p).detach().float().cpu().clone()
+        if p.requires_grad:  # a frozen (LoRA base) parameter has no gradient
+            grads[n] = safe_get_full_grad(p).detach().float().cpu().clone()
     if rank == 0:
         torch.save({"step": step, "params": params, "grads": grads}, path)

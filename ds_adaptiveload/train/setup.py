@@ -21,6 +21,10 @@ def read_config(args, world, rank, device=None):
     from ds_adaptiveload.train.config import zero_stage
 
     ds_cfg, al = config.load_ds_config(args.deepspeed_config)
+    al = config.lora_from_flags(args, al)  # --lora-rank and friends over adaptive_load.lora
+    if al.lora and al.ema_decay is not None:  # the EMA follows every weight, and a frozen one has no fp32 copy
+        raise UserError(f"{args.deepspeed_config}: adaptive_load.ema_decay is not supported with adaptive_load.lora "
+                        f"(or --lora-rank); remove one of them")
     dims = sp.ParallelDims(world=world, sp=ds_cfg.get("sequence_parallel_size", 1), rank=rank)
     if world % dims.sp:
         raise UserError(f"{args.deepspeed_config}: sequence_parallel_size {dims.sp} does not divide "
@@ -44,7 +48,8 @@ def read_config(args, world, rank, device=None):
                         f"for every block")
     gpu = gpu_of(device)
     path, lines = al.profile_path(args.deepspeed_config, model_cfg, stage, dims.sp, gpu)
-    profile, moved = profile_for_run(CostProfile.load(path), stage, dims, path, gpu)  # every rank: the same plan
+    lora = model_cfg.lora_params(al.lora.rank, al.lora.modules()) if al.lora else None
+    profile, moved = profile_for_run(CostProfile.load(path), stage, dims, path, gpu, lora)  # every rank: the same plan
     lines += moved
     lines += compile_mismatch(profile, getattr(args, "compile_blocks", None), path)
     attention, core = resolve_attention(getattr(args, "attention", "sdpa"))  # fa4 where it cannot run: agreed here
@@ -60,15 +65,16 @@ def read_config(args, world, rank, device=None):
                            attention_core=core)
 
 
-def profile_for_run(profile, stage: int, dims, source: str = "profile", gpu=None):
+def profile_for_run(profile, stage: int, dims, source: str = "profile", gpu=None, lora=None):
     """(profile, lines): the profile with its memory moved to this run's ZeRO `stage` and world size where it was
     calibrated for another (schedule/zero.for_run: what it moved, and what that leaves out), to this run's GPU where
     it was measured on one of another capacity (gpu: gpu_of's (name, capacity bytes); profile.for_device), and a
-    warning where it was calibrated for another Ulysses degree, which no accounting fixes."""
+    warning where it was calibrated for another Ulysses degree, which no accounting fixes. lora: a LoRA run's adapter
+    parameter count (None: full training): a profile of the other kind has its state bytes moved too."""
     from ds_adaptiveload.schedule.profile import for_device
     from ds_adaptiveload.schedule.zero import for_run
 
-    profile, lines = for_run(profile, stage, dims.world, source)
+    profile, lines = for_run(profile, stage, dims.world, source, lora)
     if gpu is not None:
         profile, more = for_device(profile, gpu[1], gpu[0], source)
         lines += more
@@ -190,6 +196,8 @@ def prepare_data(args, manifest, c, world, rank):
     # and its resume (e.g. to skip what crashed it), and checkpoints from before a key existed keep loading.
     layout = {"world": world, "sp": c.dims.sp, "grad_accum": c.G, "adaptive_load": al.layout_keys(),
               "manifest_samples": len(samples)}
+    if al.lora:  # a resume must train the same adapters (absent without LoRA: older checkpoints match)
+        layout["lora"] = al.lora.model_dump()
     if ckpt["checkpoint"] != "all" and RecomputeCost.of(c.profile, ckpt["checkpoint_policy"]):
         layout["checkpoint"] = ckpt  # the plan costs recompute by it (absent otherwise: older checkpoints match)
     # a ZeRO stage or model DeepSpeed's files do not fit: refused before loading (absent in older checkpoints)

@@ -84,6 +84,15 @@ class Trainer:
             held = sum(p.ds_tensor.numel() for p in model.parameters())
             print(f"[train_wan] ZeRO-3: model built partitioned (zero.Init), {held:,} of "
                   f"{sum(p.ds_numel for p in model.parameters()):,} parameter elements on rank 0", flush=True)
+        if self.al.lora:  # the base frozen, adapters trained; deepspeed.initialize gets the adapters only
+            from ds_adaptiveload.model.lora import apply_lora
+
+            apply_lora(model, self.al.lora)
+            if self.rank == 0:
+                trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                                for p in model.parameters() if p.requires_grad)
+                print(f"[train_wan] LoRA rank {self.al.lora.rank} on {', '.join(self.al.lora.modules())}: "
+                      f"{trainable:,} trainable parameters", flush=True)
         self.attention = c.attention
         if self.rank == 0:
             print(f"[train_wan] attention: {self.attention} (--attention {getattr(args, 'attention', 'sdpa')})",
@@ -469,7 +478,14 @@ class Trainer:
         tokens = self.sample_tokens(batch)
         counters["samples"] += len(tokens)
         counters["tokens"] += sum(tokens)
-        counters["flops"] += sum(self.model_cfg.flops_per_sample(S) for S in tokens)
+        counters["flops"] += sum(self.flops_per_sample(S) for S in tokens)
+
+    def flops_per_sample(self, tokens: int) -> float:
+        """Model FLOPs of one sample for MFU: a full step's, or a LoRA step's (WanConfig.lora_flops_per_sample)."""
+        lora = self.al.lora
+        if lora:
+            return self.model_cfg.lora_flops_per_sample(tokens, lora.rank, lora.modules())
+        return self.model_cfg.flops_per_sample(tokens)
 
     def gather(self, run) -> list:
         """One all-gather per step, before the optimizer update, so a non-finite loss or an OOM on any rank
