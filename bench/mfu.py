@@ -38,7 +38,7 @@ GIB = 2**30
 # name -> (B, latent frames, latent height, latent width): 480x832 is 60x104, 720x1280 is 90x160 (stride 8)
 SHAPES = {"img32": (32, 1, 60, 104), "480p81": (1, 21, 60, 104), "720p81": (1, 21, 90, 160)}
 E2E_RESERVE_S = 200  # of --time-budget kept for e2e when both parts run
-# 9,360 and 21,840 tokens: the activation-bytes slope. Until the fifth session 4,680 and 9,360: the model then
+# 9,360 and 21,840 tokens: the activation-bytes slope. Earlier 4,680 and 9,360: the model then
 # predicted 5-11% under the peaks of 32,760-75,600-token micro-batches with open blocks (docs/history/benchmarks.md),
 # as if the smaller probe's peak sat on a floor (the optimizer step's, say) and the slope came out low; larger probes
 # avoid it.

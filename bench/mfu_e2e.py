@@ -241,7 +241,7 @@ REASONS_COL = len(GPU_FIELDS.split(","))
 class GpuMonitor:
     """nvidia-smi sampled every `interval` s into `path` (CSV, header first), one nvidia-smi process per sample: a
     looping `nvidia-smi -lms ... -f path` writes its file in 4 KB blocks and loses the last one when it is stopped
-    (the sixteenth session's packed run kept 8,192 bytes, none of its last step)."""
+    (an earlier packed run kept 8,192 bytes, none of its last step)."""
 
     def __init__(self, path, fields, interval=2.0):
         import threading
@@ -377,7 +377,7 @@ def e2e_memory(args, doc):
     for mode in ("eager", "compile", "regions"):  # the attention policy plans from the full policy's fields plus the
         full, attn = out[mode], out[f"{mode}-attn"]  # bytes a block keeping its attention adds per token
         if doc.doc["e2e_memory_source"][mode] != doc.doc["e2e_memory_source"][f"{mode}-attn"]:
-            # one measured, the other estimated: the -attn plan would mix the two (the fifth session's call 2 planned
+            # one measured, the other estimated: the -attn plan would mix the two (an earlier call 2 planned
             # k with the eager estimate of block bytes for this reason); measure both modes (--modes X,X-attn)
             doc.doc.setdefault("warnings", []).append(f"e2e memory: {mode} and {mode}-attn from different sources")
             print(f"[mfu] warning: {doc.doc['warnings'][-1]}", flush=True)

@@ -47,7 +47,7 @@ class Stage:
     doc: str = ""
     env: dict = field(default_factory=dict)
     op: bool = False            # uses the fused op: the build stage runs first
-    needs_file: str = None      # skipped with a note while this file is absent (stages other helpers add)
+    needs_file: str = None      # skipped with a note while this file is absent (stages that need an optional file)
     margin: int = 0
     collect: tuple = ()         # globs copied into the stage folder afterwards (logs of runs kept in /tmp)
     root: str = None            # the tree it runs in (--ref's stages NAME-ref); None: this checkout

@@ -94,7 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--tag", default=None, help="file name tag (default train_e2e-DATE-h200x2 / -cpu)")
     p.add_argument("--render", help="only re-render plots and the table from an existing results JSON")
     p.add_argument("--merge", nargs="+", metavar="JSON",
-                   help="merge the runs of results JSONs of one data set (e.g. from several device calls) into "
+                   help="merge the runs of results JSONs of one data set (e.g. from several runs on the GPU machine) into "
                         "OUT-DIR/TAG.json, re-reducing each run from its step logs under --logs, and render")
     p.add_argument("--logs", nargs="+", default=[], metavar="DIR",
                    help="--merge: folders holding VARIANT/steps.rank*.jsonl (the runs' work folders)")

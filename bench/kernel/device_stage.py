@@ -64,7 +64,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--apex-src", required=False, help="apex/contrib/csrc/layer_norm's files")
-    ap.add_argument("--total-s", type=float, default=470, help="time for all steps (the device call's limit is 600)")
+    ap.add_argument("--total-s", type=float, default=470, help="time for all steps (a command on the GPU machine may run 600 s)")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.driver:

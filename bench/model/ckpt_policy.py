@@ -59,7 +59,7 @@ COMPARE = ("attention:keep-ffn", "open:open-elementwise", "half:half-elementwise
 
 
 def _function_ffn():
-    """The FFN's GELU and second projection as they ran until the twenty-fourth session: an autograd.Function with
+    """The FFN's GELU and second projection as they ran Earlier: an autograd.Function with
     model/gelu_linear's math, whose replay under a policy that keeps the matmul's output still runs the GELU. The
     "-function" sides run it, so one call measures what the custom op saves."""
     import torch

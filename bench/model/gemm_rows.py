@@ -1,5 +1,5 @@
 """The Wan-1.3B block's GEMMs over a packed micro-batch's rows against the same rows as separate micro-batches
-(issue #19): the tenth session's profile put 33 ms of the mixed pack's deficit in cuBLAS kernels at 203k rows.
+(issue #19): an earlier profile put 33 ms of the mixed pack's deficit in cuBLAS kernels at 203k rows.
 Times each projection's forward (x @ W^T + b) and its two backward GEMMs (dx = dy @ W, dW = dy^T @ x) at the
 packed row count and summed over the separate ones, with cuBLAS and with cuBLASLt preferred, and with the packed
 rows cut into chunks of at most --chunk rows. bf16, CUDA events, L2 not flushed (the tensors are far larger).

@@ -220,7 +220,7 @@ def main(argv=None):
     t0, rc = time.perf_counter(), 0
     configs = args.configs.split(",")
     for i, config in enumerate(configs):
-        # each config an equal share of what is left (the fifteenth session's first config took all but ZeRO-3's
+        # each config an equal share of what is left (an earlier first config took all but ZeRO-3's
         # image-heavy pairs); the child's --budget-s: argparse keeps the last one
         left = (args.budget_s - (time.perf_counter() - t0)) / (len(configs) - i)
         name = os.path.splitext(os.path.basename(config))[0]

@@ -5,9 +5,8 @@ every block checkpointed, compiled regions).
 
     python bench/model/packed_profile.py --out OUT [--mix mixed|image-heavy] [--packed-variants default,merges]
 
---packed-variants merges: the packed run again with the attention's ends as they were until 2026-12-02 (tenth
-session), for an A/B in one run: RoPE per group on views of q and k, whose gradients autograd concatenates, and
-the groups' attention outputs merged into one tensor before the output projection. (The ninth session's A/B of
+--packed-variants merges: the packed run again with the attention's ends as they were until 2026-12-02, for an A/B in one run: RoPE per group on views of q and k, whose gradients autograd concatenates, and
+the groups' attention outputs merged into one tensor before the output projection. (The earlier A/B of
 the gated add's regions, --packed-variants previous, is in this file at commit 4b33636.)
 """
 import argparse
@@ -66,7 +65,7 @@ def summarise(run: dict) -> dict:
 
 @contextlib.contextmanager
 def merges():
-    """Layout.rope_qk and Layout.rows as before 2026-12-02 (tenth session), for the duration."""
+    """Layout.rope_qk and Layout.rows as before 2026-12-02, for the duration."""
     from ds_adaptiveload.model.layout import Layout
     from ds_adaptiveload.model.packing import merge
 

@@ -11,8 +11,7 @@ block_bytes_per_token is what one block left un-checkpointed adds per token (its
 the block input a checkpointed block keeps anyway); bench/mfu.py measures it as
 (bytes/token with no block checkpointed - with all) / L. block_bytes_per_sample (optional, 0 if absent) is what
 an open block adds per sample whatever its tokens: the cross-attention's keys and values of the text context.
-On the H200 a 32-image micro-batch with 24 open blocks peaked 6.4 GiB over the model without it (2026-12-01,
-fourth session); bench/mfu.py measures it from a probe of several samples. A micro-batch fits when peak(k) <= capacity_bytes
+On the H200 a 32-image micro-batch with 24 open blocks peaked 6.4 GiB over the model without it (2026-12-01); bench/mfu.py measures it from a probe of several samples. A micro-batch fits when peak(k) <= capacity_bytes
 * safety. Without block_bytes_per_token every block is checkpointed (the behaviour before this module).
 
 Time: a profile calibrated with every block checkpointed predicts t; with k of L checkpointed the recompute
