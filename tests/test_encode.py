@@ -317,18 +317,19 @@ def test_train_two_steps_on_the_encoded_data(dataset, tmp_path):
 
 @pytest.mark.slow
 def test_a_33_frame_256px_clip_trains_with_the_shipped_cpu_config(tmp_path):
-    """A user's first CPU run: a 33-frame 256x256 clip (the 240p tier's 320x320: 3,600 tokens) through manifest,
+    """A user's first CPU run: 33-frame 256x256 clips (the 240p tier's 320x320: 3,600 tokens) through manifest,
     encode and 2 training steps with configs/ds_tiny_cpu.json exactly as shipped (profile auto: tiny-cpu.yaml,
     whose budget must hold the clip), from a folder outside the checkout."""
     tiny_models(tmp_path)
     media = tmp_path / "media"
     media.mkdir()
-    write_video(media / "clip.mp4", "mpeg4", 16, 33, 256, 256)
-    (media / "clip.txt").write_text("a bar moves")
+    for name in ("clip", "clip2"):  # two: the shipped config's G = 2 micro-batches need a sample each
+        write_video(media / f"{name}.mp4", "mpeg4", 16, 33, 256, 256)
+        (media / f"{name}.txt").write_text("a bar moves")
     raw, out = tmp_path / "raw.jsonl", tmp_path / "latents"
     scan.run(scan_args(media, raw, workers=1))
-    (rec,) = read_jsonl(raw)
-    assert (rec["frames"], rec["height"], rec["width"]) == (33, 320, 320)
+    recs = read_jsonl(raw)
+    assert len(recs) == 2 and all((r["frames"], r["height"], r["width"]) == (33, 320, 320) for r in recs)
     assert Geometry().tokens(33, 320, 320) == 3600
     assert encode.run(encode_args(tmp_path, raw, out)) == 0
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "1", "--master_port", str(master_port()), "--module",
@@ -340,4 +341,4 @@ def test_a_33_frame_256px_clip_trains_with_the_shipped_cpu_config(tmp_path):
     assert "adaptive_load.profile auto: tiny-cpu" in proc.stderr
     steps = read_jsonl(tmp_path / "run" / "steps.rank0.jsonl")
     assert len(steps) == 2 and all(np.isfinite(s["loss"]) for s in steps)
-    assert all(s["tokens"] == 3600 for s in steps)  # the clip, once per step (an epoch of one sample)
+    assert all(s["tokens"] == 7200 for s in steps)  # both clips, one per micro-batch (an epoch is one step)
