@@ -15,6 +15,9 @@ def pytest_configure(config):
 SLOW_FILES = {
     "test_train.py", "test_reliability.py", "test_calibrate_runs.py", "test_encode.py", "test_own_loop.py",
     "test_packed_zero3.py", "test_scale.py", "test_build.py", "test_mfu_bench.py", "test_compile_blocks.py",
+    # single-process but 15-40 s a test (inductor compiles, a wheel install, bench smoke runs)
+    "test_compile_regions.py", "test_checkpoint_policy.py", "test_offload.py", "test_optim_step_bench.py",
+    "test_bench_runner.py", "test_install.py", "test_calibrate_packed.py",
 }
 
 
