@@ -10,7 +10,7 @@ import torch
 
 from ds_adaptiveload.model import WanConfig, WanModel
 from tests.launcher import needs_launcher
-from tests.test_train import _mb_shapes, check, launch, steps, test_config
+from tests.test_train import _mb_shapes, check, launch, steps, straight_and_resumed, test_config
 
 pytest.importorskip("peft")
 from ds_adaptiveload.model.lora import apply_lora, is_adapter  # noqa: E402
@@ -167,17 +167,13 @@ def test_lora_resume_is_exact_under_zero3(tmp_path):
         doc = json.load(f)
     doc["adaptive_load"]["lora"] = {"rank": 4, "alpha": 8.0, "targets": ["self_attn", "ffn", "head"]}
     cfg.write_text(json.dumps(doc))
-    common = ("--synthetic", "--synthetic-num", "37")
-    ref, out = tmp_path / "straight", tmp_path / "resumed"
-    check(launch(ref, *common, "--max-steps", "4", config=cfg))
-    check(launch(out, *common, "--max-steps", "2", config=cfg))
-    check(launch(out, *common, "--max-steps", "4", "--resume", str(out / "checkpoints"), config=cfg))
+    ref, out = straight_and_resumed(tmp_path, cfg)
     for rank in (0, 1):
         a, b = steps(ref, rank), steps(out, rank)
         assert [r["step"] for r in b] == [1, 2, 3, 4]
         assert [r["ids"] for r in b] == [r["ids"] for r in a]
         for ra, rb in zip(a, b):
             assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5, abs=1e-7), (ra["step"], ra["loss"], rb["loss"])
-    proc = launch(out, *common, "--max-steps", "5", "--resume", str(out / "checkpoints"), "--lora-rank", "8",
+    proc = launch(out, "--synthetic", "--synthetic-num", "37", "--max-steps", "5", "--resume", str(out / "checkpoints"), "--lora-rank", "8",
                   config=cfg)
     assert proc.returncode == 2 and "lora" in proc.stderr, proc.stderr[-2000:]

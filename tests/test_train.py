@@ -139,15 +139,21 @@ def test_documented_command_runs(tmp_path):
     assert os.path.isfile(os.path.join(straight, "checkpoints", "latest"))
 
 
-def test_resume_continues_with_the_same_micro_batches(tmp_path):
-    # 37 synthetic samples: with tiny-cpu.yaml, G=2 and 2 ranks the plan's epoch 0 has 3 steps, the last
-    # with pad micro-batches, so 4 steps cover a resume mid-epoch, pads and an epoch boundary.
-    cfg = test_config(tmp_path)
+def straight_and_resumed(tmp_path, cfg):
+    """(straight, resumed) output folders: 4 steps on 37 synthetic samples in one run, and in a run of 2 steps
+    resumed to 4."""
     common = ("--synthetic", "--synthetic-num", "37")
     ref, out = tmp_path / "straight", tmp_path / "resumed"
     check(launch(ref, *common, "--max-steps", "4", config=cfg))
     check(launch(out, *common, "--max-steps", "2", config=cfg))
     check(launch(out, *common, "--max-steps", "4", "--resume", str(out / "checkpoints"), config=cfg))
+    return ref, out
+
+
+def test_resume_continues_with_the_same_micro_batches(tmp_path):
+    # 37 synthetic samples: with tiny-cpu.yaml, G=2 and 2 ranks the plan's epoch 0 has 3 steps, the last
+    # with pad micro-batches, so 4 steps cover a resume mid-epoch, pads and an epoch boundary.
+    ref, out = straight_and_resumed(tmp_path, test_config(tmp_path))
     for rank in (0, 1):
         a, b = steps(ref, rank), steps(out, rank)
         assert [r["step"] for r in b] == [1, 2, 3, 4]
