@@ -50,7 +50,7 @@ setup(
     install_requires=["torch>=2.4", "deepspeed>=0.16", "einops", "pydantic>=2.7", "pyyaml", "safetensors", "tqdm",
                       "huggingface_hub"],
     extras_require={
-        "test": ["pytest", "hypothesis", "diffusers", "transformers", "tokenizers", "av", "matplotlib", "accelerate",
+        "test": ["pytest", "pytest-timeout", "hypothesis", "diffusers", "transformers", "tokenizers", "av", "matplotlib", "accelerate",
                  "peft>=0.17"],
         # adaptive_load.lora / --lora-rank: LoRA adapters through peft (model/lora.py)
         "lora": ["peft>=0.17"],

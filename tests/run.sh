@@ -45,5 +45,7 @@ for _ in $(seq 1 "$STRESS"); do
   BUSY+=($!)
 done
 if [ "$STRESS" != 0 ]; then echo "tests/run.sh: $STRESS busy loops at niceness ${STRESS_NICE:-10}" >&2; fi
+# A test that hangs fails after TEST_TIMEOUT seconds (pytest-timeout prints every thread's stack), instead of using up
+# CI's 90 minutes; -rfE lists every failure and error by name at the end of the output.
 # Tests import the installed package; run from the repo root so configs/ and bench/ paths resolve.
-python -m pytest -q -p no:cacheprovider "${ARGS[@]}"
+python -m pytest -q -p no:cacheprovider -rfE --timeout "${TEST_TIMEOUT:-1200}" "${ARGS[@]}"
