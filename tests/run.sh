@@ -48,4 +48,7 @@ if [ "$STRESS" != 0 ]; then echo "tests/run.sh: $STRESS busy loops at niceness $
 # A test that hangs fails after TEST_TIMEOUT seconds (pytest-timeout prints every thread's stack), instead of using up
 # CI's 90 minutes; -rfE lists every failure and error by name at the end of the output.
 # Tests import the installed package; run from the repo root so configs/ and bench/ paths resolve.
-python -m pytest -q -p no:cacheprovider -rfE --timeout "${TEST_TIMEOUT:-1200}" "${ARGS[@]}"
+# A passed test's tmp_path is deleted when it ends (retention "failed"): the suite's checkpoints and datasets otherwise
+# pile up until the run ends.
+python -m pytest -q -p no:cacheprovider -rfE --timeout "${TEST_TIMEOUT:-1200}" -o tmp_path_retention_policy=failed \
+  "${ARGS[@]}"
