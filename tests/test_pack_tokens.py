@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.schedule import packed
+from ds_adaptiveload.schedule.policies import packed
 from ds_adaptiveload.schedule.geometry import per_gpu_tokens
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.schedule.planner import PlanConfig, make_plan

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from ds_adaptiveload.schedule.baselines import BASELINES, baseline_plan
+from ds_adaptiveload.schedule.policies.baselines import BASELINES, baseline_plan
 from ds_adaptiveload.schedule.bound import check_plan, lower_bound
 from ds_adaptiveload.schedule.manifest import Sample
 from ds_adaptiveload.schedule.mixes import make_mix

@@ -284,7 +284,7 @@ def test_packed_light_runs_hold_one_token_count_but_where_counts_meet():
     mixes two token counts only where one count ends, and only the last run is short."""
     import random
 
-    from ds_adaptiveload.schedule import packed
+    from ds_adaptiveload.schedule.policies import packed
 
     profile = calibrated(75693)
     samples = make_mix("video-heavy", 3000)
@@ -315,7 +315,7 @@ def test_packed_heavy_runs_go_by_token_count_across_shapes():
     64 ranks the plan is within 1% of the lower bound (runs of one shape left a short run per shape: 7%)."""
     import random
 
-    from ds_adaptiveload.schedule import packed
+    from ds_adaptiveload.schedule.policies import packed
 
     profile = calibrated(75693)
     samples = make_mix("openvid-720p", 4000)

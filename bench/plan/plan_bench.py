@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from ds_adaptiveload.schedule.baselines import BASELINES, baseline_plan
+from ds_adaptiveload.schedule.policies.baselines import BASELINES, baseline_plan
 from ds_adaptiveload.schedule.bound import check_plan
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.schedule.planner import POLICIES, PlanConfig, make_plan

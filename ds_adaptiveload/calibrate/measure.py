@@ -22,7 +22,7 @@ from ds_adaptiveload.calibrate.result import build_profile, run_meta
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.train.config import zero_stage
 from ds_adaptiveload.schedule.geometry import Geometry
-from ds_adaptiveload.schedule.packed import pack_cost
+from ds_adaptiveload.schedule.policies.packed import pack_cost
 
 
 def measure_profile(cfg, ds, args, shapes, heldout):

@@ -202,7 +202,7 @@ def mix_tv(plan: Plan) -> float:
 def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
     """Plan one epoch. `samples` need .id, .frames, .height, .width (manifest.Sample)."""
     # packed and balanced have their own modules, imported here because they build on this one's helpers
-    from ds_adaptiveload.schedule import balanced, packed
+    from ds_adaptiveload.schedule.policies import balanced, packed
 
     if cfg.policy == "packed":
         return plan_with(samples, profile, cfg, epoch, packed.packed_steps, packed.PackedCtx, packed.pack_cap)
@@ -392,7 +392,7 @@ def _finish_tail(steps, ctx, keep):
     """Make every rank hold exactly G micro-batches in every step. Only the last step can be short; its
     micro-batches are split first (real samples spread over more slots), and slots still empty get a pad
     micro-batch: a repeat of the cheapest sample, trained with zero loss weight."""
-    from ds_adaptiveload.schedule.balanced import _fill_slots, _lpt_micro_batches
+    from ds_adaptiveload.schedule.policies.balanced import _fill_slots, _lpt_micro_batches
 
     pad = set()
     g = ctx.cfg.grad_accum

@@ -18,7 +18,7 @@ Pure Python, no torch. Not policies: bench/plan/plan_bench.py runs them beside t
 import heapq
 import math
 
-from ds_adaptiveload.schedule import packed
+from ds_adaptiveload.schedule.policies import packed
 from ds_adaptiveload.schedule.planner import PlanConfig, plan_with
 
 # Fractions of a step's R*G micro-batches' memory a step draws (the rest is room for the greedy to even out).
