@@ -14,8 +14,8 @@ from ds_adaptiveload import calibrate as cal
 from ds_adaptiveload.calibrate import packs as pk
 from ds_adaptiveload.schedule.geometry import Geometry, per_gpu_tokens
 from ds_adaptiveload.schedule.manifest import Sample
-from ds_adaptiveload.schedule.policies.packed import PackedCtx, pack_cost
-from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+from ds_adaptiveload.schedule.policies.packed import PackedCtx
+from ds_adaptiveload.schedule.planner import PlanConfig, make_plan, pack_cost
 from ds_adaptiveload.schedule.profile import CostProfile, smooth_max
 from tests.launcher import master_port
 

@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from ds_adaptiveload.schedule.policies.baselines import BASELINES, baseline_plan
 from ds_adaptiveload.schedule.bound import check_plan, lower_bound
 from ds_adaptiveload.schedule.manifest import Sample
 from ds_adaptiveload.schedule.mixes import make_mix
-from ds_adaptiveload.schedule.planner import PlanConfig, make_plan
+from ds_adaptiveload.schedule.planner import PlanConfig, baseline_plan, make_plan
+from ds_adaptiveload.schedule.policies.baselines import BASELINES
 from ds_adaptiveload.schedule.profile import CostProfile
 
 PROFILE = "configs/profiles/h200-wan1.3b-zero3.yaml"

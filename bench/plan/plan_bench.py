@@ -6,9 +6,9 @@ peak memory for 1M samples at 1024 ranks. Pure CPU.
     python bench/plan/plan_bench.py --section packed [--out bench/results/plan-packed-DATE-cpu.json]
     python bench/plan/plan_bench.py --section sizes [--out bench/results/plan-sizes-DATE-cpu.json]
 
---section baselines: every policy and baseline (schedule/baselines.py: runtime LPT, TRL's sum of L^2, an Open-Sora
-bucket table) through one checker (schedule/bound.check_plan), each one's gap to the lower bound (schedule/bound.py),
-under lockstep with the calibrated H200 profile, on the bench's mixes and the held-out ones, at memory for 1, 2, 3
+--section baselines: every policy and baseline (schedule/policies/baselines.py: runtime LPT, TRL's sum of L^2, an
+Open-Sora bucket table) through one checker (schedule/bound.check_plan), each one's gap to the lower bound
+(schedule/bound.py), under lockstep with the calibrated H200 profile, on the bench's mixes and the held-out ones, at memory for 1, 2, 3
 and 6 720p clips; then packed's planning time and peak memory for --big samples at 1024 ranks per budget:
 
     nice -n 10 python bench/plan/plan_bench.py --section baselines --samples 20000 [--mixes a,b] [--budgets 1,6]
@@ -28,10 +28,11 @@ import subprocess
 import sys
 import time
 
-from ds_adaptiveload.schedule.policies.baselines import BASELINES, baseline_plan
 from ds_adaptiveload.schedule.bound import check_plan
 from ds_adaptiveload.schedule.mixes import make_mix
-from ds_adaptiveload.schedule.planner import POLICIES, PlanConfig, make_plan
+from ds_adaptiveload.schedule.planner import PlanConfig, baseline_plan, make_plan
+from ds_adaptiveload.schedule.policies import POLICIES
+from ds_adaptiveload.schedule.policies.baselines import BASELINES
 from ds_adaptiveload.schedule.profile import CostProfile
 
 PROFILE = "tests/data/h200-wan1.3b-blocks.yaml"
@@ -41,7 +42,7 @@ CALIBRATED = "configs/profiles/h200-wan1.3b-zero3.yaml"
 PACKED_BUDGETS = (453600, 75693)  # about six 720p clips per micro-batch; one (75,600 + sample_tokens)
 PACKED_MIXES = ("video-heavy", "image-heavy")
 SWEEP_MIXES = ("video-heavy", "image-heavy", "openvid-720p", "worldmodel", "panda-web")
-NAMES = ("equal-tokens", "balanced", "packed") + BASELINES
+NAMES = ("equal-tokens", "balanced", "packed", *BASELINES)
 CLIP = 75600  # one 81x720x1280 clip; a budget of k clips is k * CLIP + memory.sample_tokens (93)
 
 
@@ -152,7 +153,7 @@ def baselines_section(args):
     return {"what": "Predicted epoch wall time under lockstep (ZeRO-2/3) of every policy and baseline against a lower "
                     "bound (schedule/bound.py), calibrated H200 Wan-1.3B profile; budget_tokens = clips * 75,600 + 93. "
                     "bound_gap = wall / bound - 1; mix_tv = mean per-step total-variation distance of class shares. "
-                    "Baselines tuned over their knob on the same epoch (schedule/baselines.py).",
+                    "Baselines tuned over their knob on the same epoch (schedule/policies/baselines.py).",
             "profile": CALIBRATED, "samples": args.samples, "samples_1024": args.big, "rows": rows, "timing_1024": timing,
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
 

@@ -22,7 +22,7 @@ from ds_adaptiveload.calibrate.result import build_profile, run_meta
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.train.config import zero_stage
 from ds_adaptiveload.schedule.geometry import Geometry
-from ds_adaptiveload.schedule.policies.packed import pack_cost
+from ds_adaptiveload.schedule.planner import pack_cost
 
 
 def measure_profile(cfg, ds, args, shapes, heldout):
@@ -265,7 +265,7 @@ class Calibration:
         """Held-out packed micro-batches (packs.build_packs) of the fitted shapes that ran, each within
         PACK_HEADROOM of the memory budget the fit predicts for this run and PACK_GRID_FRAC of the grid's
         largest micro-batch, timed and peaked as the grid was, predicted by the profile as the planner costs a packed
-        micro-batch (schedule.packed.pack_cost) and, for memory, at this run's fixed bytes (the profile's
+        micro-batch (schedule.planner.pack_cost) and, for memory, at this run's fixed bytes (the profile's
         are the training run's ZeRO-3 shards). fit.packed: the rows and the verdicts against 10% / 5%."""
         args = self.args
         if not args.packs:
@@ -296,7 +296,7 @@ class Calibration:
         return packed_summary(
             pack_rows(self.packs, run_prof, sp, memory, floor_bytes, layers), seed=args.seed,
             target_mem_tokens=round(target, 1), budget_tokens_here=int(budget),
-            predicted_by="time: schedule.packed.pack_cost (the planner's PackedCtx.mb_ms) of "
+            predicted_by="time: schedule.planner.pack_cost (the planner's PackedCtx.mb_ms) of "
                          + ("the profile written" if run_prof is prof else "the measured terms (sp emulated)")
                          + "; memory: schedule.memory.predicted_peak_bytes at this run's fixed bytes, "
                            "max with the fitted floor")

@@ -8,7 +8,7 @@ from ds_adaptiveload.calibrate.fit import rel_err
 from ds_adaptiveload.calibrate.grid import measure_point
 from ds_adaptiveload.schedule.geometry import per_gpu_tokens
 from ds_adaptiveload.schedule.memory import predicted_peak_bytes
-from ds_adaptiveload.schedule.policies.packed import pack_cost
+from ds_adaptiveload.schedule.planner import pack_cost
 
 PACKS = 6  # --packs default
 RECIPES = ("long+short+images", "image-heavy", "two-clip", "long+images", "mixed-clips", "every-shape")

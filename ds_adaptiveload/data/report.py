@@ -9,11 +9,11 @@ import os
 import statistics
 
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.schedule import planner
+from ds_adaptiveload.schedule import policies
 from ds_adaptiveload.train.config import AdaptiveLoadConfig, add_flag, flag_name
 
-# Every policy the planner has, equal-tokens (the baseline the tables compare with) first.
-POLICIES = ("equal-tokens", *(p for p in planner.POLICIES if p != "equal-tokens"))
+# Every policy of the registry, equal-tokens (the baseline the tables compare with) first.
+POLICIES = ("equal-tokens", *(p for p in policies.POLICIES if p != "equal-tokens"))
 WORLD_SIZES = (8, 64, 1024)  # reported next to --world-size: one node, a small and a large cluster
 HEATMAP_STEPS = 50
 TABLE_ROWS = 60  # bucket table rows shown; the rest are summed in one line

@@ -8,38 +8,39 @@ ZeRO-3 every forward all-gathers parameters, so ranks must run the same number o
 list of sample indices of one shape (no padding inside a micro-batch) whose per-GPU tokens fit M_mem; with
 `packed` a micro-batch may hold several shapes (samples of one shape contiguous), its samples' tokens in M_mem.
 
-Policies:
-- equal-tokens: bucket by shape, B = floor(M_mem / S), shuffle micro-batches, deal them round-robin. What
-  token-capped loaders (DeepSpeed dynamic batching, bucket loaders) do; the baseline.
-- dual: the same with B also capped by the paper's compute constraint B * S^p <= M_comp.
-- balanced (schedule/balanced.py): both caps, then balance every step. With G >= 2, each step draws a stratified slice of the
+Policies (one module each in schedule/policies/, named in its REGISTRY):
+- equal-tokens (buckets.py): bucket by shape, B = floor(M_mem / S), shuffle micro-batches, deal them round-robin.
+  What token-capped loaders (DeepSpeed dynamic batching, bucket loaders) do; the baseline.
+- dual (buckets.py): the same with B also capped by the paper's compute constraint B * S^p <= M_comp.
+- balanced (balanced.py): both caps, then balance every step. With G >= 2, each step draws a stratified slice of the
   epoch (every shape in proportion, so the step looks like the data) and packs its samples onto ranks by
   LPT (longest first to the least-loaded rank that has a free slot or an open micro-batch of that shape);
   images and short clips are the fine-grained filler that evens the totals. With G = 1 a rank runs one
   single-shape micro-batch per step, so balance requires steps of similar micro-batches: micro-batches are
   sorted by cost within a window of steps (`window`, default the whole epoch) and step order is shuffled.
   That trades step composition (mix_tv) for balance; a smaller window trades back.
-- packed (schedule/packed.py): micro-batches of mixed shapes, every micro-batch of a step at about the same
-  predicted cost, steps drawn from the stratified stream (so they look like the data), at any G.
+- packed (packed.py): micro-batches of mixed shapes, every micro-batch of a step at about the same predicted cost,
+  steps drawn from the stratified stream (so they look like the data), at any G.
 """
-import bisect
 import random
 from dataclasses import dataclass
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.schedule.bound import lower_bound
 from ds_adaptiveload.schedule.geometry import per_gpu_tokens
-from ds_adaptiveload.schedule.memory import RecomputeCost
+from ds_adaptiveload.schedule.policies import POLICIES, REGISTRY, Policy
+from ds_adaptiveload.schedule.policies.baselines import BASELINES
+from ds_adaptiveload.schedule.policies.common import CLASS_BOUNDS, fill_slots, lpt_micro_batches, token_class
+from ds_adaptiveload.schedule.policies.packed import PackedCtx
 
-POLICIES = ("balanced", "dual", "equal-tokens", "packed")
 CHECKPOINT_MODES = ("all", "auto", "auto-step")
-# Step-composition classes for mix_tv, by full-sequence tokens: images and short clips, mid clips, long.
-CLASS_BOUNDS = (4096, 20000)
 
 
 @dataclass
 class PlanConfig:
     policy: str = "packed"
-    """packed (micro-batches of mixed shapes; needs the packed model) | balanced | dual | equal-tokens."""
+    """packed (micro-batches of mixed shapes; needs the packed model) | balanced | dual | equal-tokens
+    (policies.REGISTRY)."""
     world_size: int = 1
     """GPUs in the job; the data-parallel size is world_size / sp."""
     sp: int = 1
@@ -54,8 +55,8 @@ class PlanConfig:
     """balanced with G = 1: steps per cost-sorting window (0 or None = whole epoch)."""
     fill: float = None
     """balanced with G >= 2: a step draws samples worth this fraction of its R*G micro-batch slots
-    (None: the better of balanced.FILL_CHOICES by predicted wall time on a prefix of the epoch). packed: the average
-    fraction of a micro-batch's memory that sets its target cost (None: packed.PACK_FILL)."""
+    (None: the better of policies.balanced.FILL_CHOICES by predicted wall time on a prefix of the epoch). packed:
+    the average fraction of a micro-batch's memory that sets its target cost (None: policies.packed.PACK_FILL)."""
     lockstep: bool = False
     """Ranks wait for each other at every micro-batch, not only at the optimizer step: true under ZeRO-3
     (parameter all-gathers in every forward and backward) and ZeRO-2 (gradient reduce-scatter in every
@@ -82,8 +83,8 @@ class PlanConfig:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
         for name in ("world_size", "sp", "grad_accum"):
             positive(name)
-        if self.policy not in POLICIES:
-            raise UserError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.policy not in REGISTRY:
+            raise UserError(f"policy must be one of {', '.join(REGISTRY)}, got {self.policy!r}")
         if self.world_size % self.sp:
             raise UserError(f"world-size {self.world_size} is not divisible by sp {self.sp}")
         if self.on_oversize not in ("error", "skip"):
@@ -164,10 +165,6 @@ class Plan:
         }
 
 
-def token_class(tokens: int) -> int:
-    return bisect.bisect_left(CLASS_BOUNDS, tokens)
-
-
 def mix_tv(plan: Plan) -> float:
     """Mean over steps of the total-variation distance between the step's class shares (by sample
     count) and the epoch's: 0 when every step looks like the data, up to 1 when steps are single-class."""
@@ -201,99 +198,50 @@ def mix_tv(plan: Plan) -> float:
 
 def make_plan(samples, profile, cfg: PlanConfig, epoch: int = 0) -> Plan:
     """Plan one epoch. `samples` need .id, .frames, .height, .width (manifest.Sample)."""
-    # packed and balanced have their own modules, imported here because they build on this one's helpers
-    from ds_adaptiveload.schedule.policies import balanced, packed
-
-    if cfg.policy == "packed":
-        return plan_with(samples, profile, cfg, epoch, packed.packed_steps, packed.PackedCtx, packed.pack_cap)
-    if cfg.policy in ("equal-tokens", "dual"):
-        return plan_with(samples, profile, cfg, epoch, _bucket_steps)
-    return plan_with(samples, profile, cfg, epoch, balanced.balanced_steps)
+    return plan_with(samples, profile, cfg, epoch, REGISTRY[cfg.policy])
 
 
-def plan_with(samples, profile, cfg: PlanConfig, epoch, steps_of, ctx_cls=None, cap_of=None) -> Plan:
-    """The plan that `steps_of(keep, ctx, rng)` makes of the samples: oversize samples set aside, the last step
+def baseline_plan(name, samples, profile, cfg: PlanConfig, epoch=0) -> Plan:
+    """The best plan of baseline `name` (policies/baselines.py) over its tuning knob by predicted wall time: the
+    same data and cost model as the policies, so the tuning is the baseline's best."""
+    cfg = PlanConfig("equal-tokens", cfg.world_size, cfg.sp, cfg.grad_accum, cfg.seed, cfg.on_oversize,
+                     lockstep=cfg.lockstep)
+    maker, knobs = BASELINES[name]
+    plans = [plan_with(samples, profile, cfg, epoch,
+                       Policy(lambda keep, ctx, rng, k=k: maker(keep, ctx, rng, k), PackedCtx)) for k in knobs]
+    return min(plans, key=lambda p: sum(p.pred_wall_ms))
+
+
+def pack_cost(profile, shapes, sp: int = 1) -> tuple:
+    """(predicted fwd+bwd ms, memory in tokens' worth) of one micro-batch of samples of `shapes` ((F, H, W)
+    each) at Ulysses degree sp, exactly as the packed policy costs and fills a slot (PackedCtx.mb_ms, the sum of
+    PackedCtx.mem): what calibrate's packed validation predicts its measured micro-batches with."""
+    full = [profile.geometry.tokens(*sh) for sh in shapes]
+    gpu = [per_gpu_tokens(t, sp) for t in full]
+    ctx = PackedCtx(profile, PlanConfig("packed", world_size=sp, sp=sp), full, gpu, [tuple(sh) for sh in shapes], {})
+    return ctx.mb_ms(range(len(shapes))), sum(ctx.mem)
+
+
+def plan_with(samples, profile, cfg: PlanConfig, epoch, policy: Policy) -> Plan:
+    """The plan that `policy.steps(keep, ctx, rng)` makes of the samples: oversize samples set aside, the last step
     filled to G micro-batches per rank, every step costed, the lower bound (schedule/bound.py) attached.
-    ctx_cls: the context class (micro-batches of mixed shapes need packed.PackedCtx); cap_of(keep, ctx, seed):
-    the memory a micro-batch may fill (packed's pack_cap), else the profile's budget."""
-    from ds_adaptiveload.schedule.bound import lower_bound
-
+    policy.ctx: the context class (micro-batches of mixed shapes need packed.PackedCtx); policy.cap_of(keep, ctx,
+    seed): the memory a micro-batch may fill (packed's pack_cap), else the profile's budget."""
     if not samples:
         raise UserError("no samples to plan")
     full, gpu, shape = _tokens(samples, profile, cfg.sp)
     keep, skipped = _oversize(samples, full, gpu, profile, cfg)
     rng = random.Random(f"{cfg.seed}/{epoch}")
     dual = profile.dual_for(min((gpu[i] for i in keep), default=1), max((gpu[i] for i in keep), default=1))
-    cap = _batch_caps(gpu, shape, keep, profile, dual if cfg.policy == "dual" else None)
-    ctx = (ctx_cls or _Ctx)(profile, cfg, full, gpu, shape, cap)
-    if cap_of is not None:
-        ctx.budget = cap_of(keep, ctx, cfg.seed)
-    steps = steps_of(keep, ctx, rng) if keep else []
+    cap = _batch_caps(gpu, shape, keep, profile, dual if policy.dual_cap else None)
+    ctx = policy.ctx(profile, cfg, full, gpu, shape, cap)
+    if policy.cap_of is not None:
+        ctx.budget = policy.cap_of(keep, ctx, cfg.seed)
+    steps = policy.steps(keep, ctx, rng) if keep else []
     pad = _finish_tail(steps, ctx, keep)
     pred, wall = zip(*(ctx.step_pred(step) for step in steps)) if steps else ((), ())
     return Plan(steps, list(pred), pad, skipped, full, cfg, epoch, dual, list(wall),
-                ctx.budget if cap_of is not None else None, lower_bound([gpu[i] for i in keep], profile, cfg))
-
-
-def _bucket_steps(keep, ctx, rng):
-    """equal-tokens and dual: shuffled one-shape micro-batches at the shape's cap, dealt round-robin."""
-    return _deal(_micro_batches(_shuffled_buckets(keep, ctx.shape, rng), ctx.cap), ctx, rng)
-
-
-@dataclass
-class _Ctx:
-    profile: object
-    cfg: PlanConfig
-    full: list    # full-sequence tokens per sample
-    gpu: list     # per-GPU tokens per sample
-    shape: list   # shape key per sample
-    cap: dict     # shape key -> max micro-batch size
-
-    def __post_init__(self):
-        # Cost depends only on the shape: compute it once per shape, then index by sample.
-        by_shape = {}
-        for g, key in zip(self.gpu, self.shape):
-            if key not in by_shape:
-                by_shape[key] = self.profile.sample_ms(g)
-        self.cost = [by_shape[key] for key in self.shape]
-        # --checkpoint-blocks auto: the recompute a micro-batch's open blocks skip (None: every block's, as profiled)
-        self.recompute = (None if self.cfg.checkpoint == "all"
-                          else RecomputeCost.of(self.profile, self.cfg.checkpoint_policy))
-
-    def base_ms(self, mb):
-        """The profile's time for micro-batch mb with every block checkpointed."""
-        return self.profile.micro_ms(len(mb), self.gpu[mb[0]])
-
-    def mb_ms(self, mb, ks=None):
-        """Predicted ms of micro-batch mb: base_ms less the recompute its checkpointing skips (at ks: (k, k_full)
-        set for the whole step, or its own)."""
-        t = self.base_ms(mb)
-        if self.recompute is None:
-            return t
-        return t * self.recompute.factor(sum(map(self.gpu.__getitem__, mb)), len(mb), ks)
-
-    def step_ks(self, step):
-        """auto-step: the (k, k) every micro-batch of the step runs with, its largest over all ranks; else None."""
-        if self.recompute is None or self.cfg.checkpoint != "auto-step":
-            return None
-        k = max(self.recompute.ks(sum(map(self.gpu.__getitem__, mb)), len(mb))[0] for mbs in step for mb in mbs)
-        return k, k
-
-    def step_pred(self, step):
-        """(predicted ms of every rank, predicted wall ms of the step), each micro-batch costed once (with 1M
-        samples costing them twice, per rank and per round, took a fifth of the planning time). Every rank
-        holds the same number of micro-batches; under lockstep the wall is the sum over rounds of the
-        slowest micro-batch, else the slowest rank."""
-        ks = self.step_ks(step)
-        costs = [[self.mb_ms(mb, ks) for mb in mbs] for mbs in step]
-        fixed = self.profile.step_fixed_ms
-        ranks = [fixed + sum(c) for c in costs]
-        if not self.cfg.lockstep:
-            return ranks, max(ranks)
-        return ranks, fixed + sum(max(c[k] for c in costs) for k in range(len(costs[0])))
-
-    def step_ms(self, step):
-        return self.step_pred(step)[1]
+                ctx.budget if policy.cap_of is not None else None, lower_bound([gpu[i] for i in keep], profile, cfg))
 
 
 def _tokens(samples, profile, sp):
@@ -346,44 +294,6 @@ def _batch_caps(gpu, shape, keep, profile, dual):
     return cap
 
 
-def _shuffled_buckets(indices, shape, rng):
-    buckets = {}
-    for i in indices:
-        buckets.setdefault(shape[i], []).append(i)
-    out = []
-    for key in sorted(buckets):  # sorted so the plan does not depend on manifest order of first sight
-        b = buckets[key]
-        rng.shuffle(b)
-        out.append((key, b))
-    return out
-
-
-def _micro_batches(buckets, cap):
-    mbs = []
-    for key, b in buckets:
-        c = cap[key]
-        mbs += [b[j:j + c] for j in range(0, len(b), c)]
-    return mbs
-
-
-# ----------------------------------------------------------------------------------------------------
-# Baselines: shuffle micro-batches, deal round-robin
-
-
-def _deal(mbs, ctx, rng):
-    rng.shuffle(mbs)
-    r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
-    per_step = r * g
-    steps = []
-    for s in range(0, len(mbs), per_step):
-        chunk = mbs[s:s + per_step]
-        step = [[] for _ in range(r)]
-        for j, mb in enumerate(chunk):
-            step[j % r].append(mb)
-        steps.append(step)
-    return steps
-
-
 # ----------------------------------------------------------------------------------------------------
 # Epoch tail
 
@@ -392,8 +302,6 @@ def _finish_tail(steps, ctx, keep):
     """Make every rank hold exactly G micro-batches in every step. Only the last step can be short; its
     micro-batches are split first (real samples spread over more slots), and slots still empty get a pad
     micro-batch: a repeat of the cheapest sample, trained with zero loss weight."""
-    from ds_adaptiveload.schedule.policies.balanced import _fill_slots, _lpt_micro_batches
-
     pad = set()
     g = ctx.cfg.grad_accum
     if not steps:
@@ -407,8 +315,8 @@ def _finish_tail(steps, ctx, keep):
         # Redistribute the step's micro-batches so each rank has at most G, then split and pad.
         flat = [mb for mbs in step for mb in mbs]
         flat.sort(key=ctx.mb_ms, reverse=True)
-        new = _lpt_micro_batches(flat, len(step), g, ctx)
-        _fill_slots(new, g)
+        new = lpt_micro_batches(flat, len(step), g, ctx)
+        fill_slots(new, g)
         cheapest = min(keep, key=lambda i: (ctx.gpu[i], i))
         for k, mbs in enumerate(new):
             while len(mbs) < g:

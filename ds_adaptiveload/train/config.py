@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
-from ds_adaptiveload.schedule.planner import POLICIES
+from ds_adaptiveload.schedule.policies import POLICIES
 from ds_adaptiveload.train.lr_scaling import METHODS as LR_SCALING_METHODS
 
 
@@ -95,7 +95,7 @@ class AdaptiveLoadConfig(BaseModel):
     shipped profile measured for this model, GPU, ZeRO stage and sp, else the closest one, its memory moved to this
     GPU (shipped.py)."""
     policy: Literal[POLICIES] = setting("packed", plan=True)
-    """packed | balanced | dual | equal-tokens (schedule/packed.py, schedule/planner.py). packed (the default since
+    """A name of schedule/policies REGISTRY: packed | balanced | dual | equal-tokens. packed (the default since
     2026-12-02: docs/results.md) fills micro-batches with samples of several shapes, which the model runs as one
     packed forward; a model that takes one shape per micro-batch needs balanced."""
     seed: int = setting(0, must="a non-negative integer below 2**64", ge=0, lt=2**64, plan=True)
@@ -108,11 +108,11 @@ class AdaptiveLoadConfig(BaseModel):
     epoch; smaller keeps steps closer to the data's composition, at some balance)."""
     fill: Optional[float] = setting(None, must="a number in [0.1, 1] or null", ge=0.1, le=1.0, plan=True)
     """balanced with G >= 2: fraction of a step's R*G micro-batch slots to fill (None: the planner
-    chooses by predicted wall time, see balanced.FILL_CHOICES)."""
+    chooses by predicted wall time, see policies/balanced.py FILL_CHOICES)."""
     replicate: Optional[bool] = setting(None, must="true, false or null", plan=True)
     """packed: light samples in runs of R of one shape, so that the micro-batches of a round are copies and
     cost the same (None: when a micro-batch holds fewer than about 10 samples, as with memory for one long
-    clip; schedule/packed.py)."""
+    clip; schedule/policies/packed.py)."""
     pack_tokens: Union[None, Literal["auto"], Annotated[int, Field(ge=1)]] = setting(
         None, must='a positive integer, "auto" or null', plan=True)
     """packed: the memory a micro-batch may fill, in tokens: null (the profile's budget), an integer (at most the

@@ -4,14 +4,14 @@ Three ways, chosen by the config (balanced_steps): with G >= 2, each step draws 
 (every shape in proportion) and packs it onto ranks by LPT, with images and short clips as the filler that evens
 the totals (_balanced_mixed); under lockstep with G >= 2, rounds of equal-cost micro-batches interleaved by class
 (_balanced_rounds); with G = 1 or a window, micro-batches sorted by cost within a window of steps
-(_balanced_sorted). Split from planner.py, which holds the config, the plan, the shared helpers and the epoch tail.
+(_balanced_sorted). The helpers it shares with the other policies are in common.py.
 Pure Python, no torch.
 """
-import heapq
 import math
 from array import array
 
-from ds_adaptiveload.schedule.planner import _micro_batches, _shuffled_buckets, token_class
+from ds_adaptiveload.schedule.policies.common import (fill_slots, lpt_micro_batches, micro_batches, shuffled_buckets,
+                                                      token_class)
 
 # Same-shape run length (in micro-batches) of the stratified stream; measured best of 1/2/4/8 on the
 # video-heavy mix at 8-1024 ranks (docs/scheduler.md).
@@ -19,7 +19,7 @@ RUN_SLOTS = 1
 
 
 def balanced_steps(keep, ctx, rng):
-    """The epoch's steps for the balanced policy (before planner._finish_tail)."""
+    """The epoch's steps for the balanced policy (before the planner's epoch tail)."""
     cfg = ctx.cfg
     if cfg.lockstep and cfg.grad_accum > 1:
         return _balanced_rounds(keep, ctx, rng)
@@ -43,7 +43,7 @@ def _stratified_stream(indices, ctx, rng, run_slots=0):
     # With G <= 2 a rank has too few slots to offset a sample that fills a micro-batch alone (a 720p clip)
     # with filler, so such samples come in runs of R: a step that holds one then holds about one per rank.
     heavy_run = ctx.cfg.dp_size if ctx.cfg.grad_accum <= 2 else 0
-    for key, b in _shuffled_buckets(indices, ctx.shape, rng):
+    for key, b in shuffled_buckets(indices, ctx.shape, rng):
         size = heavy_run if (heavy_run and ctx.cap[key] == 1) else max(1, run_slots * ctx.cap[key])
         runs = [b[j:j + size] for j in range(0, len(b), size)]
         classes.setdefault(token_class(ctx.full[b[0]]), []).extend(runs)
@@ -132,17 +132,17 @@ def _pack_step(cand, ctx):
     2. Rebalance: the most loaded rank hands work to a lighter one, by moving samples into a micro-batch
        of the same shape there (or into a free slot), or by swapping two micro-batches; the move chosen is
        the one that best halves the gap. Stops when the most loaded rank cannot be relieved.
-    3. Split micro-batches so every rank runs exactly G (see _fill_slots)."""
+    3. Split micro-batches so every rank runs exactly G (see fill_slots)."""
     r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
     buckets = {}
     for i in cand:
         buckets.setdefault(ctx.shape[i], []).append(i)
-    mbs = _micro_batches(sorted(buckets.items()), ctx.cap)
+    mbs = micro_batches(sorted(buckets.items()), ctx.cap)
     cost = ctx.cost
     mbs.sort(key=lambda mb: -len(mb) * cost[mb[0]])
-    step = _lpt_micro_batches(mbs, r, g, ctx, load_fn=lambda mb: len(mb) * cost[mb[0]])
+    step = lpt_micro_batches(mbs, r, g, ctx, load_fn=lambda mb: len(mb) * cost[mb[0]])
     _rebalance(step, ctx, g)
-    _fill_slots(step, g)
+    fill_slots(step, g)
     return step
 
 
@@ -240,34 +240,6 @@ def _apply(step, a, b, act, load, cost):
     load[b] += w
 
 
-def _fill_slots(mbs, g):
-    """Give every rank exactly G micro-batches: split its largest micro-batch while it has fewer; if it
-    holds fewer than G samples, take one from the largest micro-batch elsewhere. Splitting costs nothing
-    in the cost model beyond the per-micro-batch fixed time, which every rank then pays G times."""
-    needy = []
-    for k, rank_mbs in enumerate(mbs):
-        while len(rank_mbs) < g:
-            big = max(range(len(rank_mbs)), key=lambda m: len(rank_mbs[m]), default=None)
-            if big is None or len(rank_mbs[big]) < 2:
-                needy.append(k)
-                break
-            half = len(rank_mbs[big]) // 2
-            rank_mbs.append(rank_mbs[big][half:])
-            del rank_mbs[big][half:]
-    if not needy:
-        return
-    donors = [(-len(mb), k, m) for k, rank_mbs in enumerate(mbs) for m, mb in enumerate(rank_mbs) if len(mb) >= 2]
-    heapq.heapify(donors)
-    for k in needy:
-        while len(mbs[k]) < g and donors:
-            _, d, m = heapq.heappop(donors)
-            mb = mbs[d][m]
-            mbs[k].append([mb.pop()])
-            if len(mb) >= 2:
-                heapq.heappush(donors, (-len(mb), d, m))
-        # donors exhausted: too few samples in the step; the epoch tail pads
-
-
 # ----------------------------------------------------------------------------------------------------
 # balanced, G >= 2 under lockstep: rounds of equal-cost micro-batches, interleaved by class
 
@@ -331,12 +303,12 @@ def _sorted_windows(keep, ctx, rng):
     """Per window of the stratified stream: (its micro-batches sorted by cost, descending and in random
     order among equal costs, cut at whole steps of R*G; rest). A window's remainder (its cheapest
     micro-batches) moves on to the next window; only the epoch's last remainder comes back, as `rest`, for
-    the epoch's last step (_finish_tail)."""
+    the epoch's last step (the planner's epoch tail)."""
     per_step = ctx.cfg.dp_size * ctx.cfg.grad_accum
     chunks = _windows(_stratified_stream(keep, ctx, rng), ctx)
     carry = []
     for w, chunk in enumerate(chunks):
-        mbs = _micro_batches(_shuffled_buckets(carry + chunk, ctx.shape, rng), ctx.cap)
+        mbs = micro_batches(shuffled_buckets(carry + chunk, ctx.shape, rng), ctx.cap)
         rng.shuffle(mbs)
         mbs.sort(key=ctx.mb_ms, reverse=True)
         full = len(mbs) - len(mbs) % per_step
@@ -356,22 +328,9 @@ def _balanced_sorted(keep, ctx, rng):
     per_step = r * g
     steps = []
     for mbs, rest in _sorted_windows(keep, ctx, rng):
-        window_steps = [_lpt_micro_batches(mbs[s:s + per_step], r, g, ctx) for s in range(0, len(mbs), per_step)]
+        window_steps = [lpt_micro_batches(mbs[s:s + per_step], r, g, ctx) for s in range(0, len(mbs), per_step)]
         rng.shuffle(window_steps)  # no epoch sorted by length
         steps += window_steps
         if rest:
-            steps.append(_lpt_micro_batches(rest, r, g, ctx))
+            steps.append(lpt_micro_batches(rest, r, g, ctx))
     return steps
-
-
-def _lpt_micro_batches(chunk, r, g, ctx, load_fn=None):
-    """Deal whole micro-batches (sorted by cost, descending) to the least-loaded rank with a free slot."""
-    load_fn = load_fn or ctx.mb_ms
-    step = [[] for _ in range(r)]
-    heap = [(0.0, k) for k in range(r)]
-    for mb in chunk:
-        ld, k = heapq.heappop(heap)
-        step[k].append(mb)
-        if len(step[k]) < g:
-            heapq.heappush(heap, (ld + load_fn(mb), k))
-    return step

@@ -1,5 +1,5 @@
-"""Public batching heuristics the packed policy is measured against, planned through planner.plan_with (the
-same tail, costing and lower bound as the policies) and checked by bound.check_plan.
+"""Public batching heuristics the packed policy is measured against, planned by planner.baseline_plan through
+planner.plan_with (the same tail, costing and lower bound as the policies) and checked by bound.check_plan.
 
 - lpt: runtime balance over the calibrated time model, as Seaweed-7B, slime (--balance-by-flops) and verl
   balance by predicted runtime: each step draws samples worth its R*G micro-batches' memory, in shuffled order
@@ -18,28 +18,12 @@ Pure Python, no torch. Not policies: bench/plan/plan_bench.py runs them beside t
 import heapq
 import math
 
-from ds_adaptiveload.schedule.policies import packed
-from ds_adaptiveload.schedule.planner import PlanConfig, plan_with
-
 # Fractions of a step's R*G micro-batches' memory a step draws (the rest is room for the greedy to even out).
 FILLS = (0.8, 0.9, 0.97)
 # The bucket table's target time T, as quantiles of the shapes' full-memory micro-batch times.
 TABLE_TARGETS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # lpt's knobs: (epoch sorted by cost, fill).
 LPT_KNOBS = ((False, 0.9), (False, 0.97), (True, 0.9), (True, 0.97))
-BASELINES = ("lpt", "trl", "buckets")
-
-
-def baseline_plan(name, samples, profile, cfg: PlanConfig, epoch=0):
-    """The best plan of baseline `name` over its tuning knob (FILLS, or TABLE_TARGETS for buckets) by
-    predicted wall time: the same data and cost model as the policies, so the tuning is the baseline's best."""
-    cfg = PlanConfig("equal-tokens", cfg.world_size, cfg.sp, cfg.grad_accum, cfg.seed, cfg.on_oversize,
-                     lockstep=cfg.lockstep)
-    knobs = {"buckets": TABLE_TARGETS, "lpt": LPT_KNOBS}.get(name, FILLS)
-    maker = {"lpt": _lpt_steps, "trl": _trl_steps, "buckets": _bucket_steps}[name]
-    plans = [plan_with(samples, profile, cfg, epoch, lambda keep, ctx, rng, k=k: maker(keep, ctx, rng, k),
-                       packed.PackedCtx) for k in knobs]
-    return min(plans, key=lambda p: sum(p.pred_wall_ms))
 
 
 def _draws(keep, ctx, rng, fill, by_cost=False):
@@ -110,7 +94,7 @@ def _to_rounds(mbs, ctx, key):
     return step
 
 
-def _lpt_steps(keep, ctx, rng, knob):
+def lpt_steps(keep, ctx, rng, knob):
     by_cost, fill = knob
     steps, carry = [], []
     slots = ctx.cfg.dp_size * ctx.cfg.grad_accum
@@ -123,7 +107,7 @@ def _lpt_steps(keep, ctx, rng, knob):
     return steps
 
 
-def _trl_steps(keep, ctx, rng, fill):
+def trl_steps(keep, ctx, rng, fill):
     r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
     sq = [t * t for t in ctx.gpu]
 
@@ -151,7 +135,7 @@ def _trl_steps(keep, ctx, rng, fill):
     return steps
 
 
-def _bucket_steps(keep, ctx, rng, q):
+def table_steps(keep, ctx, rng, q):
     """One-shape micro-batches of the table's B per shape, shuffled, R*G a step."""
     prof, by_shape = ctx.profile, {}
     for i in keep:
@@ -168,3 +152,7 @@ def _bucket_steps(keep, ctx, rng, q):
     rng.shuffle(mbs)
     per = ctx.cfg.dp_size * ctx.cfg.grad_accum
     return [_to_rounds(mbs[j:j + per], ctx, lambda mb: 0) for j in range(0, len(mbs), per)]
+
+
+# name -> (steps(keep, ctx, rng, knob), the knobs it is tuned over); planned with packed.PackedCtx (per-sample memory).
+BASELINES = {"lpt": (lpt_steps, LPT_KNOBS), "trl": (trl_steps, FILLS), "buckets": (table_steps, TABLE_TARGETS)}

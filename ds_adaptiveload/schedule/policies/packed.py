@@ -28,8 +28,7 @@ from collections import deque
 from itertools import accumulate
 from dataclasses import dataclass
 
-from ds_adaptiveload.schedule.geometry import per_gpu_tokens
-from ds_adaptiveload.schedule.planner import PlanConfig, _Ctx, token_class
+from ds_adaptiveload.schedule.policies.common import Ctx, token_class
 
 # Average fill of a slot's memory that sets the target cost T; the rest is room for the packing to even out
 # costs (0.86 and 0.97 predicted more wall time on video-heavy with memory for one 720p clip).
@@ -68,8 +67,8 @@ CAP_TOL = 0.01
 
 
 @dataclass
-class PackedCtx(_Ctx):
-    """_Ctx for micro-batches of mixed shapes: memory and compute per sample, cost by profile.packed_ms."""
+class PackedCtx(Ctx):
+    """Ctx for micro-batches of mixed shapes: memory and compute per sample, cost by profile.packed_ms."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -122,18 +121,8 @@ def _cap_ms(order, ctx, limit):
     return total / max(1, sum(map(ctx.gpu.__getitem__, order)))
 
 
-def pack_cost(profile, shapes, sp: int = 1) -> tuple:
-    """(predicted fwd+bwd ms, memory in tokens' worth) of one micro-batch of samples of `shapes` ((F, H, W)
-    each) at Ulysses degree sp, exactly as packed_steps costs and fills a slot (PackedCtx.mb_ms, the sum of
-    PackedCtx.mem): what calibrate's packed validation predicts its measured micro-batches with."""
-    full = [profile.geometry.tokens(*sh) for sh in shapes]
-    gpu = [per_gpu_tokens(t, sp) for t in full]
-    ctx = PackedCtx(profile, PlanConfig("packed", world_size=sp, sp=sp), full, gpu, [tuple(sh) for sh in shapes], {})
-    return ctx.mb_ms(range(len(shapes))), sum(ctx.mem)
-
-
 def packed_steps(keep, ctx: PackedCtx, rng):
-    """The epoch's steps, each R rows of G micro-batches (the last step may be short: _finish_tail pads)."""
+    """The epoch's steps, each R rows of G micro-batches (the last step may be short: the planner's epoch tail pads)."""
     r, g = ctx.cfg.dp_size, ctx.cfg.grad_accum
     slots = r * g
     fill = ctx.cfg.fill or PACK_FILL
