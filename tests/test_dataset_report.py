@@ -62,7 +62,7 @@ def test_report_writes_plots_and_sections(tmp_path):
 
 
 def test_report_lists_every_policy_the_planner_has():
-    from ds_adaptiveload.schedule.planner import POLICIES
+    from ds_adaptiveload.schedule.policies import POLICIES
     assert sorted(report.POLICIES) == sorted(POLICIES) and report.POLICIES[0] == "equal-tokens"
 
 

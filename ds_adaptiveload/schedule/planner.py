@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.bound import lower_bound
 from ds_adaptiveload.schedule.geometry import per_gpu_tokens
-from ds_adaptiveload.schedule.policies import POLICIES, REGISTRY, Policy
+from ds_adaptiveload.schedule.policies import POLICIES, REGISTRY, Policy  # noqa: F401 (planner.POLICIES: the names)
 from ds_adaptiveload.schedule.policies.baselines import BASELINES
 from ds_adaptiveload.schedule.policies.common import CLASS_BOUNDS, fill_slots, lpt_micro_batches, token_class
 from ds_adaptiveload.schedule.policies.packed import PackedCtx
