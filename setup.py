@@ -47,7 +47,7 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "deepspeed>=0.16", "einops", "pydantic>=2.7", "pyyaml", "safetensors", "tqdm",
+    install_requires=["torch>=2.4", "deepspeed>=0.16", "einops", "numpy", "pydantic>=2.7", "pyyaml", "safetensors", "tqdm",
                       "huggingface_hub"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "diffusers", "transformers", "tokenizers", "av", "matplotlib", "accelerate",

@@ -168,17 +168,14 @@ class Plan:
 def mix_tv(plan: Plan) -> float:
     """Mean over steps of the total-variation distance between the step's class shares (by sample
     count) and the epoch's: 0 when every step looks like the data, up to 1 when steps are single-class."""
-    classes = [token_class(t) for t in plan.tokens]
+    classes = bytes(map({t: token_class(t) for t in set(plan.tokens)}.__getitem__, plan.tokens))
     ncls = len(CLASS_BOUNDS) + 1
     epoch = [0] * ncls
     per_step = []
     for s, step in enumerate(plan.steps):
-        counts = [0] * ncls
-        for r, mbs in enumerate(step):
-            for m, mb in enumerate(mbs):
-                if (s, r, m) not in plan.pad:
-                    for i in mb:
-                        counts[classes[i]] += 1
+        ids = [i for r, mbs in enumerate(step) for m, mb in enumerate(mbs) if (s, r, m) not in plan.pad for i in mb]
+        step_classes = bytes(map(classes.__getitem__, ids))
+        counts = [step_classes.count(c) for c in range(ncls)]
         per_step.append(counts)
         epoch = [a + b for a, b in zip(epoch, counts)]
     total = sum(epoch)
@@ -266,8 +263,11 @@ def _tokens(samples, profile, sp):
 def _oversize(samples, full, gpu, profile, cfg):
     keep, skipped = [], []
     budget = profile.budget_tokens
+    fits = {g: profile.mem_batch(g) >= 1 for g in set(gpu)}  # per distinct length: samples are many, lengths few
+    if all(fits.values()):
+        return list(range(len(gpu))), skipped
     for i, g in enumerate(gpu):
-        if profile.mem_batch(g) >= 1:
+        if fits[g]:
             keep.append(i)
         elif cfg.on_oversize == "skip":
             skipped.append(i)

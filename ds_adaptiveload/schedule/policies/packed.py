@@ -20,6 +20,7 @@ costliest back and is filled anew with larger ones (_densify).
 
 Pure Python, no torch: a function of (samples, profile, config, epoch), like the other policies.
 """
+import bisect
 import heapq
 import math
 import random
@@ -27,6 +28,8 @@ from array import array
 from collections import deque
 from itertools import accumulate
 from dataclasses import dataclass
+
+import numpy as np
 
 from ds_adaptiveload.schedule.policies.common import Ctx, token_class
 
@@ -56,6 +59,10 @@ DENSE_BELOW = 0.7
 # 0.17-0.38% -> 0.00-0.17% at 8 and 64 ranks, and the wall time with it; with 20 or more a slot the sand
 # evens slots out already and runs only coarsen the steps' mix (docs/history/benchmarks.md, eighth session).
 REPLICA_BELOW = 10
+# _best_trade scores the pairs of a round's two slots with numpy from this many (x, y) pairs on: with memory for
+# six 720p clips a slot holds ~30 shapes (900 pairs, most of the planning time in pure Python); with one clip a
+# few, where numpy's per-call overhead is the larger cost.
+NUMPY_PAIRS = 64
 # pack_tokens "auto": the caps tried, as fractions of the memory budget, and the samples (a seeded subset) they
 # are costed on. Under --checkpoint-blocks auto a full micro-batch checkpoints every block and pays its
 # recompute; a smaller one leaves blocks open (docs/scheduler.md, "Micro-batch cap").
@@ -73,15 +80,30 @@ class PackedCtx(Ctx):
     def __post_init__(self):
         super().__post_init__()
         prof = self.profile
-        self.mem = array("d", (prof.mem_tokens(g) for g in self.gpu))
+        mem = {g: prof.mem_tokens(g) for g in set(self.gpu)}  # per distinct length: samples are many, lengths few
+        self.mem = array("d", map(mem.__getitem__, self.gpu))
         # The compute cap sum(S_i^p) <= M_comp applies only when the profile states one.
         self.dual = (prof.dual_p, prof.dual_m_comp) if prof.dual_p is not None else None
         p = self.dual[0] if self.dual else 1.0
-        self.comp = array("d", (g ** p for g in self.gpu)) if self.dual else None
+        self.comp = array("d", map({g: g ** p for g in mem}.__getitem__, self.gpu)) if self.dual else None
         self.budget = self.profile.budget_tokens  # a micro-batch's memory, in tokens: pack_cap may lower it
+        # Micro-batches repeat (a round's slots are copies under replicate, shapes are few): cost each sequence of
+        # per-GPU tokens once. Keyed by the sequence, not its multiset, so the float sum is the uncached one.
+        self._packed_ms = {}
+        self._np_cols = None
+
+    def np_cols(self):
+        """(cost, memory, compute) per sample as float64 arrays, built once (_best_trade's vectorised scoring)."""
+        if self._np_cols is None:
+            self._np_cols = tuple(np.asarray(c, dtype=np.float64) for c in _cols(self))
+        return self._np_cols
 
     def base_ms(self, mb):
-        return self.profile.packed_ms(map(self.gpu.__getitem__, mb))
+        key = tuple(map(self.gpu.__getitem__, mb))
+        t = self._packed_ms.get(key)
+        if t is None:
+            t = self._packed_ms[key] = self.profile.packed_ms(key)
+        return t
 
 
 def pack_cap(keep, ctx: PackedCtx, seed) -> int:
@@ -155,12 +177,13 @@ def _target(keep, ctx, fill):
     t = None
     for _ in range(2):  # T over all samples, then over the light ones at that T
         light = [i for i in keep if not heavy[i]] or keep
-        c = sum(cost[i] for i in light)
-        t = fill * ctx.budget * c / max(sum(mem[i] for i in light), 1e-12)
+        c = sum(map(cost.__getitem__, light))
+        t = fill * ctx.budget * c / max(sum(map(mem.__getitem__, light)), 1e-12)
         if ctx.dual:
-            t = min(t, fill * ctx.dual[1] * c / max(sum(ctx.comp[i] for i in light), 1e-12))
+            t = min(t, fill * ctx.dual[1] * c / max(sum(map(ctx.comp.__getitem__, light)), 1e-12))
+        limit = HEAVY_FRAC * t
         for i in keep:
-            heavy[i] = cost[i] > HEAVY_FRAC * t
+            heavy[i] = cost[i] > limit
     return t, heavy
 
 
@@ -178,7 +201,7 @@ def _cols(ctx):
 def _sums(indices, ctx, heavy, cols=None):
     """(cost, memory, compute) summed over the light samples of `indices`."""
     light = [i for i in indices if not heavy[i]]
-    return [sum(col[i] for i in light) for col in cols or _cols(ctx)]
+    return [sum(map(col.__getitem__, light)) for col in cols or _cols(ctx)]
 
 
 def _units(sums, scale):
@@ -264,6 +287,7 @@ class _Drawer:
         # light shapes, costliest first: (cost, memory, compute, shape)
         self.by_cost = sorted(((self.cols[0][i], self.cols[1][i], self.cols[2][i], key) for key, i in first.items()),
                               key=lambda t: -t[0])
+        self.neg_cost = [-t[0] for t in self.by_cost]  # ascending: bisect finds the first shape within a gap
 
     def sand(self, gap, sl, k):
         """Pull forward a light sample of the costliest shape that costs at most `gap` and fits slot k
@@ -277,8 +301,10 @@ class _Drawer:
                 ahead.setdefault(self.shape[stream[p]], deque()).append(p)
             self.horizon += 1
         mem_room, comp_room = sl.limit - sl.used[k], sl.limit_c - sl.used_c[k]
-        for c, m, x, key in self.by_cost:
-            if c > gap or m > mem_room or x > comp_room or key not in ahead:
+        by_cost = self.by_cost
+        for j in range(bisect.bisect_left(self.neg_cost, -gap), len(by_cost)):
+            c, m, x, key = by_cost[j]
+            if m > mem_room or x > comp_room or key not in ahead:
                 continue
             queue = ahead[key]
             while queue and queue[0] < pos:  # passed by the stream since
@@ -376,6 +402,7 @@ class _Slots:
 
     def __init__(self, ctx, n):
         self.cost, self.mem, self.comp = _cols(ctx)
+        self.ctx = ctx
         self.limit = ctx.budget
         self.limit_c = ctx.dual[1] * (1 + 1e-9) if ctx.dual else self.limit
         self.samples = [[] for _ in range(n)]
@@ -545,6 +572,8 @@ def _best_trade(sl, a, b, shape):
     gap = sl.load[a] - sl.load[b]
     xs = list({shape[i]: i for i in sl.samples[a]}.values())
     ys = [None] + list({shape[i]: i for i in sl.samples[b]}.values())
+    if len(xs) * len(ys) >= NUMPY_PAIRS:
+        return _best_trade_np(sl, a, b, xs, ys, gap)
     best, best_left = None, gap - 1e-9
     for x in xs:
         for y in ys:
@@ -562,3 +591,23 @@ def _best_trade(sl, a, b, shape):
             if left < best_left:
                 best, best_left = (x, y), left
     return best
+
+
+def _best_trade_np(sl, a, b, xs, ys, gap):
+    """_best_trade over all (x, y) pairs at once, float for float the same arithmetic and the same pick: the
+    first pair (x outer, y inner) with the least new difference, if below gap. Column 0 (y None) is a move."""
+    cost, mem, comp = sl.ctx.np_cols()
+    xi, yi = np.array(xs), np.array(ys[1:])
+    zero = np.zeros(1)
+    d = cost[xi][:, None] - np.concatenate((zero, cost[yi]))[None, :]
+    dm = mem[xi][:, None] - np.concatenate((zero, mem[yi]))[None, :]
+    dc = comp[xi][:, None] - np.concatenate((zero, comp[yi]))[None, :]
+    ok = (d > 0) & (d < gap) & ~(sl.used[b] + dm > sl.limit) & ~(sl.used[a] - dm > sl.limit)
+    ok &= ~(sl.used_c[b] + dc > sl.limit_c) & ~(sl.used_c[a] - dc > sl.limit_c)
+    if len(sl.samples[a]) == 1:
+        ok[:, 0] = False  # a slot keeps at least one sample
+    left = np.where(ok, np.abs(gap - 2 * d), np.inf)
+    j = int(np.argmin(left))
+    if not left.flat[j] < gap - 1e-9:
+        return None
+    return xs[j // len(ys)], ys[j % len(ys)]
