@@ -574,3 +574,36 @@ def test_sampler_state_refuses_a_differently_planned_epoch_mid_way():
     same = AdaptiveSampler(samples, profile, cfg, 1)  # another rank of the same run
     same.load_state_dict(state)
     assert same.next_step == 3 and same.state_dict()["plan"] == state["plan"]
+
+
+@pytest.mark.parametrize("dual", [False, True])
+def test_packed_trade_search_numpy_equals_pair_by_pair(dual):
+    """_best_trade_np (large slots) picks exactly the move or swap that the pair-by-pair search picks, including
+    none, with and without a compute cap: plans must not depend on which of the two ran."""
+    import dataclasses
+
+    from ds_adaptiveload.schedule import packed
+
+    profile = calibrated(453693)
+    if dual:
+        profile = dataclasses.replace(profile, dual_p=1.34, dual_m_comp=3.0e7)
+    samples = make_mix("openvid-720p", 400) + make_mix("image-heavy", 400)
+    tokens = [GEO.tokens(s.frames, s.height, s.width) for s in samples]
+    shapes = [(s.frames, s.height, s.width) for s in samples]
+    ctx = packed.PackedCtx(profile, PlanConfig("packed", 2), tokens, list(tokens), shapes, {})
+    rng = random.Random(1)
+    found = 0
+    for trial in range(300):
+        sl = packed._Slots(ctx, 2)
+        for k, n in enumerate((rng.randint(1, 40), rng.randint(0, 40))):
+            for i in rng.sample(range(len(samples)), n):
+                if sl.room(k, i):
+                    sl.add(k, i)
+        a, b = sorted((0, 1), key=sl.load.__getitem__, reverse=True)
+        xs = list({shapes[i]: i for i in sl.samples[a]}.values())
+        ys = [None] + list({shapes[i]: i for i in sl.samples[b]}.values())
+        gap = sl.load[a] - sl.load[b]
+        want = packed._best_trade_py(sl, a, b, xs, ys, gap)
+        assert packed._best_trade_np(sl, a, b, xs, ys, gap) == want, trial
+        found += want is not None
+    assert 30 < found < 300  # both outcomes are exercised

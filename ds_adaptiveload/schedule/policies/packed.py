@@ -93,9 +93,12 @@ class PackedCtx(Ctx):
         self._np_cols = None
 
     def np_cols(self):
-        """(cost, memory, compute) per sample as float64 arrays, built once (_best_trade's vectorised scoring)."""
+        """(cost, memory, compute) of every sample as rows of one float64 array, built once, plus a row of zeros
+        at index len(samples) (_best_trade_np: "nothing back" as a sample that costs nothing)."""
         if self._np_cols is None:
-            self._np_cols = tuple(np.asarray(c, dtype=np.float64) for c in _cols(self))
+            self._np_cols = np.zeros((len(self.cost) + 1, 3))
+            for j, col in enumerate(_cols(self)):
+                self._np_cols[:-1, j] = col
         return self._np_cols
 
     def base_ms(self, mb):
@@ -574,6 +577,12 @@ def _best_trade(sl, a, b, shape):
     ys = [None] + list({shape[i]: i for i in sl.samples[b]}.values())
     if len(xs) * len(ys) >= NUMPY_PAIRS:
         return _best_trade_np(sl, a, b, xs, ys, gap)
+    return _best_trade_py(sl, a, b, xs, ys, gap)
+
+
+def _best_trade_py(sl, a, b, xs, ys, gap):
+    """_best_trade pair by pair (few pairs: cheaper than numpy's per-call overhead)."""
+    cost, mem, comp = sl.cost, sl.mem, sl.comp
     best, best_left = None, gap - 1e-9
     for x in xs:
         for y in ys:
@@ -596,14 +605,13 @@ def _best_trade(sl, a, b, shape):
 def _best_trade_np(sl, a, b, xs, ys, gap):
     """_best_trade over all (x, y) pairs at once, float for float the same arithmetic and the same pick: the
     first pair (x outer, y inner) with the least new difference, if below gap. Column 0 (y None) is a move."""
-    cost, mem, comp = sl.ctx.np_cols()
-    xi, yi = np.array(xs), np.array(ys[1:])
-    zero = np.zeros(1)
-    d = cost[xi][:, None] - np.concatenate((zero, cost[yi]))[None, :]
-    dm = mem[xi][:, None] - np.concatenate((zero, mem[yi]))[None, :]
-    dc = comp[xi][:, None] - np.concatenate((zero, comp[yi]))[None, :]
-    ok = (d > 0) & (d < gap) & ~(sl.used[b] + dm > sl.limit) & ~(sl.used[a] - dm > sl.limit)
-    ok &= ~(sl.used_c[b] + dc > sl.limit_c) & ~(sl.used_c[a] - dc > sl.limit_c)
+    cols = sl.ctx.np_cols()
+    diff = cols[xs][:, None, :] - cols[[len(cols) - 1] + ys[1:]][None, :, :]
+    d, dm = diff[..., 0], diff[..., 1]
+    ok = (d > 0) & (d < gap) & (sl.used[b] + dm <= sl.limit) & (sl.used[a] - dm <= sl.limit)
+    if sl.ctx.dual:  # without a compute cap its column repeats memory, checked above
+        dc = diff[..., 2]
+        ok &= (sl.used_c[b] + dc <= sl.limit_c) & (sl.used_c[a] - dc <= sl.limit_c)
     if len(sl.samples[a]) == 1:
         ok[:, 0] = False  # a slot keeps at least one sample
     left = np.where(ok, np.abs(gap - 2 * d), np.inf)
