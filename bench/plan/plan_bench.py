@@ -13,6 +13,11 @@ and 6 720p clips; then packed's planning time and peak memory for --big samples 
 
     nice -n 10 python bench/plan/plan_bench.py --section baselines --samples 20000 [--mixes a,b] [--budgets 1,6]
 
+--section timing: packed's planning time (wall and CPU), load average and peak memory for --big samples at 1024 ranks,
+per budget and G = 1 and 4 (record the raw file with --record-timing RAW):
+
+    nice -n 10 python bench/plan/plan_bench.py --section timing --big 1000000 --big-budgets 1,2,3,4,5,6
+
 --section packed: the packed policy against equal-tokens and balanced under lockstep (ZeRO-3) with the
 calibrated H200 profile, memory for about six 720p clips (453,600 tokens) and for one (75,693: one
 81x720x1280 clip and its memory.sample_tokens), on the video-heavy and image-heavy mixes; at the one-clip
@@ -60,10 +65,12 @@ def big_run(n, ranks, g, policy="balanced", profile=PROFILE, budget=None, lockst
             f"s = make_mix('{mix}', {n}); p = CostProfile.load('{profile}')\n"
             + (f"p = dataclasses.replace(p, budget_tokens={budget})\n" if budget else "") +
             f"rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-            f"t = time.perf_counter()\n"
+            f"load = __import__('os').getloadavg()[0]\n"
+            f"t, c = time.perf_counter(), time.process_time()\n"
             f"plan = make_plan(s, p, PlanConfig('{policy}', {ranks}, grad_accum={g}, lockstep={lockstep}))\n"
-            f"dt = time.perf_counter() - t\n"
-            f"print(json.dumps({{**plan.summary(), 'plan_seconds': dt, 'rss_before_MiB': rss0 / 1024, "
+            f"dt, dc = time.perf_counter() - t, time.process_time() - c\n"
+            f"print(json.dumps({{**plan.summary(), 'plan_seconds': dt, 'plan_cpu_seconds': dc, "
+            f"'load_avg_1min': [load, __import__('os').getloadavg()[0]], 'rss_before_MiB': rss0 / 1024, "
             f"'peak_rss_MiB': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -189,18 +196,45 @@ def record_baselines(raw, timing=None):
                         f"{100 * sum(r['bound_gap'] for r in rows) / len(rows):.2f}%; mix_tv up to "
                         f"{max(r['mix_tv'] for r in rows):.3f}, above equal-tokens' in {tv_over} of {len(rows)}")
         print(f"| {mix} | {ranks} | " + " | ".join(cells) + " |")
-    timing_raw = timing or raw
-    with open(timing_raw) as f:
+    record_timing(timing or raw, cmd + " --big 1000000 --big-budgets 1")
+
+
+def record_timing(raw, cmd):
+    """results.csv rows of packed's planning time for the big epoch at 1024 ranks, per budget and G."""
+    from bench.harness import record
+
+    with open(raw) as f:
         tim = json.load(f)
     for t in tim["timing_1024"]:
+        cpu = f"{t['plan_cpu_seconds']:.1f} s of CPU; " if "plan_cpu_seconds" in t else ""
+        load = (f"load average {t['load_avg_1min'][0]:.1f} before, {t['load_avg_1min'][1]:.1f} after; "
+                if "load_avg_1min" in t else "")
         record(experiment=f"plan_bench.py --section baselines, packed planning {t['samples_total']:,} "
                           f"{t.get('mix', 'openvid-720p')} samples for 1024 ranks, {t.get('budget_tokens', 75693):,} "
                           f"tokens, lockstep",
                variant=f"packed, G={t['grad_accum']}", metric="planning time", unit="s",
                value=round(t["plan_seconds"], 1), hardware="CPU (2 cores, shared)", gpus=0, policy="packed",
-               command=cmd + f" --big {t['samples_total']} --big-budgets 1", raw_file=timing_raw, section="scheduler",
-               date=tim["date"], note=f"peak RSS {t['peak_rss_MiB']:.0f} MiB; gap to the bound "
+               command=cmd, raw_file=raw, section="scheduler",
+               date=tim["date"], note=f"{cpu}{load}peak RSS {t['peak_rss_MiB']:.0f} MiB; gap to the bound "
                                       f"{100 * t['bound_gap']:.2f}%; {t.get('uptime_after', tim.get('uptime', ''))}")
+
+
+def timing_section(args):
+    """packed's planning time, CPU time and peak memory for --big samples of --big-mix at 1024 ranks, per budget of
+    --big-budgets (720p clips) and G = 1 and 4, lockstep, each in a fresh process."""
+    timing = []
+    for clips in map(int, args.big_budgets.split(",")):
+        for g in (1, 4):
+            t = {**big_run(args.big, 1024, g, "packed", CALIBRATED, clips * CLIP + 93, True, args.big_mix),
+                 "budget_tokens": clips * CLIP + 93, "mix": args.big_mix}
+            timing.append(t)
+            print(f"packed, {args.big_mix}, 1024 ranks, {args.big} samples, {clips} clips, G={g}: plan "
+                  f"{t['plan_seconds']:.1f}s ({t['plan_cpu_seconds']:.1f}s CPU, load {t['load_avg_1min'][0]:.1f}), "
+                  f"peak RSS {t['peak_rss_MiB']:.0f} MiB, gap {t['bound_gap']:.4f}", flush=True)
+    return {"what": "packed's planning time (wall and CPU) and peak RSS (the planning process, manifest included) "
+                    "at 1024 ranks, lockstep, calibrated H200 Wan-1.3B profile; budget_tokens = clips * 75,600 + 93",
+            "profile": CALIBRATED, "samples_1024": args.big, "timing_1024": timing,
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
 
 
 def sizes_section(args):
@@ -226,23 +260,28 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=200000)
     ap.add_argument("--big", type=int, default=1000000)
-    ap.add_argument("--section", choices=("all", "packed", "sizes", "baselines"), default="all")
+    ap.add_argument("--section", choices=("all", "packed", "sizes", "baselines", "timing"), default="all")
     ap.add_argument("--mixes", default=",".join(SWEEP_MIXES), help="--section baselines: mixes to plan")
     ap.add_argument("--budgets", default="1,2,3,6", help="--section baselines: budgets, in 720p clips")
     ap.add_argument("--ranks", default="8,64", help="--section baselines: world sizes")
-    ap.add_argument("--big-budgets", default="1,6", help="--section baselines: budgets of the --big timing")
-    ap.add_argument("--big-mix", default="openvid-720p", help="--section baselines: mix of the --big timing")
+    ap.add_argument("--big-budgets", default="1,6", help="--section baselines, timing: budgets of the --big timing")
+    ap.add_argument("--big-mix", default="openvid-720p", help="--section baselines, timing: mix of the --big timing")
     ap.add_argument("--out")
     ap.add_argument("--record", nargs="+", metavar="RAW",
                     help="record a --section baselines raw file (and a separate timing raw file) into results.csv")
+    ap.add_argument("--record-timing", metavar="RAW", help="record a --section timing raw file into results.csv")
     args = ap.parse_args()
+    if args.record_timing:
+        return record_timing(args.record_timing, "nice -n 10 python bench/plan/plan_bench.py --section timing "
+                                                 "--big 1000000 --big-budgets 1,2,3,4,5,6")
     if args.record:
         return record_baselines(*args.record)
     env = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
            "cpus": __import__("os").cpu_count(), "python": platform.python_version(),
            "load_avg_1min": __import__("os").getloadavg()[0]}
-    if args.section in ("packed", "sizes", "baselines"):
-        section = {"packed": packed_section, "sizes": sizes_section, "baselines": baselines_section}[args.section]
+    if args.section in ("packed", "sizes", "baselines", "timing"):
+        section = {"packed": packed_section, "sizes": sizes_section, "baselines": baselines_section,
+                   "timing": timing_section}[args.section]
         result = {**section(args), **env}
         out = args.out or f"bench/results/plan-{args.section}-{result['date']}-cpu.json"
         with open(out, "w") as f:
