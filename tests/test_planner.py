@@ -389,6 +389,16 @@ def test_geometry_rejects_what_the_vae_cannot_take(shape, msg):
         GEO.tokens(*shape)
 
 
+def test_plan_names_the_first_sample_with_a_bad_shape():
+    """Shapes are checked once each, but the error names the first bad sample in manifest order."""
+    good = [Sample(f"ok{i}", 81, 480, 832) for i in range(5)]
+    bad = [Sample("first", 80, 480, 832), Sample("second", 81, 488, 832), Sample("third", 80, 480, 832)]
+    samples = good[:2] + bad[1:2] + good[2:] + bad[::2]
+    with pytest.raises(UserError, match=r"sample 'second'.*multiple of 16"):
+        make_plan(samples, CostProfile.load(H200), PlanConfig("packed", 2))
+    with pytest.raises(UserError, match=r"sample 'first'.*4n\+1"):
+        make_plan(good + bad[::2], CostProfile.load(H200), PlanConfig("packed", 2))
+
 # -- profile ---------------------------------------------------------------------------------------
 
 def write(tmp_path, name, text):

@@ -23,6 +23,7 @@ Policies (one module each in schedule/policies/, named in its REGISTRY):
   steps drawn from the stratified stream (so they look like the data), at any G.
 """
 import random
+from operator import attrgetter
 from dataclasses import dataclass
 
 from ds_adaptiveload.errors import UserError
@@ -244,20 +245,20 @@ def plan_with(samples, profile, cfg: PlanConfig, epoch, policy: Policy) -> Plan:
 def _tokens(samples, profile, sp):
     """Per-sample full tokens, per-GPU tokens and shape key; the objects are shared per shape (memory)."""
     geo = profile.geometry
-    cache, full, gpu, shape = {}, [], [], []
-    for s in samples:
-        key = (s.frames, s.height, s.width)
-        hit = cache.get(key)
-        if hit is None:
-            try:
-                t = geo.tokens(*key)
-            except ValueError as e:
-                raise UserError(f"sample {s.id!r}: {e}") from None
-            hit = cache[key] = (t, per_gpu_tokens(t, sp), key)
-        full.append(hit[0])
-        gpu.append(hit[1])
-        shape.append(hit[2])
-    return full, gpu, shape
+    key_of = attrgetter("frames", "height", "width")  # keys are not kept: a tuple a sample is memory
+    cache, bad = {}, {}
+    for key in set(map(key_of, samples)):  # shapes are few, samples many
+        try:
+            t = geo.tokens(*key)
+        except ValueError as e:
+            bad[key] = e
+            continue
+        cache[key] = (t, per_gpu_tokens(t, sp), key)
+    if bad:  # the first sample in manifest order with a bad shape
+        s = next(s for s in samples if key_of(s) in bad)
+        raise UserError(f"sample {s.id!r}: {bad[key_of(s)]}") from None
+    hits = list(map(cache.__getitem__, map(key_of, samples)))
+    return [h[0] for h in hits], [h[1] for h in hits], [h[2] for h in hits]
 
 
 def _oversize(samples, full, gpu, profile, cfg):
