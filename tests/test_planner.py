@@ -592,7 +592,7 @@ def test_packed_trade_search_numpy_equals_pair_by_pair(dual):
     none, with and without a compute cap: plans must not depend on which of the two ran."""
     import dataclasses
 
-    from ds_adaptiveload.schedule import packed
+    from ds_adaptiveload.schedule.policies import packed
 
     profile = calibrated(453693)
     if dual:
