@@ -18,9 +18,9 @@ _PUBLIC = {
     "AdaptiveLoadConfig": "ds_adaptiveload.train.config",
     # the loader API for your own DeepSpeed loop
     "get_dataloader_and_lr_scheduler": "ds_adaptiveload.loop",
-    "AdaptiveLoader": "ds_adaptiveload.loop",
-    "Step": "ds_adaptiveload.loop",
-    "MicroBatch": "ds_adaptiveload.loop",
+    "AdaptiveLoader": "ds_adaptiveload.loader",
+    "Step": "ds_adaptiveload.loader",
+    "MicroBatch": "ds_adaptiveload.loader",
     # the fused LayerNorm-Modulate op
     "ln_modulate": "ds_adaptiveload.ops",
     "FusedLayerNormModulate": "ds_adaptiveload.ops",

@@ -15,139 +15,9 @@ is wrapped to scale with the step's sample count (lr_scaling.BatchSizeLR).
             engine.step()
 """
 import sys
-from dataclasses import dataclass, field
 
 from ds_adaptiveload.errors import UserError
-
-
-@dataclass
-class _Settings:
-    seed: int
-    shift: float
-    loss_weighting: str
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch of this rank: samples of one shape."""
-
-    batch: object
-    """What the Dataset (and collate_fn) returned for `indices`."""
-    indices: list
-    """Sample indices into `samples` / the Dataset."""
-    weight: float
-    """Factor for the micro-batch's *sum* of per-sample losses (flow.loss_scale); 0.0 for a pad."""
-    pad: bool
-    """A repeated sample that keeps ranks in lockstep at an epoch's end: trained with weight 0."""
-    epoch: int
-    """Epoch of the plan this micro-batch comes from."""
-    _settings: _Settings = field(repr=False)
-
-    def noise(self, x0):
-        """(eps like x0, t [B]) seeded by (seed, epoch, sample index): independent of rank, micro-batch and
-        resumption, equal on SP peers (flow.draw_noise, with Wan's timestep shift)."""
-        from ds_adaptiveload.train import flow
-
-        return flow.draw_noise(x0, self.indices, self._settings.seed, self.epoch, self._settings.shift)
-
-    def loss(self, per_sample, t=None):
-        """The scalar to pass to engine.backward: sum_i w(t_i) l_i * weight, w from
-        adaptive_load.loss_weighting (needs the timesteps t unless it is none)."""
-        from ds_adaptiveload.train import flow
-
-        return flow.weighted_sum(per_sample, t, self._settings.loss_weighting, self._settings.shift) * self.weight
-
-
-@dataclass
-class Step:
-    """One optimizer step of this rank; iterating gives its G MicroBatches."""
-
-    micro_batches: list
-    epoch: int
-    step: int
-    """Index of the step within the epoch's plan."""
-    global_samples: int
-    """Real samples of the step over all data-parallel ranks (the loss normaliser, the LR's batch size)."""
-    pred_ms: list
-    """Predicted compute ms of every data-parallel rank."""
-    pred_wall_ms: float
-
-    def __iter__(self):
-        return iter(self.micro_batches)
-
-    def __len__(self):
-        return len(self.micro_batches)
-
-
-class AdaptiveLoader:
-    """Endless iterator of Steps, epoch after epoch (stop at your step count, as train_wan's --max-steps).
-    A torch DataLoader reads the micro-batches (workers, prefetch); the plan position of the last step
-    handed out is `state_dict()`, a plain dict to store in the checkpoint's client_state."""
-
-    def __init__(self, sampler, dataset, collate_fn, loader_kwargs, divisor, lr, settings, device=None, rank=0):
-        self.sampler, self.dataset, self.collate_fn = sampler, dataset, collate_fn
-        self.loader_kwargs, self.divisor, self.lr, self.settings = loader_kwargs, divisor, lr, settings
-        self.device, self.rank = device, rank
-        """The per-step agreement's counter lives on `device` (the engine's: NCCL reduces CUDA tensors only)."""
-        self._it = self._stream = self._state = None
-
-    def __len__(self):
-        """Steps in the current epoch's plan."""
-        return len(self.sampler)
-
-    def __iter__(self):
-        return self
-
-    def _start(self):
-        import torch
-
-        from ds_adaptiveload.data.latents import MicroBatchStream
-
-        self._stream = MicroBatchStream(self.sampler)
-        self._it = iter(torch.utils.data.DataLoader(self.dataset, batch_sampler=self._stream,
-                                                    collate_fn=self.collate_fn, **self.loader_kwargs))
-
-    def __next__(self) -> Step:
-        from ds_adaptiveload.train import flow
-
-        if self._it is None:
-            self._start()
-        G = self.sampler.cfg.grad_accum
-        batches = self._read(G)
-        ps = self._stream.pending.popleft()  # the DataLoader draws ahead; this is the step just read
-        self._state = ps.state
-        weight = flow.loss_scale(self.divisor, G, ps.global_samples)
-        mbs = [MicroBatch(b, list(ps.micro_batches[g]), 0.0 if g in ps.pad else weight, g in ps.pad, ps.epoch,
-                          self.settings) for g, b in enumerate(batches)]
-        self.lr.set_batch_size(ps.global_samples)
-        return Step(mbs, ps.epoch, ps.step, ps.global_samples, ps.pred_ms, ps.pred_wall_ms)
-
-    def _read(self, G) -> list:
-        """The step's G micro-batches, read before any compute and agreed over ranks (as the trainer's steps,
-        docs/reliability.md): a bad sample or a killed DataLoader worker on one rank raises the same AgreedError on
-        every rank (its exit code: e.code), before any rank enters the step's collectives. Raised on that rank alone,
-        its peers would wait in their forward's collectives and die there with gloo's or NCCL's error instead."""
-        from ds_adaptiveload.train import failures
-        from ds_adaptiveload.train.setup import read_micro_batches
-
-        batches, err = read_micro_batches(self._it, G)
-        if failures.sum_over_ranks([err is not None], self.device)[0]:
-            failures.agree(*((f"rank {self.rank}: {err[0]}", err[1]) if err else (None,)))
-        return batches
-
-    def state_dict(self) -> dict:
-        """Points at the step after the last one handed out (not at what the DataLoader prefetched)."""
-        return dict(self._state) if self._state is not None else self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved position; refuses a state from another manifest, seed or layout."""
-        self.close()
-        self.sampler.load_state_dict(state)
-        self._state = dict(state)
-
-    def close(self) -> None:
-        """Stop the DataLoader's workers (also done by load_state_dict)."""
-        self._it = self._stream = None
+from ds_adaptiveload.loader import AdaptiveLoader, MicroBatch, Settings, Step  # noqa: F401 (the loader API)
 
 
 def _engine_config(engine, config):
@@ -243,7 +113,7 @@ def _build(engine, dataset, samples, profile, collate_fn, config, timestep_shift
     workers = sampling.get("num_workers", 0) if num_workers is None else num_workers
     loader_kwargs = {"num_workers": workers, "prefetch_factor": prefetch_factor if workers else None,
                      "pin_memory": bool(sampling.get("pin_memory", False) if pin_memory is None else pin_memory)}
-    settings = _Settings(al.seed, timestep_shift, al.loss_weighting)
+    settings = Settings(al.seed, timestep_shift, al.loss_weighting)
     loader = AdaptiveLoader(sampler, dataset, collate_fn, loader_kwargs, sp.grad_divisor(engine, dims), lr, settings,
                             getattr(engine, "device", None), dims.rank)
     return loader, lr

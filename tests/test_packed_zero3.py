@@ -51,23 +51,18 @@ def test_flat_output_is_the_list_output_concatenated():
             torch.testing.assert_close(p.grad, g_list[n], rtol=0, atol=0, msg=n)
 
 
-def _checkpoint_trainer(zero3, memory):
-    """A Trainer with just what checkpoint_for reads (2 dp ranks, no engine, no collectives)."""
+def _checkpoint_loader(zero3, memory):
+    """An AdaptiveLoader with just what its checkpoint counts read (2 dp ranks, no DataLoader, no collectives)."""
     from types import SimpleNamespace
 
+    from ds_adaptiveload.loader import AdaptiveLoader
     from ds_adaptiveload.schedule.geometry import Geometry
-    from ds_adaptiveload.train.trainer import Trainer
 
-    tr = Trainer.__new__(Trainer)
-    tr.args = SimpleNamespace(checkpoint_blocks="auto")
-    tr.zero3, tr._k_step, tr._k = zero3, None, None
-    tr.dims = SimpleNamespace(sp=1)
-    tr.profile = SimpleNamespace(memory=memory, geometry=Geometry())
-    tr.model_cfg = SimpleNamespace(num_layers=4)
-    tr.engine = SimpleNamespace(module=SimpleNamespace(checkpoint_blocks=True))
     # sample i: one 64 x 64 (i + 1) frame, 16 (i + 1) tokens
-    tr.samples = [SimpleNamespace(frames=1, height=64, width=64 * (i + 1)) for i in range(8)]
-    return tr
+    samples = [SimpleNamespace(frames=1, height=64, width=64 * (i + 1)) for i in range(8)]
+    cfg = SimpleNamespace(checkpoint="auto-step" if zero3 else "auto", checkpoint_policy="full", sp=1)
+    sampler = SimpleNamespace(samples=samples, profile=SimpleNamespace(geometry=Geometry()), cfg=cfg)
+    return AdaptiveLoader(sampler, None, None, {}, 1, None, None, memory_model=(memory, 4))
 
 
 def test_checkpoint_count_is_the_steps_largest_under_zero3():
@@ -80,16 +75,12 @@ def test_checkpoint_count_is_the_steps_largest_under_zero3():
     memory = {"capacity_bytes": 400, "safety": 1.0, "bytes_per_token": 1, "block_bytes_per_token": 2}
     rank_mbs = [[[0], [1, 2]], [[7], [3]]]                       # 2 ranks, G = 2
     for zero3 in (False, True):
-        tr = _checkpoint_trainer(zero3, memory)
-        ks = [blocks_to_checkpoint(sum(tr.sample_tokens({"index": mb})), len(mb), memory, 4)
-              for mbs in rank_mbs for mb in mbs]
+        loader = _checkpoint_loader(zero3, memory)
+        ks = [blocks_to_checkpoint(sum(loader._tokens(mb)), len(mb), memory, 4) for mbs in rank_mbs for mb in mbs]
         assert ks == [0, 2, 3, 2]                                # the micro-batches differ
         for rank in (0, 1):
-            tr.plan_step = SimpleNamespace(all_micro_batches=rank_mbs)
-            got = []
-            for mb in rank_mbs[rank]:
-                tr.checkpoint_for({"index": mb})
-                got.append(tr.engine.module.checkpoint_blocks)
+            ps = SimpleNamespace(micro_batches=rank_mbs[rank], all_micro_batches=rank_mbs)
+            got = [k for k, _, _ in loader._checkpoints(ps)]
             want = [max(ks)] * 2 if zero3 else ks[2 * rank:2 * rank + 2]
             assert got == want, (zero3, rank, got, want)
 

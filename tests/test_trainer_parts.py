@@ -475,28 +475,36 @@ def test_trainer_warns_when_the_profile_was_calibrated_with_other_attention_kern
 
 @pytest.mark.parametrize("policy", ["attention", "full"])
 def test_checkpoint_for_sets_the_ffn_blocks_the_memory_model_gives(policy):
-    """--checkpoint-blocks auto, not ZeRO-3: the model gets (k, k_full, k_ffn) from schedule/memory (checkpoint_ks
-    and ffn_blocks, on this rank's tokens), the step log's ckpt_k the triple when blocks keep FFN outputs, and the
+    """--checkpoint-blocks auto, not ZeRO-3: the loader's MicroBatch carries (k, k_full, k_ffn) from schedule/memory
+    (checkpoint_ks and ffn_blocks, on this rank's tokens), the trainer passes them to the model
+    (WanModel.set_checkpointing), the step log's ckpt_k is the triple when blocks keep FFN outputs, and the
     predicted peak counts them; under the full policy no block keeps one."""
     from types import SimpleNamespace
 
+    from ds_adaptiveload.loader import AdaptiveLoader
+    from ds_adaptiveload.model.wan import WanModel
     from ds_adaptiveload.schedule.memory import checkpoint_ks, ffn_blocks, predicted_peak_bytes
     from ds_adaptiveload.train.trainer import Trainer
 
     L, tokens = 30, 200_000
     mem = {"capacity_bytes": 100e9, "safety": 1.0, "fixed_bytes": 20e9, "bytes_per_token": 160e3,
            "block_bytes_per_token": 80e3, "attention_bytes_per_token": 5e3, "ffn_bytes_per_token": 3e3}
+    cfg = SimpleNamespace(checkpoint="auto", checkpoint_policy=policy, sp=1)
+    geometry = SimpleNamespace(tokens=lambda f, h, w: tokens // 2)  # two samples of tokens / 2
+    sampler = SimpleNamespace(samples=[None, None], profile=SimpleNamespace(geometry=geometry), cfg=cfg)
+    loader = AdaptiveLoader(sampler, None, None, {}, 1, None, None, memory_model=(mem, L))
+    loader._tokens = lambda indices: [tokens // 2] * len(indices)
+    (ks,) = loader._checkpoints(SimpleNamespace(micro_batches=[[0, 1]], all_micro_batches=[[[0, 1]]]))
+    mb = SimpleNamespace(checkpoint=ks, tokens=[tokens // 2] * 2)
     tr = Trainer.__new__(Trainer)
-    tr.args = SimpleNamespace(checkpoint_blocks="auto", checkpoint_policy=policy)
-    tr.zero3, tr.device, tr.dims = False, SimpleNamespace(type="cpu"), SimpleNamespace(sp=1)
-    tr.profile, tr.model_cfg = SimpleNamespace(memory=mem), SimpleNamespace(num_layers=L)
-    tr.engine = SimpleNamespace(module=SimpleNamespace())
-    tr.sample_tokens = lambda batch: [tokens // 2, tokens // 2]
-    tr.checkpoint_for({"index": [0, 1]})
+    tr.dims, tr.profile, tr.model_cfg = SimpleNamespace(sp=1), SimpleNamespace(memory=mem), SimpleNamespace(num_layers=L)
+    model = SimpleNamespace()
+    model.set_checkpointing = lambda *a: WanModel.set_checkpointing(model, *a)
+    tr.engine = SimpleNamespace(module=model)
+    tr.checkpoint_for(mb)
     k, k_full = checkpoint_ks(tokens, 2, mem, L, policy)
     k_ffn = ffn_blocks(tokens, 2, mem, L, k, k_full)
-    m = tr.engine.module
-    assert (m.checkpoint_blocks, m.checkpoint_full_blocks, m.checkpoint_ffn_blocks) == (k, k_full, k_ffn)
+    assert (model.checkpoint_blocks, model.checkpoint_full_blocks, model.checkpoint_ffn_blocks) == (k, k_full, k_ffn)
     assert (k_ffn > 0) == (policy == "attention")
     assert tr._step_ks == [[k, k_full, k_ffn] if k_ffn else [k, k_full]]
     assert tr._pred_peak_gib == pytest.approx(predicted_peak_bytes(tokens, 2, mem, L, k, k_full, k_ffn) / 2**30)

@@ -308,6 +308,13 @@ class WanModel(nn.Module):
         self.set_block_fns(None)
         self.init_weights()
 
+    def set_checkpointing(self, k, k_full=None, k_ffn: int = 0) -> None:
+        """The next micro-batch's checkpoint counts, as its plan decided (loader.MicroBatch.checkpoint): the first k
+        blocks checkpointed, k_full of them recomputed whole (default all k), k_ffn of them keeping their FFN output."""
+        self.checkpoint_blocks = k
+        self.checkpoint_full_blocks = k if k_full is None else k_full
+        self.checkpoint_ffn_blocks = k_ffn
+
     def set_attention(self, fn: Optional[AttentionFn]) -> None:
         """Replace the self-attention core (None restores sdpa_attention). Kept out of the module tree,
         so a wrapper such as DeepSpeed's DistributedAttention adds no state-dict keys."""

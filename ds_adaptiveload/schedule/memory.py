@@ -167,6 +167,21 @@ def checkpoint_plan(tokens: int, samples: int, profile_memory: dict, num_layers:
     return k, k_full, ffn_blocks(tokens, samples, profile_memory, num_layers, k, k_full)
 
 
+
+def step_checkpoints(mode: str, rank_mbs: list, all_mbs: list, profile_memory: dict, num_layers: int,
+                     policy: str = "full") -> list:
+    """(k, k_full, k_ffn) of each of a rank's micro-batches, given as (per-GPU tokens, samples), under
+    PlanConfig.checkpoint `mode`: auto, each its own checkpoint_plan; auto-step (ZeRO-3), every micro-batch at the
+    largest k over `all_mbs` (every rank's micro-batches of the step), recomputed whole: ZeRO-3 replays the module
+    order it recorded, so the count must match on every rank, and the plan alone gives it without communication.
+    None under all (the model keeps its fixed count)."""
+    if mode == "all":
+        return None
+    if mode == "auto-step":
+        k = max(checkpoint_plan(t, n, profile_memory, num_layers, policy)[0] for t, n in all_mbs)
+        return [(k, k, 0)] * len(rank_mbs)
+    return [checkpoint_plan(t, n, profile_memory, num_layers, policy) for t, n in rank_mbs]
+
 def recompute_factor(k: int, num_layers: int, recompute_frac: float = 0.0, k_full: int = None,
                      attention_frac: float = 0.0, k_ffn: int = 0, ffn_frac: float = 0.0) -> float:
     """t(k) / t(all checkpointed) = 1 - recompute_frac * (L - k) / L - attention_frac * (k - k_full) / L

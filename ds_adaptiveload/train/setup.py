@@ -212,13 +212,12 @@ def prepare_data(args, manifest, c, world, rank):
             print(f"[train_wan] --resume {args.resume}: no checkpoint there yet, starting from step 0",
                   file=sys.stderr)
     return SimpleNamespace(samples=samples, bad_upfront=bad_upfront, sampler=sampler, dataset=dataset,
-                           stream=data.MicroBatchStream(sampler), layout=layout, resume_tags=tags,
-                           resume_notes=notes)
+                           layout=layout, resume_tags=tags, resume_notes=notes)
 
 
 def plan_checkpoint(args, stage: int) -> dict:
     """PlanConfig's checkpoint and checkpoint_policy for this run: with --checkpoint-blocks auto the planner costs
-    the recompute each micro-batch's open blocks skip (under ZeRO-3 at the step's largest count, as checkpoint_for
+    the recompute each micro-batch's open blocks skip (under ZeRO-3 at the step's largest count, as the loader
     sets it); with every block, a fixed count or none, as the profile says."""
     policy = getattr(args, "checkpoint_policy", "full")
     if getattr(args, "checkpoint_blocks", False) != "auto":
@@ -250,15 +249,6 @@ def read_micro_batches(batches, G, before=None, advice=None):
                          failures.EXIT_PEER_LOST)
         traceback.print_exc()
         return mbs, (f"reading the step failed ({type(e).__name__}: {failures.error_text(e)})", failures.EXIT_FAILED)
-
-
-def read_step(batches, stream, G, step, rank, before=None, advice=None):
-    """-> (the step's G micro-batches, its PlannedStep, None) or (..., None, (error line, exit code)) when reading
-    failed on this rank (read_micro_batches)."""
-    mbs, err = read_micro_batches(batches, G, before, advice)
-    if err:
-        return mbs, None, (f"step {step}, rank {rank}: {err[0]}", err[1])
-    return mbs, stream.pending.popleft(), None
 
 
 def end_loop(batches, *closers) -> None:

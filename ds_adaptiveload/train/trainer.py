@@ -1,6 +1,6 @@
 """The training loop as a class (torchtitan's Trainer): `__init__` builds engine, data and resume state top
 to bottom, `train()` orders the steps, `train_step(step)` runs one step through small methods, and
-`forward_backward(batch, weight)` is the overridable micro-step (packed micro-batches extend it).
+`forward_backward(mb)` is the overridable micro-step (mb: the loader's MicroBatch).
 
 Failures follow docs/reliability.md: what one rank detects is agreed with every rank (failures.py) before
 any rank leaves the step; setup.py holds the collective-free setup pieces that are agreed on.
@@ -11,23 +11,20 @@ import time
 from types import SimpleNamespace
 
 from ds_adaptiveload.train import failures
-from ds_adaptiveload.train.setup import end_loop, prepare_data, read_config, read_step, write_summary, \
-    write_synthetic
+from ds_adaptiveload.train.setup import end_loop, prepare_data, read_config, write_summary, write_synthetic
 
 
 class Trainer:
     _saved_graphs = 0  # block graphs in the last --compile-cache write
     _pred_peak_gib = 0.0  # the memory model's largest micro-batch peak in the current step
     _step_ks = ()  # [k, k_full(, k_ffn)] of the current step's micro-batches so far (--checkpoint-blocks auto)
+    plan_step = None  # the last Step read (loader.Step): its plan decisions, what the step log records
     log_error = None  # this rank's failed step-log write, until agreed
 
     def __init__(self, args):
-        import functools
-
         import torch
         import torch.distributed as dist
 
-        from ds_adaptiveload.data import latents as data
         from ds_adaptiveload.train.build import build_model
         from ds_adaptiveload.train import checkpoint, ckpt_safe, engine as eng, faults, metrics, sp
 
@@ -52,7 +49,7 @@ class Trainer:
             # the agreement is also the barrier before the other ranks read it
             failures.agreed(write_synthetic, args, self.manifest, c, self.device, self.rank)
         d = failures.agreed(prepare_data, args, self.manifest, c, self.world, self.rank)
-        self.samples, self.bad_upfront, self.sampler, self.stream = d.samples, d.bad_upfront, d.sampler, d.stream
+        self.samples, self.bad_upfront, self.sampler = d.samples, d.bad_upfront, d.sampler
         self.layout = d.layout
         self.empty_prompt = None
         if self.al.caption_dropout > 0:
@@ -64,11 +61,6 @@ class Trainer:
                                        getattr(args, "trust_checkpoint", False)) if args.resume else None
         if getattr(args, "overwrite", False):
             failures.agreed(checkpoint.clear, os.path.join(args.output, "checkpoints"), self.rank)
-        workers = max(0, args.num_workers)
-        self.loader = torch.utils.data.DataLoader(
-            d.dataset, batch_sampler=self.stream, collate_fn=data.first, num_workers=workers,
-            pin_memory=self.device.type == "cuda", prefetch_factor=args.prefetch_factor if workers else None,
-            worker_init_fn=functools.partial(failures.die_with_parent, os.getpid()))
         # -- model, deepspeed.initialize -------------------------------------------------------------------
         # "auto": every block until checkpoint_for sets the count of the first micro-batch
         # Under ZeRO-3 built inside zero.Init (train/build.py): partitioned as it is constructed, never one full
@@ -103,6 +95,7 @@ class Trainer:
         self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
         self.lr_scale = self.install_lr_scaling()
         self.divisor = sp.grad_divisor(self.engine, self.dims)  # what DeepSpeed divides summed gradients by
+        self.loader = self.make_loader(d.dataset)
         self.dtype = eng.compute_dtype(self.engine)
         self.zero3 = self.engine.zero_optimization_stage() == 3
         # -- checkpoint resume (files loaded without unpickling code: train/ckpt_safe.py) --------------------
@@ -113,8 +106,6 @@ class Trainer:
         self.oom_error = faults.out_of_memory_error()
         self.log = metrics.StepLog(args.output, self.rank)
         self.skipped = []  # this launch's skipped steps, for the summary
-        self.plan_step = None  # the last step read: its sampler state is what a checkpoint saves
-        self._k_step, self._k = None, None  # ZeRO-3, --checkpoint-blocks auto: the step whose count _k is
         self._dist = dist
         self.val = None
         if getattr(args, "val_data", None):
@@ -172,6 +163,31 @@ class Trainer:
 
         return lr_scaling.install(self.engine, self.al.lr_scaling_method, self.al.lr_reference_batch_size)
 
+    def make_loader(self, dataset):
+        """The AdaptiveLoader (loader.py) over the sampler: LatentDataset micro-batches read by --num-workers workers
+        that die with this rank, and under --checkpoint-blocks auto the memory model the counts come from (the
+        device's capacity where the profile leaves it out)."""
+        import functools
+
+        from ds_adaptiveload.data.latents import first
+        from ds_adaptiveload.loader import AdaptiveLoader, Settings
+
+        args, workers = self.args, max(0, self.args.num_workers)
+        kwargs = {"num_workers": workers, "pin_memory": self.device.type == "cuda",
+                  "prefetch_factor": args.prefetch_factor if workers else None,
+                  "worker_init_fn": functools.partial(failures.die_with_parent, os.getpid())}
+        memory_model = None
+        if args.checkpoint_blocks == "auto":
+            mem = self.profile.memory
+            if "capacity_bytes" not in mem and self.device.type == "cuda":
+                import torch
+
+                mem = {**mem, "capacity_bytes": torch.cuda.get_device_properties(self.device).total_memory}
+            memory_model = (mem, self.model_cfg.num_layers)
+        settings = Settings(self.al.seed, args.timestep_shift, self.al.loss_weighting)
+        return AdaptiveLoader(self.sampler, dataset, first, kwargs, self.divisor, self.lr_scale, settings, self.device,
+                              self.rank, memory_model)
+
     def make_ema(self, tag):
         """adaptive_load.ema_decay: the EMA (train/ema.py) from the current weights, or the resumed checkpoint's."""
         if self.al.ema_decay is None:
@@ -205,7 +221,7 @@ class Trainer:
                         dynamic_ncols=True)
         self.batches = None
         try:
-            self.batches = iter(self.loader)
+            self.batches = self.loader.start()
             if self.val is not None and self.start == 0:
                 self.validate(0)  # the starting weights' loss (pretrained ones, with --init-from)
             for step in range(self.start, args.max_steps):
@@ -274,7 +290,7 @@ class Trainer:
     def save(self, step: int) -> None:
         from ds_adaptiveload.train import checkpoint
 
-        checkpoint.save(self.engine, self.ckpt_dir, step, self.plan_step.state, self.layout, self.fault,
+        checkpoint.save(self.engine, self.ckpt_dir, step, self.loader.state_dict(), self.layout, self.fault,
                         getattr(self.args, "keep_last", 0) or 0, write_files=self.write_checkpoint_files)
 
     def write_checkpoint_files(self, folder: str) -> None:
@@ -296,8 +312,8 @@ class Trainer:
         mbs, data_ms, n_bad, bad = self.read_and_agree(step)
         plan_step = self.plan_step
         base = {"step": step + 1, "epoch": plan_step.epoch, "plan_step": plan_step.step,
-                "ids": [b["ids"] for b in mbs], "pad": plan_step.pad}
-        step_ids = [(b["ids"], g in plan_step.pad) for g, b in enumerate(mbs)]
+                "ids": [mb.batch["ids"] for mb in mbs], "pad": plan_step.pad}
+        step_ids = [(mb.batch["ids"], mb.pad) for mb in mbs]
         if n_bad:  # on_bad_sample "skip": before any compute, on every rank
             entry = self.skip_step(step, "bad_sample", [f"{sid}: {why}" for sid, why in bad], step_ids)
             self.write_log(step, {**base, "skipped": entry})
@@ -336,116 +352,81 @@ class Trainer:
         return time.perf_counter()
 
     def read_and_agree(self, step: int):
-        """The step's G micro-batches, read before any compute, so a bad sample is agreed on (an error on
-        every rank, or the step skipped on every rank) before any collective of the step."""
+        """The step's G micro-batches (the loader's Step), read before any compute, so a bad sample is agreed on (an
+        error on every rank, or the step skipped on every rank) before any collective of the step."""
         t0 = time.perf_counter()
-        mbs, plan_step, read_err = read_step(self.batches, self.stream, self.G, step + 1, self.rank,
-                                             lambda: self.fault.before_read(step + 1, self.batches),
-                                             self.relaunch_advice())
+        plan_step, read_err = self.loader.read(lambda: self.fault.before_read(step + 1, self.batches),
+                                               self.relaunch_advice())
         data_ms = (time.perf_counter() - t0) * 1000
-        bad = [(sid, why) for b in mbs for sid, why in b.get("bad", ())]
+        if read_err:
+            read_err = (f"step {step + 1}, rank {self.rank}: {read_err[0]}", read_err[1])
+        mbs = plan_step.micro_batches if plan_step else []
+        bad = [(sid, why) for mb in mbs for sid, why in mb.batch.get("bad", ())]
         skip = self.al.on_bad_sample == "skip"
         bad_err = failures.bad_sample_message(step + 1, self.rank, bad) if bad and not skip else None
         fatal = read_err or next(((e, failures.EXIT_USER_ERROR) for e in (self.log_error, bad_err) if e), None)
         n_bad, n_fatal = failures.sum_over_ranks([len(bad), fatal is not None], self.device)
         if n_fatal:
             failures.agree(*(fatal or (None,)))  # raises on every rank
-        for g, batch in enumerate(mbs):
-            assert batch["index"] == plan_step.micro_batches[g], "loader and sampler out of step"
         self.plan_step = plan_step
-        if self.lr_scale:
-            self.lr_scale.set_batch_size(plan_step.global_samples)
         return mbs, data_ms, n_bad, bad
 
-    def forward_backward(self, batch: dict, weight: float):
-        """One micro-batch's forward and backward with loss weight `weight`; returns per-sample losses."""
+    def forward_backward(self, mb):
+        """One micro-batch's forward and backward (a loader.MicroBatch: its batch, loss weight and checkpoint
+        counts); returns per-sample losses."""
         from ds_adaptiveload.train import engine as eng
 
-        self.checkpoint_for(batch)
+        batch = mb.batch
+        self.checkpoint_for(mb)
         if self.empty_prompt is not None:
             from ds_adaptiveload.train.captions import apply
 
-            apply(batch, self.empty_prompt, self.al.seed, self.plan_step.epoch, self.al.caption_dropout)
-        return eng.micro_step(self.engine, batch, weight, device=self.device, dtype=self.dtype, seed=self.al.seed,
-                              epoch=self.plan_step.epoch, shift=self.args.timestep_shift, seq_shard=self.seq_shard,
+            apply(batch, self.empty_prompt, self.al.seed, mb.epoch, self.al.caption_dropout)
+        return eng.micro_step(self.engine, batch, mb.weight, device=self.device, dtype=self.dtype, seed=self.al.seed,
+                              epoch=mb.epoch, shift=self.args.timestep_shift, seq_shard=self.seq_shard,
                               loss_weighting=self.al.loss_weighting)
 
-    def checkpoint_for(self, batch: dict) -> None:
-        """--checkpoint-blocks auto: checkpoint only as many blocks as this micro-batch's predicted peak needs
-        (schedule/memory.py; needs memory.block_bytes_per_token in the profile, else every block).
-
-        Under ZeRO-3 every micro-batch of the step uses the step's largest count over every rank's
-        micro-batches (the plan is the same on every rank, so no communication): a checkpointed block is
-        called again in backward, and ZeRO-3 replays the module order it recorded; a rank whose count
-        differs leaves that order alone and re-records it with collectives its peers do not issue (hang)."""
-        if self.args.checkpoint_blocks != "auto":
+    def checkpoint_for(self, mb) -> None:
+        """--checkpoint-blocks auto: the model runs the micro-batch at the counts the loader gives it from the plan
+        (MicroBatch.checkpoint, schedule/memory.step_checkpoints: only as many blocks as its predicted peak needs;
+        under ZeRO-3 the step's largest count over every rank, the same on every rank)."""
+        if mb.checkpoint is None:
             return
-        if not self.zero3:
-            k, k_full, k_ffn = self.blocks_to_checkpoint(batch["index"])
-            m = self.engine.module
-            m.checkpoint_blocks, m.checkpoint_full_blocks, m.checkpoint_ffn_blocks = k, k_full, k_ffn
-            self.note_predicted_peak(batch["index"], k, k_full, k_ffn)
-            return
-        if self.plan_step is not self._k_step:
-            self._k_step = self.plan_step
-            self._k = max(self.blocks_to_checkpoint(mb)[0] for mbs in self.plan_step.all_micro_batches for mb in mbs)
-        self.engine.module.checkpoint_blocks = self._k  # (ZeRO-3 runs the "full" policy only: setup.py)
-        self.note_predicted_peak(batch["index"], self._k, self._k)
+        self.engine.module.set_checkpointing(*mb.checkpoint)
+        self.note_predicted_peak(mb)
 
-    def note_predicted_peak(self, indices, k: int, k_full: int, k_ffn: int = 0) -> None:
-        """The memory model's peak for this micro-batch at its (k, k_full, k_ffn), kept as the step's largest
+    def note_predicted_peak(self, mb) -> None:
+        """The memory model's peak for the micro-batch at its (k, k_full, k_ffn), kept as the step's largest
         (pred_mem_gib in the step log, beside the measured mem_peak_gib); nothing if the profile cannot say."""
+        from ds_adaptiveload.schedule.geometry import per_gpu_tokens
         from ds_adaptiveload.schedule.memory import predicted_peak_bytes
 
+        k, k_full, k_ffn = mb.checkpoint
         # ckpt_k in the step log: what each micro-batch recomputed ([k, k_full], and k_ffn when blocks kept FFN outputs)
         self._step_ks = [*self._step_ks, [k, k_full, k_ffn] if k_ffn else [k, k_full]]
         mem = self.profile.memory
         if mem.get("bytes_per_token") is None:
             return
-        peak = predicted_peak_bytes(self.rank_tokens(indices), len(indices), mem, self.model_cfg.num_layers, k,
-                                    k_full, k_ffn) / 2**30
+        tokens = sum(per_gpu_tokens(S, self.dims.sp) for S in mb.tokens)
+        peak = predicted_peak_bytes(tokens, len(mb.tokens), mem, self.model_cfg.num_layers, k, k_full, k_ffn) / 2**30
         self._pred_peak_gib = max(self._pred_peak_gib, peak)
-
-    def blocks_to_checkpoint(self, indices) -> tuple:
-        """(k, k_full, k_ffn) of a micro-batch (its sample indices) on this rank's tokens: schedule/memory.checkpoint_plan,
-        which the planner costs the micro-batch with too (RecomputeCost.plan)."""
-        from ds_adaptiveload.schedule.memory import checkpoint_plan
-
-        tokens = self.rank_tokens(indices)
-        mem, L = self.profile.memory, self.model_cfg.num_layers
-        if "capacity_bytes" not in mem and self.device.type == "cuda":  # the profile may leave it to the device
-            import torch
-
-            mem = {**mem, "capacity_bytes": torch.cuda.get_device_properties(self.device).total_memory}
-        return checkpoint_plan(tokens, len(indices), mem, L, getattr(self.args, "checkpoint_policy", "full"))
-
-    def rank_tokens(self, indices) -> int:
-        """Tokens of a micro-batch on this rank: ceil(S / sp) of each sample."""
-        return sum(-(-S // self.dims.sp) for S in self.sample_tokens({"index": indices}))
-
-    def sample_tokens(self, batch: dict) -> list:
-        """Tokens of each sample of a micro-batch (a packed one mixes shapes)."""
-        geo = self.profile.geometry
-        return [geo.tokens(s.frames, s.height, s.width) for s in (self.samples[i] for i in batch["index"])]
 
     def run_micro_batches(self, step: int, mbs: list) -> SimpleNamespace:
         """Every micro-batch of the step. An OOM is caught and agreed later: this rank runs zero-weight
         stand-ins for the rest of the step, so its collectives still match its peers'."""
         import torch
 
-        from ds_adaptiveload.train import engine as eng, flow
+        from ds_adaptiveload.train import engine as eng
 
-        plan_step, G = self.plan_step, self.G
         run = SimpleNamespace(seen=[], oom=[], nonfinite=torch.zeros((), device=self.device),
                               counters={"loss_sum": 0.0, "samples": 0, "tokens": 0, "flops": 0.0, "compute_ms": 0.0})
-        for g, batch in enumerate(mbs):
-            pad = g in plan_step.pad
+        for g, mb in enumerate(mbs):
+            batch, pad = mb.batch, mb.pad
             t0 = time.perf_counter()
-            weight = 0.0 if pad else flow.loss_scale(self.divisor, G, plan_step.global_samples)
             if not run.oom:
                 try:
                     self.fault.before_forward(step + 1, g)
-                    per_sample = self.forward_backward(batch, weight)
+                    per_sample = self.forward_backward(mb)
                 except self.oom_error as e:  # agreed after the step's micro-batches (error or skip)
                     run.oom.append(failures.oom_message(step + 1, self.rank, g, batch, self.samples, self.manifest,
                                                         self.profile, self.dims.sp, e))
@@ -460,7 +441,7 @@ class Trainer:
             self.after_micro_batch(step, g)
             run.counters["compute_ms"] += (time.perf_counter() - t0) * 1000
             if not pad and not run.oom:
-                self.count(run.counters, batch)
+                self.count(run.counters, mb.tokens)
         return run
 
     def after_micro_batch(self, step: int, g: int) -> None:
@@ -474,8 +455,7 @@ class Trainer:
             self.engine.step()  # inside the accumulation window: no optimizer update
         self.accel.synchronize()
 
-    def count(self, counters: dict, batch: dict) -> None:
-        tokens = self.sample_tokens(batch)
+    def count(self, counters: dict, tokens: list) -> None:
         counters["samples"] += len(tokens)
         counters["tokens"] += sum(tokens)
         counters["flops"] += sum(self.flops_per_sample(S) for S in tokens)
