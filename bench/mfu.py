@@ -2,7 +2,7 @@
 
     python bench/mfu.py --out OUT                                  # shapes, then e2e, within --time-budget
     python bench/mfu.py --parts shapes --modes eager,compile --out OUT
-    python bench/mfu.py --parts e2e --e2e-variants baseline,compile-auto --memory-json OUT/mfu-...json --out OUT
+    python bench/mfu.py --parts e2e --e2e-variants baseline,train-regions-attn-packed --memory-json OUT/mfu-...json --out OUT
     python bench/device/run.py --stages mfu=480 --args mfu="--parts shapes"          # on the GPU machine
 
 shapes: the model in a DeepSpeed engine of --config (default ZeRO-2, bf16, G = 1 so a step is one micro-batch),
@@ -11,8 +11,8 @@ blocks (--modes), with every block checkpointed, none (when the measured memory 
 k of schedule/memory.py; MFU = flops_per_sample(S) * B / (ms * peak). Before them, B = 1 probes at two token
 counts with all / no blocks checkpointed give the per-token activation bytes, written as the proposed profile
 fields memory.block_bytes_per_token and time_ms.recompute_frac (= 1 - ms(none) / ms(all) of 480p 81f).
-e2e: launch/train_wan.py under the deepspeed launcher on the video-heavy synthetic mix (bench/mfu_train.py
-applies the levers from outside); e2e_mfu = model FLOPs / (step wall x peak) over the steps after warm-up,
+e2e: launch/train_wan.py under the deepspeed launcher on the video-heavy synthetic mix (the levers are the trainer's
+--checkpoint-blocks, --checkpoint-policy and --compile-blocks); e2e_mfu = model FLOPs / (step wall x peak) over the steps after warm-up,
 data loading, optimizer and idle included, with each step's peak memory against the device's; steady_mfu the same
 from the first step at the GPU's steady power state (bench/mfu_e2e.steady_summary: at an H200's 700 W cap).
 Writes OUT/mfu-<date>-h200.json (+ .md), saved after every measurement so a cut run keeps what it measured.
@@ -67,7 +67,7 @@ def parse_args(argv=None):
                    help="DS_ADAPTIVELOAD_LN_MODULATE for compiled blocks (auto once the op is a custom op)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode for the blocks")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (tests: aot_eager)")
-    p.add_argument("--e2e-variants", default="baseline,compile-auto", help=f"comma list of {', '.join(E2E)}")
+    p.add_argument("--e2e-variants", default="baseline,train-regions-attn-packed", help=f"comma list of {', '.join(E2E)}")
     p.add_argument("--compile-cache", help="train-* e2e variants: train_wan --compile-cache FILE (compiled artifacts "
                                            "loaded if present, saved as they grow; carry it to the next call)")
     p.add_argument("--e2e-num", type=int, default=48, help="video-heavy synthetic samples")
@@ -164,6 +164,30 @@ def micro_step(engine, cfg, shape, seed, device, dtype):
     return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, peak, float(loss), norm
 
 
+class Levers:
+    """Checkpointed blocks, their policy and compiled blocks switched between measurements through the model's own
+    per-micro-batch attributes (WanModel.checkpoint_blocks, checkpoint_policy) and model/compile.py."""
+
+    def __init__(self, model, compile_mode, backend):
+        from ds_adaptiveload.model.wan import WanModel
+
+        self.model = next(m for m in model.modules() if isinstance(m, WanModel))
+        self.mode, self.backend, self.compiled = compile_mode, backend, False
+        self.num_layers = len(self.model.blocks)
+
+    def set(self, k: int, compiled, policy: str) -> None:
+        """k first blocks checkpointed with `policy`; compiled: True (blocks whole), "regions" or False (eager)."""
+        from ds_adaptiveload.model.compile import compile_blocks, compile_regions, uncompile_blocks
+
+        self.model.checkpoint_blocks, self.model.checkpoint_policy = k, policy
+        if compiled != self.compiled:
+            uncompile_blocks(self.model)  # compiled code stays cached for the next switch back
+            if compiled:
+                (compile_blocks if compiled is True else compile_regions)(self.model, mode=self.mode,
+                                                                          backend=self.backend)
+            self.compiled = compiled
+
+
 class Bench:
     """The engine, its levers and one micro-batch step: flow-matching loss, backward (timed), step (apart)."""
 
@@ -172,8 +196,6 @@ class Bench:
 
         from ds_adaptiveload.calibrate.engine import init_engine
         from ds_adaptiveload.model import WanConfig
-        from mfu_levers import Levers
-
         self.torch, self.args = torch, args
         self.cfg = WanConfig.from_yaml(os.path.join(ROOT, args.model_config))
         with open(os.path.join(ROOT, args.config)) as f:
@@ -182,7 +204,7 @@ class Bench:
         self.engine, _, _, self.device, self.dtype = init_engine(self.cfg, ds, SimpleNamespace(
             checkpoint_blocks=False, seed=0))
         self.build_s = time.perf_counter() - t0
-        self.levers = Levers(self.engine.module, {"mode": args.compile_mode, "backend": args.compile_backend})
+        self.levers = Levers(self.engine.module, args.compile_mode, args.compile_backend)
         self.cuda = self.device.type == "cuda"  # CPU: the tests' smoke run (no peak memory, host RAM as capacity)
         self.capacity = (torch.cuda.get_device_properties(self.device).total_memory if self.cuda
                          else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -23,15 +23,11 @@ def split(text, allowed):
     return items
 
 
-E2E = {  # variant -> (MFU_CKPT, compiled blocks, train_wan flags, checkpoint policy); baseline = today's command
-    "baseline": (None, False, ["--checkpoint-blocks"], "full"),
-    "auto": ("auto", False, [], "full"),
-    "compile-all": ("all", True, [], "full"),
-    "compile-auto": ("auto", True, [], "full"),
-    "compile-auto-attn": ("auto", True, [], "attention"),
+E2E = {  # variant -> (compiled blocks, train_wan flags, checkpoint policy); baseline: every block checkpointed, eager
+    "baseline": (False, ["--checkpoint-blocks"], "full"),
 }
-# Levers through launch/train_wan.py's own flags (no bench/mfu_train.py), with the profile's memory section from
-# the probed fields: variant -> the planner's policy. "packed" folds small image micro-batches into fuller ones.
+# The levers as launch/train_wan.py's own flags, with the profile's memory section from the probed fields:
+# variant -> the planner's policy. "packed" folds small image micro-batches into fuller ones.
 TRAINER_FLAGS = ["--checkpoint-blocks", "auto", "--checkpoint-policy", "attention", "--compile-blocks"]
 # train-regions-*: --compile-blocks regions (the elementwise steps compiled one by one: the same few graphs for any
 # packed micro-batch), with the memory fields of mode regions-attn.
@@ -41,7 +37,7 @@ TRAINER_E2E = {"train-compile-attn": "balanced", "train-compile-attn-packed": "p
 # Further adaptive_load keys per variant: "-cap" fills micro-batches to packed.pack_cap's choice (pack_tokens auto),
 # which with the profile's recompute fractions (--e2e-recompute) leaves blocks open instead of checkpointing them.
 TRAINER_KEYS = {"train-regions-attn-packed-cap": {"pack_tokens": "auto"}}
-E2E.update({name: (None, "regions" if "regions" in name else True,
+E2E.update({name: ("regions" if "regions" in name else True,
                    [*TRAINER_FLAGS, "regions" if "regions" in name else "block"], "attention") for name in TRAINER_E2E})
 
 # -- the e2e part ---------------------------------------------------------------------------------------------------
@@ -152,15 +148,15 @@ def epoch_steps(profile_path, manifest, policy, grad_accum, stage=2, **plan) -> 
 
 
 def e2e_variant(args, name, manifest, memory, deadline):
-    """One launch of bench/mfu_train.py (launch/train_wan.py with the variant's levers), or for TRAINER_E2E of
-    launch/train_wan.py with TRAINER_FLAGS and a profile carrying the probed memory fields."""
+    """One launch of launch/train_wan.py: the baseline as it is, TRAINER_E2E with TRAINER_FLAGS and a profile carrying
+    the probed memory fields."""
     from train_e2e import read_steps, write_ds_json
     from train_steps import launch
 
     from ds_adaptiveload.train.config import zero_stage
     from ds_adaptiveload.train.setup import plan_checkpoint
 
-    ckpt, compiled, flags, policy = E2E[name]
+    compiled, flags, policy = E2E[name]
     mode = {True: "compile", "regions": "regions"}.get(compiled, "eager") + ("-attn" if policy == "attention" else "")
     run = os.path.join(args.work, f"run_{name}")
     os.makedirs(run, exist_ok=True)
@@ -178,12 +174,7 @@ def e2e_variant(args, name, manifest, memory, deadline):
                       grad_accum=grad_accum, **TRAINER_KEYS.get(name, {}))
     else:
         write_ds_json(f"{run}/ds.json", os.path.join(ROOT, args.config), grad_accum=grad_accum)
-    env = {"MFU_STATS": f"{run}/mfu_stats.json"}
-    if ckpt:
-        env.update(MFU_CKPT=ckpt, MFU_MEMORY=f"{run}/memory.json", MFU_COMPILE="1" if compiled else "0",
-                   MFU_POLICY=policy)
-        with open(env["MFU_MEMORY"], "w") as f:
-            json.dump(memory.get(mode) or {}, f)
+    env = {}
     if compiled is True:
         env["DS_ADAPTIVELOAD_LN_MODULATE"] = args.compile_ln
     if name in TRAINER_E2E and args.compile_cache:
@@ -211,7 +202,7 @@ def e2e_variant(args, name, manifest, memory, deadline):
                        "predicted_epoch_s": round(sum(ep.pred_wall_ms) / 1e3, 2),
                        "recompute": args.e2e_recompute if args.e2e_profile == "probed" else "profile"}
         rc = launch(f"{run}/ds.json", manifest, steps, run, log, "--num_gpus 1", flags, args.model_config,
-                    timeout=max(deadline - time.monotonic(), 10), script="bench/mfu_train.py" if ckpt else None)
+                    timeout=max(deadline - time.monotonic(), 10))
     finally:
         for k in env:
             os.environ.pop(k, None)
@@ -226,9 +217,6 @@ def e2e_variant(args, name, manifest, memory, deadline):
     out.update(steady_summary(out["per_step"], out["gpu_per_step"]))
     if soaked is not None:
         out["soak"] = soaked
-    if os.path.exists(env["MFU_STATS"]):
-        with open(env["MFU_STATS"]) as f:
-            out.update(json.load(f))
     return out
 
 

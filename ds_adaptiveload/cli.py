@@ -4,6 +4,7 @@ import importlib
 import signal
 import sys
 
+from ds_adaptiveload import log
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.flags import Parser
 from ds_adaptiveload.train import failures  # torch-free: imports torch only when a command has
@@ -37,6 +38,8 @@ def main(argv=None) -> int:
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=module)
+        if name != "train":  # the trainer's own parser adds it (train_cli.add_arguments)
+            log.add_argument(p)
         # Only the chosen command's module is imported: one broken or heavy command cannot break others.
         if argv and argv[0] == name:
             importlib.import_module(module).add_arguments(p)
@@ -45,6 +48,7 @@ def main(argv=None) -> int:
     except UserError as e:
         error = e
     else:
+        log.configure(args.log_level)
         signal.signal(signal.SIGTERM, failures.on_sigterm)  # one error line and exit 143, not a silent death
         try:
             return importlib.import_module(args._module).run(args) or 0

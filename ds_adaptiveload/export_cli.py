@@ -1,11 +1,13 @@
 """`python -m ds_adaptiveload export`: a training checkpoint (ZeRO-0 to 3, read directly) to a diffusers
 WanTransformer3DModel folder or the original Wan 2.1 layout (model/export.py), weights or their EMA; a LoRA run's
 adapters alone (lora-diffusers, lora-wan) or merged into its base (--merge; model/lora_export.py)."""
+import logging
 import os
-import sys
 import time
 
 from ds_adaptiveload.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(p):
@@ -96,7 +98,6 @@ def run(args) -> int:
         files = lora_export.write(weights, args.lora_scale, args.format, args.out, args.dtype)
     else:
         files = export.write(weights, cfg, args.format, args.out, args.dtype, args.max_shard_size)
-    print(f"[export] {os.path.join(args.checkpoint, tag)}{' (EMA)' if args.ema else ''} -> {args.out}: "
-          f"{args.format}, {args.dtype}, {len(files)} safetensors file(s), {time.perf_counter() - t0:.1f} s",
-          file=sys.stderr)
+    logger.info(f"[export] {os.path.join(args.checkpoint, tag)}{' (EMA)' if args.ema else ''} -> {args.out}: "
+                f"{args.format}, {args.dtype}, {len(files)} safetensors file(s), {time.perf_counter() - t0:.1f} s")
     return 0

@@ -14,10 +14,12 @@ is wrapped to scale with the step's sample count (lr_scaling.BatchSizeLR).
             engine.backward(mb.loss(per_sample, t))
             engine.step()
 """
-import sys
+import logging
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.loader import AdaptiveLoader, MicroBatch, Settings, Step  # noqa: F401 (the loader API)
+
+logger = logging.getLogger(__name__)
 
 
 def _engine_config(engine, config):
@@ -93,7 +95,7 @@ def _build(engine, dataset, samples, profile, collate_fn, config, timestep_shift
     profile, moved = profile_for_run(profile, engine.zero_optimization_stage(), dims, gpu=gpu)
     lines += moved
     for line in lines if dims.rank == 0 else ():
-        print(f"[ds_adaptiveload] {line}", file=sys.stderr)
+        logger.info(f"[ds_adaptiveload] {line}")
     G = engine.gradient_accumulation_steps()
     train_config.check_grad_accum(G, dims.dp, len(samples), f"{source or 'DeepSpeed config'}: "
                                   f"gradient_accumulation_steps", "`samples`")

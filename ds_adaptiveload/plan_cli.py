@@ -2,12 +2,14 @@
 
 A contract that scripts depend on: flags, the --dump line format and the --json summary keys only grow."""
 import json
-import sys
+import logging
 import time
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.flags import non_negative_int, positive_int
 from ds_adaptiveload.train.config import AdaptiveLoadConfig, add_flag, check_grad_accum, flag_name
+
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(p):
@@ -81,8 +83,8 @@ def run(args):
     profile = run_profile(profile, args.zero_stage, args.world_size, source,  # after cfg checked --world-size
                           device_bytes(args.device_memory_gib))
     if args.checkpoint != "all" and RecomputeCost.of(profile, args.checkpoint_policy) is None:
-        print(f"{source}: no time_ms.recompute_frac, memory.block_bytes_per_token, capacity_bytes or "
-              f"meta.model.num_layers: --checkpoint {args.checkpoint} costs every block checkpointed", file=sys.stderr)
+        logger.warning(f"{source}: no time_ms.recompute_frac, memory.block_bytes_per_token, capacity_bytes or "
+                       f"meta.model.num_layers: --checkpoint {args.checkpoint} costs every block checkpointed")
     check_grad_accum(args.grad_accum, args.world_size // args.sp, len(samples), "--grad-accum",
                      args.manifest or f"--mix {args.mix}")
     t0 = time.perf_counter()
@@ -92,8 +94,8 @@ def run(args):
                "capacity_bytes": profile.memory.get("capacity_bytes")}
     if plan.skipped:
         ids = ", ".join(samples[i].id for i in plan.skipped[:5])
-        print(f"skipped {len(plan.skipped)} oversize sample(s) (over {profile.budget_tokens} tokens per GPU): "
-              f"{ids}{' ...' if len(plan.skipped) > 5 else ''}", file=sys.stderr)
+        logger.warning(f"skipped {len(plan.skipped)} oversize sample(s) (over {profile.budget_tokens} tokens per GPU): "
+                       f"{ids}{' ...' if len(plan.skipped) > 5 else ''}")
     if args.dump:
         write_dump(args.dump, plan, samples)
     if args.json:
@@ -130,8 +132,8 @@ def run_profile(profile, stage, world, source, capacity_bytes=None):
     from ds_adaptiveload.schedule.zero import calibrated_for, for_run
 
     if stage is not None and calibrated_for(profile) is None:
-        print(f"{source}: no meta.zero_stage, meta.train_world_size, meta.model.params or memory bytes to move "
-              f"the budget with: --zero-stage {stage} leaves it as written", file=sys.stderr)
+        logger.warning(f"{source}: no meta.zero_stage, meta.train_world_size, meta.model.params or memory bytes to "
+                       f"move the budget with: --zero-stage {stage} leaves it as written")
     profile, notes = for_run(profile, stage, world, source)
     if capacity_bytes is not None:
         if not profile.memory.get("capacity_bytes") or not profile.memory.get("bytes_per_token"):
@@ -140,7 +142,7 @@ def run_profile(profile, stage, world, source, capacity_bytes=None):
         profile, more = for_device(profile, capacity_bytes, None, source)
         notes += more
     for line in notes:
-        print(line, file=sys.stderr)
+        logger.info(line)
     return profile
 
 

@@ -1,11 +1,13 @@
 """`python -m ds_adaptiveload sample`: a clip from a trained or exported transformer through diffusers' WanPipeline
 (its sampler, text encoding and VAE decoding; none of our own), written as an mp4. The trainer's --preview-every
 renders the same way on rank 0."""
+import logging
 import os
-import sys
 import time
 
 from ds_adaptiveload.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 FPS = 16  # Wan 2.1's frame rate
 
@@ -146,6 +148,6 @@ def run(args) -> int:
     video = render(pipe, args.prompt, args.negative_prompt, args.frames, args.height, args.width, args.steps,
                    args.guidance, args.seed, cfg.text_len, device)
     write_mp4(video, args.out)
-    print(f"[sample] {args.out}: {video.shape[0]} frames of {video.shape[2]}x{video.shape[1]} in "
-          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    logger.info(f"[sample] {args.out}: {video.shape[0]} frames of {video.shape[2]}x{video.shape[1]} in "
+                f"{time.perf_counter() - t0:.1f} s")
     return 0

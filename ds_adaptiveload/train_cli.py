@@ -45,11 +45,32 @@ def add_arguments(p):
     default_alloc_conf()  # before anything touches CUDA (importing deepspeed may)
     import deepspeed
 
-    from ds_adaptiveload.flags import folder, non_negative_int, positive_float, positive_int
-    from ds_adaptiveload.model.config import ATTENTION_BACKENDS
+    from ds_adaptiveload import log
+    from ds_adaptiveload.flags import non_negative_int, positive_float, positive_int
+    from ds_adaptiveload.train.config import add_lora_flags
+
+    _run_arguments(p)
+    _checkpoint_arguments(p)
+    _compute_arguments(p)
+    add_lora_flags(p)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets (adaptive_load.lora)
+    p.add_argument("--timestep-shift", type=positive_float, default=5.0,
+                   help="Wan's shift s: t = s*u / (1 + (s-1)*u)")
+    p.add_argument("--peak-tflops", type=positive_float, default=989.0,
+                   help="per-GPU peak for MFU (H200 bf16 dense: 989)")
+    p.add_argument("--num-workers", type=non_negative_int, default=2, help="DataLoader workers per rank")
+    p.add_argument("--prefetch-factor", type=positive_int, default=2, help="micro-batches prefetched per worker")
+    p.add_argument("--dump-grads", help=argparse.SUPPRESS)  # tests: params + gradients of the last step
+    p.add_argument("--fault", action="append", help=argparse.SUPPRESS)  # tests: train/faults.py
+    log.add_argument(p)
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    deepspeed.add_config_arguments(p)
+
+
+def _run_arguments(p):
+    """Data, output, length of the run, validation and previews."""
+    from ds_adaptiveload.flags import folder, non_negative_int, positive_int
     from ds_adaptiveload.schedule.mixes import MIXES
     from ds_adaptiveload.train import preview
-    from ds_adaptiveload.train.config import add_lora_flags
 
     p.add_argument("--model-config", required=True,
                    help="WanConfig YAML (configs/wan_*.yaml: the shipped ones are found outside a checkout too)")
@@ -79,6 +100,10 @@ def add_arguments(p):
                         "OUTPUT/val.jsonl, the monitor's val/loss)")
     p.add_argument("--val-every", type=int, default=0, help="steps between validations (0: start and end only)")
     preview.add_arguments(p)
+
+
+def _checkpoint_arguments(p):
+    """Checkpoint loading, saving and pruning."""
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="load --resume's files with full unpickling, which can run code stored in them; without it a "
                         "file needing more than tensors and DeepSpeed's state types is refused (docs/reliability.md)")
@@ -86,6 +111,12 @@ def add_arguments(p):
                    help="start from step 0 although OUTPUT/checkpoints holds an earlier run's checkpoints, deleting them")
     p.add_argument("--keep-last", type=_positive, default=0, metavar="K",
                    help="after each save keep only the K newest checkpoints (never the one 'latest' names); default: all")
+
+
+def _compute_arguments(p):
+    """Activation checkpointing, attention kernels and torch.compile."""
+    from ds_adaptiveload.model.config import ATTENTION_BACKENDS
+
     p.add_argument("--checkpoint-blocks", nargs="?", const=True, default=False, type=_ckpt_blocks,
                    help="per-block activation checkpointing: every block; 'auto': per micro-batch, as many blocks "
                         "as its predicted peak memory needs (profile memory.block_bytes_per_token); an int k: the first k")
@@ -108,17 +139,6 @@ def add_arguments(p):
     p.add_argument("--compile-cache", help="file of compiled artifacts: loaded at start if present, rewritten after "
                                            "steps that compiled new graphs (a restart or a new machine compiles less)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (engine.compile())")
-    add_lora_flags(p)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets (adaptive_load.lora)
-    p.add_argument("--timestep-shift", type=positive_float, default=5.0,
-                   help="Wan's shift s: t = s*u / (1 + (s-1)*u)")
-    p.add_argument("--peak-tflops", type=positive_float, default=989.0,
-                   help="per-GPU peak for MFU (H200 bf16 dense: 989)")
-    p.add_argument("--num-workers", type=non_negative_int, default=2, help="DataLoader workers per rank")
-    p.add_argument("--prefetch-factor", type=positive_int, default=2, help="micro-batches prefetched per worker")
-    p.add_argument("--dump-grads", help=argparse.SUPPRESS)  # tests: params + gradients of the last step
-    p.add_argument("--fault", action="append", help=argparse.SUPPRESS)  # tests: train/faults.py
-    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    deepspeed.add_config_arguments(p)
 
 
 def check(args) -> None:
@@ -218,5 +238,8 @@ def main(argv=None) -> int:
     except UserError as e:
         error = e
     else:
+        from ds_adaptiveload import log
+
+        log.configure(args.log_level)
         return run(args)
     return agreed_exit(error)

@@ -17,4 +17,4 @@ from ds_adaptiveload.train_cli import main, parse_args  # noqa: E402  (after the
 if __name__ == "__main__":
     from ds_adaptiveload.train.failures import leave
 
-    leave(main())  # atexit handlers run (bench/mfu_train.py's stats), interpreter teardown does not
+    leave(main())  # atexit handlers run (logging's flush), interpreter teardown does not

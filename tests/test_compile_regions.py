@@ -83,7 +83,7 @@ def test_regions_and_blocks_exclude_each_other_and_uncompile_restores_eager():
         compile_blocks(m, backend="aot_eager")
     uncompile_blocks(m)
     assert all("forward" not in x.__dict__ for x in norms) and m._block_fns == BlockFns()
-    bind_regions(m, region_fns(backend="aot_eager"))  # what bench/mfu_levers.py switches per call
+    bind_regions(m, region_fns(backend="aot_eager"))  # the switch back and forth between eager and regions
     assert all("forward" in x.__dict__ for x in norms) and m._block_fns == region_fns(backend="aot_eager")[0]
     bind_regions(m, None)
     assert all("forward" not in x.__dict__ for x in norms) and m._block_fns == BlockFns()

@@ -1,6 +1,6 @@
-"""bench/mfu.py's CPU-checkable parts: the levers it applies from outside (k blocks checkpointed: those and only
-those recompute, same outputs and gradients), the arithmetic of e2e_mfu / recompute_frac / per_shape, and
-bench/mfu_train.py driving launch/train_wan.py with memory-aware checkpointing on the tiny model (1 CPU rank)."""
+"""bench/mfu.py's CPU-checkable parts: the levers it switches between measurements through the model's own
+attributes (k blocks checkpointed: those and only those recompute, same outputs and gradients), the arithmetic of
+e2e_mfu / recompute_frac / per_shape, and the trainer variants of its e2e part."""
 import json
 import os
 import subprocess
@@ -11,13 +11,11 @@ import torch
 
 from ds_adaptiveload.model import WanConfig, WanModel
 from ds_adaptiveload.shipped import config_profile
-from tests.launcher import DEEPSPEED, launcher_env, master_port, needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "bench", "e2e"))
 import mfu  # noqa: E402
-from mfu_levers import Levers, choose_k, micro_batch_tokens  # noqa: E402
 
 
 
@@ -45,28 +43,17 @@ def test_levers_checkpoint_exactly_the_first_k_blocks():
     calls = [0] * 4
     for i, b in enumerate(m.blocks):
         b.ffn.register_forward_pre_hook(lambda mod, args, i=i: calls.__setitem__(i, calls[i] + 1))
-    lev = Levers(m)
-    for k in (0, 1, 3, 4):
+    lev = mfu.Levers(m, None, "aot_eager")
+    assert lev.num_layers == 4
+    for k, policy in ((0, "full"), (1, "full"), (3, "attention"), (4, "full")):
         calls[:] = [0] * 4
-        lev.set(k)
+        lev.set(k, False, policy)
         y, g = fwd_bwd(m)
-        assert calls == [2] * k + [1] * (4 - k), (k, calls)  # a checkpointed block runs again in backward
+        # a checkpointed block runs its FFN again in backward (under "attention" too: only attention is kept)
+        assert calls == [2] * k + [1] * (4 - k), (k, policy, calls)
         torch.testing.assert_close(y, y0)
         for a, b in zip(g, g0):
             torch.testing.assert_close(a, b)
-    with pytest.raises(Exception, match="k must be"):
-        lev.set(5)
-
-
-def test_choose_k_and_token_counts():
-    m = tiny()
-    lev = Levers(m)
-    x = torch.zeros(2, 16, 3, 4, 6)
-    assert micro_batch_tokens(x, (1, 2, 2)) == (2, 36)
-    assert micro_batch_tokens([torch.zeros(16, 1, 4, 4), torch.zeros(16, 3, 4, 6)], (1, 2, 2)) == (2, 22)
-    mem = {"capacity_bytes": 300, "safety": 1.0, "fixed_bytes": 0, "bytes_per_token": 1, "block_bytes_per_token": 5}
-    assert choose_k(x, mem, lev, "auto") == 4 - (300 - 36) // (5 * 36) == 3
-    assert choose_k(x, {}, lev, "auto") == 4 and choose_k(x, mem, lev, "none") == 0 and choose_k(x, mem, lev, "2") == 2
 
 
 def test_e2e_summary_weights_steps_by_their_wall_and_skips_warmup():
@@ -96,39 +83,6 @@ def test_recompute_frac_and_best_per_shape():
     assert best == [{"shape": "a", "B": 1, "mfu": 0.6, "ms": 50.0, "mode": "compile", "policy": "full", "k": 0,
                      "peak_gib": 1.5}]
     assert "| a |" in mfu.tables({"rows": rows, "e2e": []})
-
-
-@pytest.mark.slow
-@needs_launcher
-@pytest.mark.parametrize("policy", ["full", "attention"])
-def test_mfu_train_runs_train_wan_with_memory_aware_checkpointing(tmp_path, policy):
-    # 2 blocks; a memory model under which the tiny mix's micro-batches need some, not all, blocks checkpointed
-    mem = {"capacity_bytes": 600, "safety": 1.0, "fixed_bytes": 0, "bytes_per_token": 1, "block_bytes_per_token": 10,
-           "attention_bytes_per_token": 2}
-    (tmp_path / "mem.json").write_text(json.dumps(mem))
-    env = launcher_env(PYTHONPATH=ROOT, MFU_CKPT="auto", MFU_MEMORY=str(tmp_path / "mem.json"),
-               MFU_STATS=str(tmp_path / "stats.json"), MFU_POLICY=policy)
-    cfg = json.loads(open(os.path.join(ROOT, "configs/ds_tiny_cpu.json")).read())
-    cfg["adaptive_load"]["policy"] = "balanced"  # one shape per micro-batch: micro-batch sizes, and so k, differ
-    cfg["adaptive_load"].pop("pack_tokens", None)  # the base's packed cap belongs to the packed policy
-    if policy == "attention":  # ZeRO-3's parameter hooks inside a block break selective checkpointing: ZeRO-2
-        cfg["zero_optimization"] = {"stage": 2}
-    ds = str(tmp_path / "ds.json")
-    open(ds, "w").write(json.dumps(cfg))
-    cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", str(master_port()), "bench/mfu_train.py", "--deepspeed_config",
-           ds, "--model-config", "configs/wan_tiny.yaml", "--synthetic", "--synthetic-num", "8",
-           "--max-steps", "2", "--no-final-save", "--num-workers", "0", "--output", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    stats = json.loads((tmp_path / "stats.json").read_text())
-    assert sum(stats["k_counts"].values()) >= 4  # 2 steps x G = 2 micro-batches
-    if policy == "full":
-        assert set(stats["k_counts"]) <= {"0", "1", "2"} and len(stats["k_counts"]) >= 2  # k follows the micro-batch
-    else:  # "k/k_full": blocks checkpointed / of them recomputed whole (schedule/memory.selective_checkpoint)
-        pairs = [tuple(map(int, k.split("/"))) for k in stats["k_counts"]]
-        assert all(0 <= kf <= k <= 2 for k, kf in pairs) and len(pairs) >= 2, stats["k_counts"]
-    steps = [json.loads(ln) for ln in (tmp_path / "run" / "steps.rank0.jsonl").read_text().splitlines()]
-    assert len(steps) == 2 and all(s["loss"] == s["loss"] for s in steps)
 
 
 def test_shapes_part_smoke_on_cpu(tmp_path, monkeypatch):
@@ -263,6 +217,17 @@ def test_trainer_e2e_variants_launch_what_train_wan_accepts(tmp_path, monkeypatc
         assert out["plan"]["recompute"] == (0.22, 0.16)
         if mfu.TRAINER_E2E[name] == "packed":
             assert out["plan"]["pack_tokens"] <= prof.budget_tokens
+
+
+def test_every_e2e_variant_is_the_trainers_own_flags():
+    """The e2e part's levers are train_wan flags: each variant's parse, with the compiled kind and policy it names."""
+    from ds_adaptiveload.train_cli import parse_args
+
+    for name, (compiled, flags, policy) in mfu.E2E.items():
+        a = parse_args(["--deepspeed_config", "configs/ds_zero2_bf16.json", "--model-config", "configs/wan_1_3b.yaml",
+                        "--synthetic", "--max-steps", "1", *flags])
+        assert a.compile_blocks == {False: None, True: "block", "regions": "regions"}[compiled], name
+        assert a.checkpoint_policy == policy and a.checkpoint_blocks in (True, "auto"), name
 
 
 def test_e2e_profile_config_trains_with_the_configs_own_profile(tmp_path, monkeypatch):

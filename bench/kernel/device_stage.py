@@ -20,7 +20,8 @@ def driver():
     """Small shapes through every path, forward and backward (what the sanitizer watches)."""
     import torch
 
-    from ds_adaptiveload.ops import _tuning, ln_modulate
+    import ln_tuning as _tuning  # bench/kernel, beside this script
+    from ds_adaptiveload.ops import ln_modulate
     from ds_adaptiveload.ops import layernorm_modulate as lnm
 
     torch.manual_seed(0)

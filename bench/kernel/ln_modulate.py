@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from ds_adaptiveload.ops import _tuning, ln_modulate  # noqa: E402
+import ln_tuning as _tuning  # noqa: E402  (bench/kernel, beside this script)
+from ds_adaptiveload.ops import ln_modulate  # noqa: E402
 from ds_adaptiveload.ops import layernorm_modulate as lnm  # noqa: E402
 
 SHAPES = [(1, 75600, 5120), (1, 32760, 1536), (2, 16380, 1536), (8, 4680, 1536), (32, 1560, 1536),

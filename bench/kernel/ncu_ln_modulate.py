@@ -28,7 +28,8 @@ def target(shapes, fwd_tiles=False):
     import torch
 
     sys.path.insert(0, ROOT)
-    from ds_adaptiveload.ops import _tuning, ln_modulate
+    import ln_tuning as _tuning  # bench/kernel, beside this script
+    from ds_adaptiveload.ops import ln_modulate
 
     if fwd_tiles:
         return tile_target(shapes, torch, _tuning, ln_modulate)

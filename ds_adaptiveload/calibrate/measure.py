@@ -2,6 +2,7 @@
 probes, the profile they give and its check on held-out packed micro-batches. `Calibration` holds what every
 stage reads (engine, points, fits, budget); each stage is a method."""
 import json
+import logging
 import os
 import statistics
 import time
@@ -23,6 +24,8 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.train.config import zero_stage
 from ds_adaptiveload.schedule.geometry import Geometry
 from ds_adaptiveload.schedule.planner import pack_cost
+
+logger = logging.getLogger(__name__)
 
 
 def measure_profile(cfg, ds, args, shapes, heldout):
@@ -218,7 +221,7 @@ class Calibration:
         prof.fit["budget_probe"] = (f"not run yet: {probe.role} B={probe.B} x s={probe.s} ({probe.tokens} "
                                     "tokens) is next; an out-of-memory there stops a multi-rank run")
         prof.to_yaml(self.args.out)
-        print(f"wrote {self.args.out} before the budget probe", flush=True)
+        logger.info(f"wrote {self.args.out} before the budget probe")
         self.step_fn.before_exit = self._lower_budget
 
     def _lower_budget(self, p):
@@ -227,7 +230,7 @@ class Calibration:
         _, prof = self.profile(min(self._budget, self.budget_below(p)))
         prof.to_yaml(self.args.out)
         self.write_json(prof.fit)
-        print(f"wrote {self.args.out} with the budget below the probe's {p.tokens} tokens", flush=True)
+        logger.info(f"wrote {self.args.out} with the budget below the probe's {p.tokens} tokens")
 
     def profile(self, budget):
         """(report rows, CostProfile) of the fits as they stand, at `budget` tokens."""

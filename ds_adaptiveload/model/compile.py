@@ -209,7 +209,7 @@ def compile_regions(model: torch.nn.Module, mode: Optional[str] = None, backend:
 
 def bind_regions(wan: WanModel, regions: Optional[tuple]) -> None:
     """Give one WanModel's blocks region_fns()'s compiled steps and norm forwards, or (None) take them back
-    (eager again; bench/mfu_levers.py switches per call). The blocks' own forwards are left alone."""
+    (eager again). The blocks' own forwards are left alone."""
     wan.set_block_fns(regions[0] if regions else None)
     for m in wan.blocks.modules():
         if type(m) in (RMSNorm, LayerNorm):

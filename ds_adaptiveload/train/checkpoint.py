@@ -20,10 +20,10 @@ the next older intact one, with one line. The layout (world size, sp, G, plan ke
 model) is checked before DeepSpeed loads anything.
 """
 import json
+import logging
 import os
 import re
 import shutil
-import sys
 
 import torch.distributed as dist
 
@@ -31,6 +31,8 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.train import ckpt_files as files, ckpt_safe
 from ds_adaptiveload.train.ckpt_files import LAYOUT_FILE, TMP_PREFIX  # noqa: F401  (the names tests use)
 from ds_adaptiveload.train.failures import agree
+
+logger = logging.getLogger(__name__)
 
 SHAPE_KEYS = ("zero_stage", "model")
 """Layout keys that must match for DeepSpeed to load the weights at all; checkpoints from before they were stored
@@ -117,7 +119,7 @@ def save(engine, out_dir, step: int, sampler_state: dict, layout: dict, faults=N
             files.write_checksums(tmp, {k: v for m, _ in shares for k, v in m.items()})
             publish(out_dir, tag)
             for name in files.prune(out_dir, tag, keep_last) if keep_last else ():
-                print(f"[train_wan] --keep-last {keep_last}: deleted checkpoint {name}", flush=True)
+                logger.info(f"[train_wan] --keep-last {keep_last}: deleted checkpoint {name}")
         except OSError as e:  # disk full, permissions: told to every rank, not a traceback on one
             err = f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
     _agree_io(err, final, "publish")  # also the barrier: every rank returns after the publish
@@ -209,11 +211,11 @@ def choose(ckpt_dir, tags: list, notes: list, layout: dict, trust: bool = False)
         agree(next((line for kind, line in problems if kind == "unsafe"), None) if rank == 0 else None)
         if not problems:
             if damaged and rank == 0:
-                print(f"[train_wan] warning: --resume {ckpt_dir}: {'; '.join(damaged)}; resuming from {tag}, the "
-                      f"newest intact checkpoint", file=sys.stderr, flush=True)
+                logger.warning(f"[train_wan] warning: --resume {ckpt_dir}: {'; '.join(damaged)}; resuming from {tag}, "
+                               f"the newest intact checkpoint")
             if not os.path.isfile(os.path.join(ckpt_dir, tag, files.CHECKSUMS)) and rank == 0:
-                print(f"[train_wan] note: checkpoint {tag} has no {files.CHECKSUMS} (saved before checksums): "
-                      f"not verified", file=sys.stderr, flush=True)
+                logger.warning(f"[train_wan] note: checkpoint {tag} has no {files.CHECKSUMS} (saved before checksums): "
+                               f"not verified")
             agreed(check_layout, ckpt_dir, tag, layout)
             return tag
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

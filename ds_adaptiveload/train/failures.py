@@ -6,11 +6,14 @@ rank raises the same `AgreedError` at the same point, rank 0 prints it as one li
 A rank that raised alone would exit while its peers wait in a collective, which then fails with gloo's
 "Connection closed by peer" traceback and exit 1 (the launcher returns whichever code it polls first).
 """
+import logging
 import os
 import socket
 import sys
 
 from ds_adaptiveload.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 EXIT_FAILED = 1
 """An unexpected error (a bug) on some rank: that rank printed its traceback."""
@@ -376,7 +379,7 @@ def _lost_or_terminated(e, step, advice, terminated) -> int:
         msg, mine, _ = peer_lost_message(step, advice, lost)
         if not lost:
             # every peer still runs: what failed is the clue (which rank failed first shows in these notes)
-            print(f"note: rank {_rank()}: the collective failed with: {cause_line(e)}", file=sys.stderr, flush=True)
+            logger.warning(f"note: rank {_rank()}: the collective failed with: {cause_line(e)}")
         if mine:
             print(f"error: {msg}", file=sys.stderr, flush=True)
         return EXIT_PEER_LOST

@@ -2,10 +2,13 @@
 manifest, plan, sampler and dataset with the resume checks, reading one step, the end-of-run summary.
 None issues a collective, so the Trainer runs each on every rank and agrees on its UserError
 (failures.agreed): one error, every rank exits 2."""
+import logging
 import os
 import sys
 
 from ds_adaptiveload.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 def read_config(args, world, rank, device=None):
@@ -55,11 +58,12 @@ def read_config(args, world, rank, device=None):
     attention, core = resolve_attention(getattr(args, "attention", "sdpa"))  # fa4 where it cannot run: agreed here
     lines += attention_mismatch(profile, attention, path)
     fault = faults.Faults(args.fault, rank)
-    for line in lines if rank == 0 else ():
-        print(f"[train_wan] {line}", file=sys.stderr)
+    for line in lines if rank == 0 else ():  # the profile chosen, moved: info; calibrated unlike this run: warning
+        logger.log(logging.WARNING if line.startswith("warning:") else logging.INFO, f"[train_wan] {line}")
     if rank == 0 and changed:
-        print(f"[train_wan] batch keys set to count micro-batches (docs/training.md): "
-              f"{ {k: v for k, (_, v) in changed.items()} } (config had { {k: o for k, (o, _) in changed.items()} })")
+        logger.info(f"[train_wan] batch keys set to count micro-batches (docs/training.md): "
+                    f"{ {k: v for k, (_, v) in changed.items()} } "
+                    f"(config had { {k: o for k, (o, _) in changed.items()} })")
     return SimpleNamespace(ds_cfg=ds_cfg, al=al, dims=dims, G=ds_cfg["gradient_accumulation_steps"],
                            model_cfg=model_cfg, profile=profile, fault=fault, attention=attention,
                            attention_core=core)
@@ -179,9 +183,9 @@ def prepare_data(args, manifest, c, world, rank):
         samples = [s for s in samples if id(s) not in dropped]
         if rank == 0:
             for _, reason in bad_upfront[:20]:
-                print(f"[train_wan] skipped sample: {reason}", file=sys.stderr)
-            print(f"[train_wan] on_bad_sample=skip: {len(bad_upfront)} bad sample(s) left out of the plan, "
-                  f"{len(samples)} remain", file=sys.stderr)
+                logger.warning(f"[train_wan] skipped sample: {reason}")
+            logger.warning(f"[train_wan] on_bad_sample=skip: {len(bad_upfront)} bad sample(s) left out of the plan, "
+                           f"{len(samples)} remain")
         if not samples:
             raise UserError(f"{manifest}: every sample is bad")
     check_grad_accum(c.G, c.dims.dp, len(samples), f"{args.deepspeed_config}: gradient_accumulation_steps", manifest)
@@ -209,8 +213,7 @@ def prepare_data(args, manifest, c, world, rank):
         if getattr(args, "output", None):
             checkpoint.refuse_fresh_start(args.output, getattr(args, "overwrite", False))
         if args.resume and rank == 0:
-            print(f"[train_wan] --resume {args.resume}: no checkpoint there yet, starting from step 0",
-                  file=sys.stderr)
+            logger.warning(f"[train_wan] --resume {args.resume}: no checkpoint there yet, starting from step 0")
     return SimpleNamespace(samples=samples, bad_upfront=bad_upfront, sampler=sampler, dataset=dataset,
                            layout=layout, resume_tags=tags, resume_notes=notes)
 
@@ -308,6 +311,7 @@ def write_summary(out_dir, start, end, bad_upfront, skipped) -> None:
         reasons = {}
         for e in skipped:
             reasons[e["reason"]] = reasons.get(e["reason"], 0) + 1
-        print(f"[train_wan] summary: {len(bad_upfront)} sample(s) left out of the plan, {len(skipped)} step(s) "
-              f"skipped {reasons} ({sum(len(e['ids']) for e in skipped)} samples not trained); "
-              f"see {os.path.join(out_dir, 'skipped.json')}", file=sys.stderr, flush=True)
+        logger.warning(f"[train_wan] summary: {len(bad_upfront)} sample(s) left out of the plan, "
+                       f"{len(skipped)} step(s) skipped {reasons} ({sum(len(e['ids']) for e in skipped)} samples not "
+                       f"trained); "
+                       f"see {os.path.join(out_dir, 'skipped.json')}")

@@ -5,13 +5,15 @@ to bottom, `train()` orders the steps, `train_step(step)` runs one step through 
 Failures follow docs/reliability.md: what one rank detects is agreed with every rank (failures.py) before
 any rank leaves the step; setup.py holds the collective-free setup pieces that are agreed on.
 """
+import logging
 import os
-import sys
 import time
 from types import SimpleNamespace
 
 from ds_adaptiveload.train import failures
 from ds_adaptiveload.train.setup import end_loop, prepare_data, read_config, write_summary, write_synthetic
+
+logger = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -23,10 +25,8 @@ class Trainer:
 
     def __init__(self, args):
         import torch
-        import torch.distributed as dist
 
-        from ds_adaptiveload.train.build import build_model
-        from ds_adaptiveload.train import checkpoint, ckpt_safe, engine as eng, faults, metrics, sp
+        from ds_adaptiveload.train import engine as eng, sp
 
         self.args = args
         self.step = None
@@ -43,6 +43,18 @@ class Trainer:
         # -- seed: same model init on every rank; noise/t are seeded per sample (flow.py) -------------------
         torch.manual_seed(self.al.seed)
         # -- data / sampler / resume checks (before DeepSpeed loads anything) -------------------------------
+        resume_tag = self.setup_data(c)
+        # -- model, deepspeed.initialize -------------------------------------------------------------------
+        self.setup_engine(self.setup_model(c, mpu), mpu)
+        # -- checkpoint resume (files loaded without unpickling code: train/ckpt_safe.py) --------------------
+        self.setup_resume(resume_tag)
+
+    def setup_data(self, c):
+        """The manifest (written first with --synthetic), plan, sampler and DataLoader; the checkpoint to resume
+        from (None: a start from step 0), chosen before the model exists."""
+        from ds_adaptiveload.train import checkpoint
+
+        args = self.args
         self.manifest = args.data
         if args.synthetic:
             self.manifest = os.path.join(args.output, "synthetic", "manifest.jsonl")
@@ -61,7 +73,16 @@ class Trainer:
                                        getattr(args, "trust_checkpoint", False)) if args.resume else None
         if getattr(args, "overwrite", False):
             failures.agreed(checkpoint.clear, os.path.join(args.output, "checkpoints"), self.rank)
-        # -- model, deepspeed.initialize -------------------------------------------------------------------
+        self.dataset = d.dataset
+        return resume_tag
+
+    def setup_model(self, c, mpu):
+        """The model (partitioned as built under ZeRO-3), its pretrained weights, LoRA adapters, attention kernels,
+        Ulysses sharding and block compile: everything deepspeed.initialize then wraps."""
+        from ds_adaptiveload.train import sp
+        from ds_adaptiveload.train.build import build_model
+
+        args = self.args
         # "auto": every block until checkpoint_for sets the count of the first micro-batch
         # Under ZeRO-3 built inside zero.Init (train/build.py): partitioned as it is constructed, never one full
         # copy per rank; the same weights as an unpartitioned build (tests/test_build.py). WanBlock stays a
@@ -74,8 +95,8 @@ class Trainer:
             self.load_init_from(model)
         if self.rank == 0 and hasattr(next(model.parameters()), "ds_tensor"):
             held = sum(p.ds_tensor.numel() for p in model.parameters())
-            print(f"[train_wan] ZeRO-3: model built partitioned (zero.Init), {held:,} of "
-                  f"{sum(p.ds_numel for p in model.parameters()):,} parameter elements on rank 0", flush=True)
+            logger.info(f"[train_wan] ZeRO-3: model built partitioned (zero.Init), {held:,} of "
+                        f"{sum(p.ds_numel for p in model.parameters()):,} parameter elements on rank 0")
         if self.al.lora:  # the base frozen, adapters trained; deepspeed.initialize gets the adapters only
             from ds_adaptiveload.model.lora import apply_lora
 
@@ -83,22 +104,35 @@ class Trainer:
             if self.rank == 0:
                 trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                 for p in model.parameters() if p.requires_grad)
-                print(f"[train_wan] LoRA rank {self.al.lora.rank} on {', '.join(self.al.lora.modules())}: "
-                      f"{trainable:,} trainable parameters", flush=True)
+                logger.info(f"[train_wan] LoRA rank {self.al.lora.rank} on {', '.join(self.al.lora.modules())}: "
+                            f"{trainable:,} trainable parameters")
         self.attention = c.attention
         if self.rank == 0:
-            print(f"[train_wan] attention: {self.attention} (--attention {getattr(args, 'attention', 'sdpa')})",
-                  flush=True)
+            logger.info(f"[train_wan] attention: {self.attention} (--attention {getattr(args, 'attention', 'sdpa')})")
         self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads, c.attention_core)
         if getattr(args, "compile_blocks", False):
             self.apply_block_compile(model)
+        return model
+
+    def setup_engine(self, model, mpu) -> None:
+        """deepspeed.initialize and what the loop reads of the engine: LR scaling, gradient divisor, dtype."""
+        from ds_adaptiveload.train import engine as eng, sp
+
+        args = self.args
         self.engine = eng.build_engine(model, self.ds_cfg, mpu, compile=args.compile)
         self.lr_scale = self.install_lr_scaling()
         self.divisor = sp.grad_divisor(self.engine, self.dims)  # what DeepSpeed divides summed gradients by
-        self.loader = self.make_loader(d.dataset)
+        self.loader = self.make_loader(self.dataset)
         self.dtype = eng.compute_dtype(self.engine)
         self.zero3 = self.engine.zero_optimization_stage() == 3
-        # -- checkpoint resume (files loaded without unpickling code: train/ckpt_safe.py) --------------------
+
+    def setup_resume(self, resume_tag) -> None:
+        """The resumed checkpoint's weights and sampler state (start step), the EMA, the step log, validation."""
+        import torch.distributed as dist
+
+        from ds_adaptiveload.train import ckpt_safe, faults, metrics
+
+        args = self.args
         self.ckpt_dir = os.path.join(args.output, "checkpoints")
         ckpt_safe.install(self.engine, getattr(args, "trust_checkpoint", False), self.fault)
         self.start = self.resume(resume_tag) if resume_tag else 0
@@ -125,9 +159,9 @@ class Trainer:
         t0 = time.perf_counter()
         stats = init_from.load(src, model)
         if self.rank == 0:
-            print(f"[train_wan] --init-from {args.init_from}: {len(src.tensors)} tensors from {len(src.files)} "
-                  f"file(s) in {time.perf_counter() - t0:.1f} s, {stats['bytes_read'] / 2**20:.1f} MiB read on "
-                  f"rank 0", flush=True)
+            logger.info(f"[train_wan] --init-from {args.init_from}: {len(src.tensors)} tensors from {len(src.files)} "
+                        f"file(s) in {time.perf_counter() - t0:.1f} s, {stats['bytes_read'] / 2**20:.1f} MiB read on "
+                        f"rank 0")
 
     def relaunch_advice(self) -> str:
         """What a lost peer's line advises: --resume where a checkpoint exists to continue from, else a relaunch from
@@ -146,13 +180,12 @@ class Trainer:
         self.compile_kind = compile_kind(args.compile_blocks)  # block or regions
         apply_compile(model, self.compile_kind, getattr(args, "compile_backend", "inductor"))
         if self.rank == 0:
-            print(f"[train_wan] --compile-blocks: {self.compile_kind} (model/compile.py)", flush=True)
+            logger.info(f"[train_wan] --compile-blocks: {self.compile_kind} (model/compile.py)")
             if self.compile_kind == "block" and self.al.policy == "packed":  # docs/model.md, compiled regions
-                print("[train_wan] warning: --compile-blocks block compiles a graph per number of shape groups, "
-                      "and nearly every packed micro-batch is a new one; regions keep a few", file=sys.stderr,
-                      flush=True)
+                logger.warning("[train_wan] warning: --compile-blocks block compiles a graph per number of shape "
+                               "groups, and nearly every packed micro-batch is a new one; regions keep a few")
         if load_compile_cache(getattr(args, "compile_cache", None)) and self.rank == 0:
-            print(f"[train_wan] compile cache loaded from {args.compile_cache}", flush=True)
+            logger.info(f"[train_wan] compile cache loaded from {args.compile_cache}")
 
     def install_lr_scaling(self):
         """adaptive_load.lr_scaling_method linear / sqrt: the LR follows each step's sample count relative to
@@ -196,8 +229,7 @@ class Trainer:
 
         ema = EMA(self.engine, self.al.ema_decay, self.rank)
         if tag and not failures.agreed(ema.load, os.path.join(self.args.resume, tag)) and self.rank == 0:
-            print(f"[train_wan] --resume: checkpoint {tag} holds no EMA; it starts from the resumed weights",
-                  file=sys.stderr, flush=True)
+            logger.warning(f"[train_wan] --resume: checkpoint {tag} holds no EMA; it starts from the resumed weights")
         return ema
 
     def resume(self, tag) -> int:
@@ -207,8 +239,8 @@ class Trainer:
                              getattr(self.args, "trust_checkpoint", False))  # raises after loading
         failures.agreed(self.sampler.load_state_dict, st["sampler"][self.rank])
         if self.rank == 0:
-            print(f"[train_wan] resumed from {os.path.join(self.args.resume, tag)}: step {st['step']} done, "
-                  f"continuing with step {st['step'] + 1}", flush=True)
+            logger.info(f"[train_wan] resumed from {os.path.join(self.args.resume, tag)}: step {st['step']} done, "
+                        f"continuing with step {st['step'] + 1}")
         return st["step"]
 
     # -- the loop --------------------------------------------------------------------------------------------
@@ -269,7 +301,7 @@ class Trainer:
         if self.rank == 0:
             t0 = time.perf_counter()
             path = preview.render(self.args, self.model_cfg, weights, step, self.device)
-            print(f"[train_wan] preview {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+            logger.info(f"[train_wan] preview {path} in {time.perf_counter() - t0:.1f} s")
         del weights
         self._dist.barrier()
 
@@ -282,9 +314,9 @@ class Trainer:
 
             try:
                 n = save_compile_cache(path)
-                print(f"[train_wan] compile cache: {graphs} block graphs, {n / 2**20:.1f} MiB in {path}", flush=True)
+                logger.info(f"[train_wan] compile cache: {graphs} block graphs, {n / 2**20:.1f} MiB in {path}")
             except OSError as err:  # an optimisation: a full disk must not stop rank 0 alone (the others would hang)
-                print(f"[train_wan] warning: --compile-cache {path} not written: {err}", file=sys.stderr, flush=True)
+                logger.warning(f"[train_wan] warning: --compile-cache {path} not written: {err}")
             self._saved_graphs = graphs
 
     def save(self, step: int) -> None:
@@ -516,8 +548,8 @@ class Trainer:
         entry = {"step": step + 1, "reason": reason, "ids": ids, "detail": details}
         self.skipped.append(entry)
         if self.rank == 0:
-            print(f"[train_wan] step {step + 1} skipped on every rank ({reason}): "
-                  f"{'; '.join(details) if details else ''} samples {ids}", file=sys.stderr, flush=True)
+            logger.warning(f"[train_wan] step {step + 1} skipped on every rank ({reason}): "
+                           f"{'; '.join(details) if details else ''} samples {ids}")
         return entry
 
     def log_step(self, step: int, base: dict, ranks: list, run, lr: float, entry, step_s: float) -> None:

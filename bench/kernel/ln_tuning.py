@@ -1,6 +1,6 @@
-"""Benchmark-only kernel choices of the fused LayerNorm-Modulate op, for A-B comparison in tests and bench/.
+"""Benchmark-only kernel choices of the fused LayerNorm-Modulate op, for A-B comparison in tests and bench/kernel.
 
-Not part of the shipped API: the op's defaults are what users run. The choices are process-wide state of the
+Not part of the installed package: the op's defaults are what users run. The choices are process-wide state of the
 compiled module, so set them through `tuned(...)`, which restores the previous choices on exit. Per direction
 (forward, backward): variant 0 = default (compile-time tiles where they apply, else the general kernels),
 1 = the general kernels only, 2 = the 2026-11-29 baseline kernels; tile = an index into fast_tiles() (-1: the
