@@ -127,7 +127,7 @@ def device_bytes(gib):
 def run_profile(profile, stage, world, source, capacity_bytes=None):
     """The profile as a run of `world` ranks under ZeRO `stage` (None: the profile's own) on a GPU of
     `capacity_bytes` (None: the profile's own) plans with it: its memory moved there (schedule/zero.for_run,
-    profile.for_device), what moved said on stderr."""
+    profile.for_device), what moved said in an info line."""
     from ds_adaptiveload.schedule.profile import for_device
     from ds_adaptiveload.schedule.zero import calibrated_for, for_run
 

@@ -165,12 +165,12 @@ def test_plan_device_memory_gib_plans_with_the_budget_of_that_gpu(tmp_path):
     assert (a["budget_tokens"], a["capacity_bytes"]) == (649333, H200[1])
     assert (b["budget_tokens"], b["capacity_bytes"]) == (want, H100[1])
     assert b["steps"] > a["steps"]  # smaller micro-batches: more of them
-    assert "memory moved from NVIDIA H200 (139.8 GiB) to this GPU (79.2 GiB): budget 649,333 -> " in there.stderr
+    assert "memory moved from NVIDIA H200 (139.8 GiB) to this GPU (79.2 GiB): budget 649,333 -> " in there.stdout  # an info line
     bad = plan("--profile", "h200-wan1.3b-zero2", "--device-memory-gib", "-1")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --device-memory-gib must be a positive number of " \
                                                          "GiB, got -1.0"
     none = plan("--profile", "tiny-cpu", "--device-memory-gib", "80", "--mix", "tiny:50")
-    assert none.returncode == 0 and "--device-memory-gib leaves it as written" in none.stderr
+    assert none.returncode == 0 and "--device-memory-gib leaves it as written" in none.stdout
     assert json.loads(none.stdout.splitlines()[-1])["capacity_bytes"] is None
 
 

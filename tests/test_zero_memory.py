@@ -99,7 +99,7 @@ def test_profiles_that_cannot_say_are_left_alone_and_an_impossible_run_is_refuse
 
 
 def test_plan_command_plans_with_the_moved_budget(tmp_path, capsys):
-    """`plan --world-size 8` with a 2-rank ZeRO-3 profile plans with the budget moved to 8 ranks (said on stderr),
+    """`plan --world-size 8` with a 2-rank ZeRO-3 profile plans with the budget moved to 8 ranks (said in an info line, on stdout),
     --zero-stage 2 with ZeRO-2's; the dumps equal make_plan's with for_run's profiles."""
     from ds_adaptiveload.cli import main
     from ds_adaptiveload.plan_cli import dump_lines
@@ -112,8 +112,8 @@ def test_plan_command_plans_with_the_moved_budget(tmp_path, capsys):
         dump = tmp_path / f"plan{stage}.jsonl"
         assert main(["plan", "--mix", "video-heavy:400", "--profile", CALIBRATED, "--world-size", "8",
                      "--policy", "packed", "--lockstep", "--dump", str(dump), "--json", *extra]) == 0
-        err = capsys.readouterr().err
-        assert f"to this run's ZeRO-{stage} on 8" in err
+        out = capsys.readouterr().out
+        assert f"to this run's ZeRO-{stage} on 8" in out
         want = make_plan(samples, for_run(z3, stage, 8)[0], PlanConfig(policy="packed", world_size=8, lockstep=True))
         assert dump.read_text() == "".join(dump_lines(want, samples))
     assert main(["plan", "--mix", "video-heavy:50", "--profile", CALIBRATED, "--world-size", "2", "--json"]) == 0
