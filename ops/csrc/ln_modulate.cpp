@@ -19,7 +19,7 @@ int dtype_code(const at::ScalarType t) {
   return -1;
 }
 
-// Benchmark-only kernel choices for the next launches, set through ds_adaptiveload/ops/_tuning.py (tests and
+// Benchmark-only kernel choices for the next launches, set through bench/kernel/ln_tuning.py (tests and
 // the benchmark A-B them in one process); the defaults are what users run. Per direction (forward, backward):
 // variant 0 = default (compile-time tiles where they apply, else the general kernels), 1 = the general kernels
 // only, 2 = the 2026-11-29 baseline kernels (fwd_vec_kernel / bwd_vec_kernel); tile = index into the tile

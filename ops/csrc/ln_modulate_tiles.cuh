@@ -214,7 +214,7 @@ struct Tile { int D, vpt, wpr, pf; };
 // took 10-22% less time than 1 at D = 1536, 2048, 4096 and 5120, 1% more at 3072; in the forward a second
 // row ahead took 1.5-4% less at 2048, 5120 and 8192, not less at 1536 and 3072. At D = 3072 and 4096 the
 // general forward (fwd_v1_kernel) beat every tile (84-85% of copy bandwidth against 82-83%), so they have
-// no forward tile. The tuning module (_tuning.set_tile) picks an entry by its index (tests, benchmark).
+// no forward tile. The tuning module (bench/kernel/ln_tuning.set_tile) picks an entry by its index (tests, benchmark).
 // Since 2026-12-05 the forward runs on the flat row space in several waves (ln_modulate_batch.cu's fwd_ctas), where
 // [3, 2, 1] beat the former D = 1536 default [2, 3, 1] by 1.5-2 points at 8 waves (H100 tile sweep, both dtypes).
 constexpr Tile kTiles[] = {{1536, 3, 2, 1}, {1536, 2, 3, 1}, {1536, 6, 1, 1}, {1536, 2, 3, 2}, {1536, 3, 2, 2},
