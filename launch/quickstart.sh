@@ -6,5 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/env.sh
+# DeepSpeed builds its CPU all-reduce op under a lock file; one left by a killed job hangs every later start, so the
+# build goes to this venv's own folder (as in tests/run.sh), not the shared ~/.cache/torch_extensions.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 exec deepspeed --num_gpus 2 launch/train_wan.py --deepspeed_config configs/ds_tiny_cpu.json \
     --model-config configs/wan_tiny.yaml --synthetic --max-steps 4 --output runs/quickstart --overwrite "$@"
