@@ -32,8 +32,8 @@ class MicroBatch:
     tokens: list = field(default_factory=list)
     """Full-sequence tokens of each sample (a packed micro-batch mixes shapes)."""
     checkpoint: tuple = None
-    """(k, k_full, k_ffn) the model runs this micro-batch at (schedule/memory.step_checkpoints, the counts the
-    planner costs it with); None where the run checkpoints a fixed count."""
+    """(k, k_full, k_ffn) the model runs this micro-batch at (schedule/memory.RecomputeCost.step_plans: the counts
+    the planner costs it with); None where the run checkpoints a fixed count."""
 
     def noise(self, x0):
         """(eps like x0, t [B]) seeded by (seed, epoch, sample index): independent of rank, micro-batch and
@@ -90,6 +90,7 @@ class AdaptiveLoader:
         self.device, self.rank, self.memory_model = device, rank, memory_model
         """The per-step agreement's counter lives on `device` (the engine's: NCCL reduces CUDA tensors only)."""
         self._it = self._stream = self._state = None
+        self._recompute = None  # RecomputeCost of memory_model, built at the first step
 
     def __len__(self):
         """Steps in the current epoch's plan."""
@@ -141,35 +142,44 @@ class AdaptiveLoader:
         from ds_adaptiveload.train import flow
 
         weight = flow.loss_scale(self.divisor, self.sampler.cfg.grad_accum, ps.global_samples)
-        ks = self._checkpoints(ps)
+        tokens = [self._tokens(mb) for mb in ps.micro_batches]
+        ks = self._checkpoints(ps, tokens)
         mbs = []
         for g, b in enumerate(batches):
             indices = list(ps.micro_batches[g])
             if isinstance(b, dict) and "index" in b and list(b["index"]) != indices:
                 raise RuntimeError(f"micro-batch {g} of step {ps.step} holds samples {b['index']}, the plan {indices}")
             mbs.append(MicroBatch(b, indices, 0.0 if g in ps.pad else weight, g in ps.pad, ps.epoch, self.settings,
-                                  self._tokens(indices), ks[g] if ks else None))
+                                  tokens[g], ks[g] if ks else None))
         return Step(mbs, ps.epoch, ps.step, ps.global_samples, ps.pred_ms, ps.pred_wall_ms)
 
     def _tokens(self, indices) -> list:
         geo, samples = self.sampler.profile.geometry, self.sampler.samples
         return [geo.tokens(s.frames, s.height, s.width) for s in (samples[i] for i in indices)]
 
-    def _checkpoints(self, ps):
-        """(k, k_full, k_ffn) of each micro-batch of the step under the plan's checkpoint mode, or None."""
+    def _checkpoints(self, ps, tokens=None):
+        """(k, k_full, k_ffn) of each micro-batch of the step (its samples' `tokens`, read from the samples when not
+        given) under the plan's checkpoint mode, or None. The counts come from the planner's RecomputeCost, cached
+        per (tokens, samples)."""
         if self.memory_model is None:
             return None
+        if tokens is None:
+            tokens = [self._tokens(mb) for mb in ps.micro_batches]
         from ds_adaptiveload.schedule.geometry import per_gpu_tokens
-        from ds_adaptiveload.schedule.memory import step_checkpoints
+        from ds_adaptiveload.schedule.memory import RecomputeCost
 
-        cfg, (memory, num_layers) = self.sampler.cfg, self.memory_model
+        cfg = self.sampler.cfg
+        if self._recompute is None:
+            memory, num_layers = self.memory_model
+            # recompute fractions 0: only plan()'s counts are used here, not the time factors
+            self._recompute = RecomputeCost(memory, num_layers, 0.0, policy=cfg.checkpoint_policy)
 
-        def cost(mb):  # (this GPU's tokens, samples) of a micro-batch
-            return sum(per_gpu_tokens(S, cfg.sp) for S in self._tokens(mb)), len(mb)
+        def cost(toks):  # (this GPU's tokens, samples) of a micro-batch
+            return sum(per_gpu_tokens(S, cfg.sp) for S in toks), len(toks)
 
-        every = [cost(mb) for mbs in ps.all_micro_batches for mb in mbs] if cfg.checkpoint == "auto-step" else ()
-        return step_checkpoints(cfg.checkpoint, [cost(mb) for mb in ps.micro_batches], every, memory, num_layers,
-                                cfg.checkpoint_policy)
+        every = ((cost(self._tokens(mb)) for mbs in ps.all_micro_batches for mb in mbs)
+                 if cfg.checkpoint == "auto-step" else ())
+        return self._recompute.step_plans(cfg.checkpoint, [cost(t) for t in tokens], every)
 
     def state_dict(self) -> dict:
         """Points at the step after the last one handed out (not at what the DataLoader prefetched)."""

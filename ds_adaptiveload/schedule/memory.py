@@ -167,21 +167,6 @@ def checkpoint_plan(tokens: int, samples: int, profile_memory: dict, num_layers:
     return k, k_full, ffn_blocks(tokens, samples, profile_memory, num_layers, k, k_full)
 
 
-
-def step_checkpoints(mode: str, rank_mbs: list, all_mbs: list, profile_memory: dict, num_layers: int,
-                     policy: str = "full") -> list:
-    """(k, k_full, k_ffn) of each of a rank's micro-batches, given as (per-GPU tokens, samples), under
-    PlanConfig.checkpoint `mode`: auto, each its own checkpoint_plan; auto-step (ZeRO-3), every micro-batch at the
-    largest k over `all_mbs` (every rank's micro-batches of the step), recomputed whole: ZeRO-3 replays the module
-    order it recorded, so the count must match on every rank, and the plan alone gives it without communication.
-    None under all (the model keeps its fixed count)."""
-    if mode == "all":
-        return None
-    if mode == "auto-step":
-        k = max(checkpoint_plan(t, n, profile_memory, num_layers, policy)[0] for t, n in all_mbs)
-        return [(k, k, 0)] * len(rank_mbs)
-    return [checkpoint_plan(t, n, profile_memory, num_layers, policy) for t, n in rank_mbs]
-
 def recompute_factor(k: int, num_layers: int, recompute_frac: float = 0.0, k_full: int = None,
                      attention_frac: float = 0.0, k_ffn: int = 0, ffn_frac: float = 0.0) -> float:
     """t(k) / t(all checkpointed) = 1 - recompute_frac * (L - k) / L - attention_frac * (k - k_full) / L
@@ -237,6 +222,23 @@ class RecomputeCost:
         if key not in self._cache:
             self._cache[key] = checkpoint_plan(tokens, samples, self.memory, self.L, self.policy)
         return self._cache[key]
+
+    def step_k(self, micro_batches) -> int:
+        """Under auto-step (ZeRO-3) the k every micro-batch of a step runs at: the largest plan() k over the step's
+        micro-batches on every rank, given as (per-GPU tokens, samples). ZeRO-3 replays the module order it
+        recorded, so the count must match on every rank, and the plan alone gives it without communication."""
+        return max(self.plan(t, n)[0] for t, n in micro_batches)
+
+    def step_plans(self, mode: str, rank_mbs: list, all_mbs) -> list:
+        """(k, k_full, k_ffn) of each of a rank's micro-batches ((per-GPU tokens, samples) each) under
+        PlanConfig.checkpoint `mode`: auto, each its own plan(); auto-step, all at step_k(all_mbs), recomputed
+        whole; None under all (the model keeps its fixed count)."""
+        if mode == "all":
+            return None
+        if mode == "auto-step":
+            k = self.step_k(all_mbs)
+            return [(k, k, 0)] * len(rank_mbs)
+        return [self.plan(t, n) for t, n in rank_mbs]
 
     def ks(self, tokens: int, samples: int) -> tuple:
         """(k, k_full) of plan()."""

@@ -313,5 +313,4 @@ def write_summary(out_dir, start, end, bad_upfront, skipped) -> None:
             reasons[e["reason"]] = reasons.get(e["reason"], 0) + 1
         logger.warning(f"[train_wan] summary: {len(bad_upfront)} sample(s) left out of the plan, "
                        f"{len(skipped)} step(s) skipped {reasons} ({sum(len(e['ids']) for e in skipped)} samples not "
-                       f"trained); "
-                       f"see {os.path.join(out_dir, 'skipped.json')}")
+                       f"trained); see {os.path.join(out_dir, 'skipped.json')}")

@@ -420,7 +420,7 @@ class Trainer:
 
     def checkpoint_for(self, mb) -> None:
         """--checkpoint-blocks auto: the model runs the micro-batch at the counts the loader gives it from the plan
-        (MicroBatch.checkpoint, schedule/memory.step_checkpoints: only as many blocks as its predicted peak needs;
+        (MicroBatch.checkpoint, schedule/memory.RecomputeCost.step_plans: only as many blocks as its predicted peak needs;
         under ZeRO-3 the step's largest count over every rank, the same on every rank)."""
         if mb.checkpoint is None:
             return

@@ -54,7 +54,7 @@ class Ctx:
         """auto-step: the (k, k) every micro-batch of the step runs with, its largest over all ranks; else None."""
         if self.recompute is None or self.cfg.checkpoint != "auto-step":
             return None
-        k = max(self.recompute.ks(sum(map(self.gpu.__getitem__, mb)), len(mb))[0] for mbs in step for mb in mbs)
+        k = self.recompute.step_k((sum(map(self.gpu.__getitem__, mb)), len(mb)) for mbs in step for mb in mbs)
         return k, k
 
     def step_pred(self, step):
