@@ -135,6 +135,58 @@ def register_rank() -> None:
     store = _store()
     if store is not None:
         store.set(f"ds_adaptiveload/pid/{_rank()}", f"{socket.gethostname()}:{os.getpid()}")
+        _watch_sigterm()
+
+
+# What the SIGTERM watcher read from the store while it was up: the peers that marked a SIGTERM, and whether a rank
+# already printed the run's SIGTERM line.
+_seen = {"marked": set(), "said": False}
+_SAID = "ds_adaptiveload/sigterm/said"
+
+
+def _watch_sigterm() -> None:
+    """A rank blocked in a collective runs its SIGTERM handler only once the collective fails, and for a peer of
+    rank 0 that is when rank 0's process has ended (destroying the group does not close gloo's connections), taking
+    the store and rank 0's mark with it: such a peer named rank 0 as lost beside rank 0's SIGTERM line. A thread
+    woken by the signal itself (signal.set_wakeup_fd) marks this rank at once and copies the peers' marks while the
+    store is up. Main thread only (set_wakeup_fd's rule); the DataLoader's workers drop the fd (die_with_parent)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    r, w = socket.socketpair()
+    w.setblocking(False)
+    signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+    group = (_store(), _dist().get_world_size(), _rank())  # the thread may run on after the group is destroyed
+    threading.Thread(target=_sigterm_watcher, args=(r, w, *group), name="ds_adaptiveload-sigterm", daemon=True).start()
+
+
+def _sigterm_watcher(r, w, store, world: int, me: int, poll_s: float = 0.05, limit_s: float = 60.0) -> None:
+    """The watcher's loop: wait for a SIGTERM byte (other signals' bytes are skipped), then read the store until
+    every peer has marked and a rank has printed, or the store is gone. w: kept open here, as the fd's owner."""
+    import signal
+    import time
+
+    while True:
+        data = r.recv(256)
+        if not data:
+            return
+        if signal.SIGTERM in data:
+            break
+    _mark_sigterm(store, me)
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        try:
+            marked, said = _read_marks(store, world, me)
+            _seen["marked"] |= marked
+            _seen["said"] = _seen["said"] or said
+            if _seen["said"] and len(_seen["marked"]) == world - 1:
+                store.set(_ack_key(me), "1")  # rank 0 may leave now (_outlive_peers)
+                return
+        except Exception:  # the store is served by rank 0's process, which has left
+            return
+        time.sleep(poll_s)
 
 
 def _store():
@@ -159,6 +211,7 @@ def die_with_parent(parent_pid: int, worker_id: int = 0) -> None:
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the rank's on_sigterm is not the worker's
+    signal.set_wakeup_fd(-1)  # nor its SIGTERM watcher's socket (_watch_sigterm)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     except (OSError, AttributeError):
@@ -230,32 +283,56 @@ def _sigterm_key(rank: int) -> str:
     return f"ds_adaptiveload/sigterm/{rank}"
 
 
-def _mark_sigterm() -> None:
+def _ack_key(rank: int) -> str:
+    """Set by a rank's SIGTERM watcher once it has read every peer's mark and the printed line from the store."""
+    return f"ds_adaptiveload/sigterm/ack/{rank}"
+
+
+def _mark_sigterm(store=None, me=None) -> None:
     """Tell the other ranks (in the store) that this rank got SIGTERM, so that its exit is not taken for a crash."""
-    store = _store()
+    store = store if store is not None else _store()
     try:
         if store is not None:
-            store.set(_sigterm_key(_rank()), "1")
+            store.set(_sigterm_key(_rank() if me is None else me), "1")
     except Exception:  # the store is served by rank 0, which may be gone
         pass
 
 
+def _read_marks(store=None, world=None, me=None) -> tuple:
+    """(the other ranks that marked a SIGTERM, whether a rank printed the SIGTERM line), from the store (default:
+    the process group's); raises when the store is unreachable."""
+    if store is None:
+        dist, store = _dist(), _store()
+        if dist is None or store is None:
+            return set(), False
+        world, me = dist.get_world_size(), _rank()
+    marked = {r for r in range(world) if r != me and store.check([_sigterm_key(r)])}
+    return marked, store.check([_SAID])
+
+
 def _sigtermed() -> set:
-    """The other ranks that marked a SIGTERM (_mark_sigterm)."""
-    dist, store = _dist(), _store()
-    if dist is None or store is None:
-        return set()
+    """The other ranks that marked a SIGTERM (_mark_sigterm), read now or earlier by the watcher."""
     try:
-        return {r for r in range(dist.get_world_size()) if r != _rank() and store.check([_sigterm_key(r)])}
+        marked, _ = _read_marks()
     except Exception:  # the store is unreachable: rank 0 is gone
-        return set()
+        marked = set()
+    return marked | _seen["marked"]
+
+
+def _sigterm_said() -> bool:
+    """Whether a rank already printed the SIGTERM line (read now, or earlier by the watcher)."""
+    try:
+        return _read_marks()[1] or _seen["said"]
+    except Exception:
+        return _seen["said"]
 
 
 def _outlive_peers(timeout_s: float = 5.0) -> None:
-    """Rank 0 serves the store: it closes its group's connections (a peer waiting in a collective then fails at once,
-    instead of waiting for rank 0's exit) but keeps the store up until the other ranks on this host have left (at most
-    timeout_s), since they read it to tell a SIGTERM from a crash. Had it left first, a SIGTERMed peer found the store
-    gone and named rank 0 as a lost rank (1 run in 4 of a group SIGTERM)."""
+    """Rank 0 serves the store: it keeps it up until every peer has left (same host: its process ended) or its
+    SIGTERM watcher has read what it needs (_ack_key), at most timeout_s, since the peers read the store to tell a
+    SIGTERM from a crash. Had it left first, a SIGTERMed peer found the store gone and named rank 0 as a lost rank
+    (1 run in 4 of a group SIGTERM). Destroying the group here does not end a peer's wait in a collective: gloo's
+    connections close when this process ends."""
     import time
 
     dist, store = _dist(), _store()
@@ -263,17 +340,18 @@ def _outlive_peers(timeout_s: float = 5.0) -> None:
         return
     import psutil
 
-    host, pids = socket.gethostname(), []
+    host, pids = socket.gethostname(), {}
     for r in range(1, dist.get_world_size()):
         try:
             if store.check([f"ds_adaptiveload/pid/{r}"]):
                 h, pid = store.get(f"ds_adaptiveload/pid/{r}").decode().rsplit(":", 1)
-                pids += [int(pid)] if h == host else []
+                pids[r] = int(pid) if h == host else None
         except Exception:
             return
     teardown()  # `store` still holds the store, which keeps serving
     end = time.monotonic() + timeout_s
-    while time.monotonic() < end and any(_alive(psutil, p) for p in pids):
+    while time.monotonic() < end and any((p is None or _alive(psutil, p)) and not store.check([_ack_key(r)])
+                                         for r, p in pids.items()):
         time.sleep(0.05)
 
 
@@ -384,10 +462,22 @@ def _lost_or_terminated(e, step, advice, terminated) -> int:
             print(f"error: {msg}", file=sys.stderr, flush=True)
         return EXIT_PEER_LOST
     me = _rank() if _dist() is not None else int(os.environ.get("RANK", 0))
-    if me == min(r for r in range(me + 1) if r not in gone):
+    if me == min(r for r in range(me + 1) if r not in gone) and not _sigterm_said():
+        _say_sigterm()
         print(f"error: {f'step {step}: ' if step else ''}stopped by SIGTERM (from a scheduler, or from the launcher "
               f"once a rank failed: then the first error above says why). {advice}", file=sys.stderr, flush=True)
     return EXIT_TERMINATED
+
+
+def _say_sigterm() -> None:
+    """Mark in the store that the SIGTERM line is printed: a peer that finds this rank gone later (it waited in a
+    collective until this process ended) must not print it again."""
+    store = _store()
+    try:
+        if store is not None:
+            store.set(_SAID, "1")
+    except Exception:
+        pass
 
 
 def cause_line(e: BaseException, width: int = 300) -> str:

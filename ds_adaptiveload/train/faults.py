@@ -9,12 +9,15 @@
                           of step STEP, before the micro-batch's forward issues any collective
     enospc-save:RANK:STEP rank RANK's writes inside DeepSpeed's save of STEP fail with ENOSPC (a full disk)
     enospc-log:RANK:STEP  rank RANK's step-log line of STEP fails with ENOSPC
+    stall:RANK:STEP       rank RANK sleeps (up to 10 min) before the first forward of step STEP, so that its peers
+                          wait for it inside a collective (a slow rank when a scheduler's SIGTERM arrives)
 
 SIGKILL, not an exception: nothing gets to clean up, as with a preempted node or the kernel's OOM killer.
 """
 import errno
 import os
 import signal
+import time
 
 from ds_adaptiveload.errors import UserError
 
@@ -23,7 +26,7 @@ class Faults:
     def __init__(self, specs, rank: int):
         self.rank = rank
         self.kill, self.save_abort, self.oom, self.worker_kill = set(), set(), set(), set()
-        self.enospc_save, self.enospc_log = set(), set()
+        self.enospc_save, self.enospc_log, self.stall = set(), set(), set()
         for spec in specs or ():
             kind, *nums = spec.split(":")
             try:
@@ -32,11 +35,11 @@ class Faults:
                 nums = ()
             kinds = {"kill": (2, self.kill), "save-abort": (1, self.save_abort), "oom": (3, self.oom),
                      "worker-kill": (2, self.worker_kill), "enospc-save": (2, self.enospc_save),
-                     "enospc-log": (2, self.enospc_log)}
+                     "enospc-log": (2, self.enospc_log), "stall": (2, self.stall)}
             want, into = kinds.get(kind, (None, None))
             if want is None or len(nums) != want:
                 raise UserError(f"--fault {spec!r}: expected kill:RANK:STEP, save-abort:STEP, oom:RANK:STEP:MB, "
-                                f"worker-kill:RANK:STEP, enospc-save:RANK:STEP or enospc-log:RANK:STEP")
+                                f"worker-kill:RANK:STEP, enospc-save:RANK:STEP, enospc-log:RANK:STEP or stall:RANK:STEP")
             into.add(nums)
 
     def after_backward(self, step: int) -> None:
@@ -65,6 +68,8 @@ class Faults:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
     def before_forward(self, step: int, micro: int) -> None:
+        if micro == 0 and (self.rank, step) in self.stall:
+            time.sleep(600)  # a signal's handler (SIGTERM: failures.on_sigterm) ends the sleep by raising
         if (self.rank, step, micro) in self.oom:
             raise out_of_memory_error()(f"injected out-of-memory (--fault oom:{self.rank}:{step}:{micro})")
 
