@@ -1,6 +1,7 @@
 """`python -m ds_adaptiveload <command>`: each command lives in its own module, imported lazily so that
 `plan` never imports torch."""
 import importlib
+import os
 import signal
 import sys
 
@@ -58,11 +59,12 @@ def main(argv=None) -> int:
 
 
 def flag_error(argv, error) -> int:
-    """A bad flag: one `error:` line, exit 2. A command that runs on several ranks and agrees on it first (train:
-    its agreed_exit) does so, outside the `except` block of the error."""
-    module = COMMANDS.get(argv[0]) if argv else None
-    agreed_exit = getattr(importlib.import_module(module[0]), "agreed_exit", None) if module else None
-    if agreed_exit is not None:
+    """A bad flag: one `error:` line, exit 2. Under a launcher with several ranks (train, calibrate, encode) the
+    ranks agree on it first and rank 0 prints it (train_cli.agreed_exit), outside the `except` block of the error;
+    each rank printed its own copy before."""
+    if argv and argv[0] in COMMANDS and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from ds_adaptiveload.train_cli import agreed_exit
+
         return agreed_exit(error)
     print(f"error: {error}", file=sys.stderr)
     return 2

@@ -193,3 +193,19 @@ def test_two_rank_budget_probe_oom_stops_fast_and_leaves_a_profile(tmp_path):
     ok = [r for r in doc["fit"]["points"] if r["status"] == "ok"]
     # peaks are the maximum over ranks: rank 1's, 1 MB above rank 0's
     assert all(abs(r["peak_gib"] * 2**30 - (1e8 + 1e5 * r["B"] * r["s"] + 1e6)) < 0.002 * 2**30 for r in ok)
+
+
+@needs_launcher
+@pytest.mark.parametrize("command", ["calibrate", "encode"])
+def test_a_bad_flag_on_two_ranks_is_one_line(tmp_path, command):
+    """`deepspeed --num_gpus 2 --module ds_adaptiveload calibrate|encode --no-such-flag`: the ranks agree, rank 0
+    prints the one line, every rank exits 2 (each rank printed its own copy before)."""
+    proc = subprocess.run(
+        [DEEPSPEED, "--num_gpus", "2", "--master_port", str(master_port()), "--no_local_rank", "--module",
+         "ds_adaptiveload", command, "--no-such-flag", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, env=launcher_env(OMP_NUM_THREADS="1"))
+    lines = [x for x in proc.stderr.splitlines() if "error:" in x]
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    # argparse's line: the unknown flag, or the required ones it checks first
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--" in lines[0], proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
