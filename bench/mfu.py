@@ -166,7 +166,7 @@ def micro_step(engine, cfg, shape, seed, device, dtype):
 
 class Levers:
     """Checkpointed blocks, their policy and compiled blocks switched between measurements through the model's own
-    per-micro-batch attributes (WanModel.checkpoint_blocks, checkpoint_policy) and model/compile.py."""
+    per-micro-batch settings (WanModel.set_checkpointing) and model/compile.py."""
 
     def __init__(self, model, compile_mode, backend):
         from ds_adaptiveload.model.wan import WanModel
@@ -179,7 +179,7 @@ class Levers:
         """k first blocks checkpointed with `policy`; compiled: True (blocks whole), "regions" or False (eager)."""
         from ds_adaptiveload.model.compile import compile_blocks, compile_regions, uncompile_blocks
 
-        self.model.checkpoint_blocks, self.model.checkpoint_policy = k, policy
+        self.model.set_checkpointing(k, 0, policy=policy)
         if compiled != self.compiled:
             uncompile_blocks(self.model)  # compiled code stays cached for the next switch back
             if compiled:

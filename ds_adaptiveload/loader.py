@@ -32,7 +32,7 @@ class MicroBatch:
     tokens: list = field(default_factory=list)
     """Full-sequence tokens of each sample (a packed micro-batch mixes shapes)."""
     checkpoint: tuple = None
-    """(k, k_full, k_ffn) the model runs this micro-batch at (schedule/memory.RecomputeCost.step_plans: the counts
+    """(k, k_full, k_ffn) the model runs this micro-batch at (schedule/memory.RecomputeCost.step_checkpoints: the counts
     the planner costs it with); None where the run checkpoints a fixed count."""
 
     def noise(self, x0):
@@ -165,7 +165,6 @@ class AdaptiveLoader:
             return None
         if tokens is None:
             tokens = [self._tokens(mb) for mb in ps.micro_batches]
-        from ds_adaptiveload.schedule.geometry import per_gpu_tokens
         from ds_adaptiveload.schedule.memory import RecomputeCost
 
         cfg = self.sampler.cfg
@@ -173,13 +172,8 @@ class AdaptiveLoader:
             memory, num_layers = self.memory_model
             # recompute fractions 0: only plan()'s counts are used here, not the time factors
             self._recompute = RecomputeCost(memory, num_layers, 0.0, policy=cfg.checkpoint_policy)
-
-        def cost(toks):  # (this GPU's tokens, samples) of a micro-batch
-            return sum(per_gpu_tokens(S, cfg.sp) for S in toks), len(toks)
-
-        every = ((cost(self._tokens(mb)) for mbs in ps.all_micro_batches for mb in mbs)
-                 if cfg.checkpoint == "auto-step" else ())
-        return self._recompute.step_plans(cfg.checkpoint, [cost(t) for t in tokens], every)
+        every = (self._tokens(mb) for mbs in ps.all_micro_batches for mb in mbs)  # read under auto-step only
+        return self._recompute.step_checkpoints(cfg.checkpoint, cfg.sp, tokens, every)
 
     def state_dict(self) -> dict:
         """Points at the step after the last one handed out (not at what the DataLoader prefetched)."""

@@ -46,7 +46,8 @@ def add_arguments(p):
                    help="plan for a GPU of this much memory (GiB, as torch reports its total memory): the profile's "
                         "budget and checkpointed blocks move there from its memory.capacity_bytes, as the trainer "
                         "does on such a GPU (profile.for_device); default: the profile's own GPU")
-    p.add_argument("--dump", help="write one JSON line per micro-batch: step, rank, micro, ids")
+    p.add_argument("--dump", help="write one JSON line per micro-batch: step, rank, micro, ids (and with --checkpoint "
+                                  "auto or auto-step, checkpoint: the [k, k_full, k_ffn] the trainer runs it at)")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON summary line")
 
 
@@ -82,7 +83,8 @@ def run(args):
                          checkpoint=args.checkpoint, checkpoint_policy=args.checkpoint_policy)
     profile = run_profile(profile, args.zero_stage, args.world_size, source,  # after cfg checked --world-size
                           device_bytes(args.device_memory_gib))
-    if args.checkpoint != "all" and RecomputeCost.of(profile, args.checkpoint_policy) is None:
+    recompute = RecomputeCost.of(profile, args.checkpoint_policy) if args.checkpoint != "all" else None
+    if args.checkpoint != "all" and recompute is None:
         logger.warning(f"{source}: no time_ms.recompute_frac, memory.block_bytes_per_token, capacity_bytes or "
                        f"meta.model.num_layers: --checkpoint {args.checkpoint} costs every block checkpointed")
     check_grad_accum(args.grad_accum, args.world_size // args.sp, len(samples), "--grad-accum",
@@ -90,14 +92,15 @@ def run(args):
     t0 = time.perf_counter()
     plan = make_plan(samples, profile, cfg, epoch=args.epoch)
     elapsed = time.perf_counter() - t0
+    ckpts = plan_checkpoints(plan, samples, profile.geometry, cfg, recompute)
     summary = {**plan.summary(), "plan_seconds": round(elapsed, 3), "budget_tokens": profile.budget_tokens,
-               "capacity_bytes": profile.memory.get("capacity_bytes")}
+               "capacity_bytes": profile.memory.get("capacity_bytes"), "checkpoint_blocks": block_range(ckpts)}
     if plan.skipped:
         ids = ", ".join(samples[i].id for i in plan.skipped[:5])
         logger.warning(f"skipped {len(plan.skipped)} oversize sample(s) (over {profile.budget_tokens} tokens per GPU): "
                        f"{ids}{' ...' if len(plan.skipped) > 5 else ''}")
     if args.dump:
-        write_dump(args.dump, plan, samples)
+        write_dump(args.dump, plan, samples, ckpts)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -156,23 +159,53 @@ def check_dump_path(path):
         raise UserError(f"--dump {path}: its folder does not exist ({folder})")
 
 
-def write_dump(path, plan, samples):
+def write_dump(path, plan, samples, checkpoints=None):
     try:
         f = open(path, "w")
     except OSError as e:  # permissions, a folder created meanwhile
         raise UserError(f"--dump {path}: cannot write ({e.strerror})") from None
     with f:
-        f.writelines(dump_lines(plan, samples))
+        f.writelines(dump_lines(plan, samples, checkpoints))
 
 
-def dump_lines(plan, samples):
-    """The --dump lines of a plan, one JSON object per micro-batch (tests/plan_digests.py hashes them)."""
+def plan_checkpoints(plan, samples, geometry, cfg, recompute):
+    """{(step, rank, micro): (k, k_full, k_ffn)}: the checkpoint counts the trainer runs each micro-batch at under
+    --checkpoint auto or auto-step, from the same RecomputeCost.step_checkpoints as the loader; None without
+    `recompute` (checkpoint all, or a profile without the memory model). The plan stores no counts: they are a
+    function of the micro-batch and the profile, derived where they are used."""
+    if recompute is None:
+        return None
+
+    def tokens(mb):
+        return [geometry.tokens(samples[i].frames, samples[i].height, samples[i].width) for i in mb]
+
+    out = {}
+    for s, step in enumerate(plan.steps):
+        every = [tokens(mb) for mbs in step for mb in mbs]
+        for r, mbs in enumerate(step):
+            ks = recompute.step_checkpoints(cfg.checkpoint, cfg.sp, [tokens(mb) for mb in mbs], every)
+            out.update(((s, r, m), list(k)) for m, k in enumerate(ks))
+    return out
+
+
+def block_range(checkpoints):
+    """--json's checkpoint_blocks: the fewest and most checkpointed blocks (k) over the plan's micro-batches, or
+    None when the trainer checkpoints a fixed count."""
+    ks = [k for k, *_ in checkpoints.values()] if checkpoints else None
+    return [min(ks), max(ks)] if ks else None
+
+
+def dump_lines(plan, samples, checkpoints=None):
+    """The --dump lines of a plan, one JSON object per micro-batch (tests/plan_digests.py hashes them), with its
+    checkpoint counts where `checkpoints` (plan_checkpoints) has them."""
     for s, step in enumerate(plan.steps):
         for r, mbs in enumerate(step):
             for m, mb in enumerate(mbs):
                 rec = {"step": s, "rank": r, "micro": m, "ids": [samples[i].id for i in mb]}
                 if (s, r, m) in plan.pad:
                     rec["pad"] = True
+                if checkpoints:
+                    rec["checkpoint"] = checkpoints[s, r, m]
                 yield json.dumps(rec) + "\n"
 
 

@@ -101,6 +101,23 @@ def test_attention_policy_under_compiled_blocks():
 def test_unknown_policy_is_a_user_error():
     with pytest.raises(UserError, match="checkpoint_policy 'some'"):
         tiny(True, "some")
+    model = tiny(True)
+    with pytest.raises(UserError, match="checkpoint_policy 'some'"):
+        model.set_checkpointing(1, policy="some")
+    assert model.checkpoint_policy == "full"
+
+
+def test_set_checkpointing_is_the_one_door():
+    """set_checkpointing sets the counts (k_full defaults to k) and, when given, the policy; None keeps the policy."""
+    model = tiny(False)
+    assert (model.checkpoint_blocks, model.checkpoint_full_blocks, model.checkpoint_ffn_blocks,
+            model.checkpoint_policy) == (False, 0, 0, "full")
+    model.set_checkpointing(2, 0, 1, policy="attention")
+    assert (model.checkpoint_blocks, model.checkpoint_full_blocks, model.checkpoint_ffn_blocks,
+            model.checkpoint_policy) == (2, 0, 1, "attention")
+    model.set_checkpointing(1)
+    assert (model.checkpoint_blocks, model.checkpoint_full_blocks, model.checkpoint_ffn_blocks,
+            model.checkpoint_policy) == (1, 1, 0, "attention")
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -100,7 +100,8 @@ def test_pack_tokens_is_for_packed_only_and_reaches_the_config():
 
 def test_plan_command_takes_pack_tokens(tmp_path, capsys):
     from ds_adaptiveload.cli import main
-    from ds_adaptiveload.plan_cli import dump_lines
+    from ds_adaptiveload.plan_cli import dump_lines, plan_checkpoints
+    from ds_adaptiveload.schedule.memory import RecomputeCost
 
     path = tmp_path / "p.yaml"
     PROFILE.to_yaml(str(path))
@@ -109,10 +110,12 @@ def test_plan_command_takes_pack_tokens(tmp_path, capsys):
             "--lockstep", "--checkpoint", "auto", "--checkpoint-policy", "attention"]
     assert main([*args, "--pack-tokens", "auto", "--dump", str(dump), "--json"]) == 0
     out = capsys.readouterr().out
-    want = make_plan(make_mix("video-heavy", 200, seed=0), PROFILE, PlanConfig(
+    samples, cfg = make_mix("video-heavy", 200, seed=0), PlanConfig(
         world_size=2, grad_accum=2, lockstep=True, checkpoint="auto", checkpoint_policy="attention",
-        pack_tokens="auto"))
+        pack_tokens="auto")
+    want = make_plan(samples, PROFILE, cfg)
     assert f'"pack_tokens": {want.pack_tokens}' in out and want.pack_tokens < PROFILE.budget_tokens
-    assert dump.read_text() == "".join(dump_lines(want, make_mix("video-heavy", 200, seed=0)))
+    counts = plan_checkpoints(want, samples, PROFILE.geometry, cfg, RecomputeCost.of(PROFILE, "attention"))
+    assert dump.read_text() == "".join(dump_lines(want, samples, counts)) and counts
     assert main([*args, "--pack-tokens", "lots"]) == 2
     assert "--pack-tokens must be a positive integer or auto, got 'lots'" in capsys.readouterr().err

@@ -112,3 +112,39 @@ def test_plan_does_not_import_torch():
             f"main(['plan', '--mix', 'video-heavy:200', '--profile', '{H200}', '--world-size', '2', '--json']); "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("mode", ["auto", "auto-step"])
+def test_dump_lines_carry_the_checkpoint_counts(tmp_path, manifest, capsys, mode):
+    """--checkpoint auto / auto-step: each --dump line holds the [k, k_full, k_ffn] the trainer runs the micro-batch
+    at (the memory model's own under auto, the step's largest k on every micro-batch under auto-step), and --json
+    their range; under all neither appears."""
+    from ds_adaptiveload.plan_cli import run_profile
+    from ds_adaptiveload.schedule.geometry import per_gpu_tokens
+    from ds_adaptiveload.schedule.memory import checkpoint_plan
+    from ds_adaptiveload.schedule.profile import CostProfile
+
+    src = "configs/profiles/h200-wan1.3b-zero2.yaml"
+    profile = run_profile(CostProfile.load(src), None, 8, src)
+    shapes = {s.id: (s.frames, s.height, s.width) for s in make_mix("video-heavy", 300, seed=3)}
+
+    def own(ids):
+        tokens = sum(per_gpu_tokens(profile.geometry.tokens(*shapes[i]), 2) for i in ids)
+        return list(checkpoint_plan(tokens, len(ids), profile.memory, profile.meta["model"]["num_layers"]))
+
+    dump = tmp_path / "plan.jsonl"
+    for ckpt in (mode, "all"):
+        assert main(["plan", "--manifest", manifest, "--profile", src, "--world-size", "8", "--sp", "2",
+                     "--grad-accum", "2", "--lockstep", "--policy", "balanced", "--checkpoint", ckpt, "--dump", str(dump),
+                     "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        lines = [json.loads(x) for x in dump.read_text().splitlines()]
+        if ckpt == "all":
+            assert summary["checkpoint_blocks"] is None and not any("checkpoint" in x for x in lines)
+            continue
+        for x in lines:
+            step = [y for y in lines if y["step"] == x["step"]]
+            k = max(own(y["ids"])[0] for y in step)
+            assert x["checkpoint"] == (own(x["ids"]) if mode == "auto" else [k, k, 0])
+        ks = [x["checkpoint"][0] for x in lines]
+        assert summary["checkpoint_blocks"] == [min(ks), max(ks)] and min(ks) < max(ks)

@@ -140,7 +140,8 @@ def test_plan_command_and_trainer_choose_the_mode(tmp_path, capsys):
     from types import SimpleNamespace
 
     from ds_adaptiveload.cli import main
-    from ds_adaptiveload.plan_cli import dump_lines
+    from ds_adaptiveload.plan_cli import dump_lines, plan_checkpoints
+    from ds_adaptiveload.schedule.memory import RecomputeCost
     from ds_adaptiveload.train.setup import plan_checkpoint
 
     path = tmp_path / "p.yaml"
@@ -149,9 +150,11 @@ def test_plan_command_and_trainer_choose_the_mode(tmp_path, capsys):
     assert main(["plan", "--mix", "video-heavy:120", "--profile", str(path), "--world-size", "2", "--grad-accum", "2",
                  "--lockstep", "--checkpoint", "auto", "--checkpoint-policy", "attention", "--dump", str(dump)]) == 0
     samples = make_mix("video-heavy", 120, seed=0)
-    want = make_plan(samples, CostProfile.load(str(path)), PlanConfig(
-        world_size=2, grad_accum=2, lockstep=True, checkpoint="auto", checkpoint_policy="attention"))
-    assert dump.read_text() == "".join(dump_lines(want, samples))
+    profile = CostProfile.load(str(path))
+    cfg = PlanConfig(world_size=2, grad_accum=2, lockstep=True, checkpoint="auto", checkpoint_policy="attention")
+    want = make_plan(samples, profile, cfg)
+    counts = plan_checkpoints(want, samples, profile.geometry, cfg, RecomputeCost.of(profile, "attention"))
+    assert dump.read_text() == "".join(dump_lines(want, samples, counts)) and counts
     capsys.readouterr()
     calibrated = os.path.join(ROOT, "configs", "profiles", "h200-wan1.3b-zero3.yaml")  # no open-block fields
     assert main(["plan", "--mix", "video-heavy:20", "--profile", calibrated, "--world-size", "2",

@@ -269,8 +269,8 @@ def test_packed_replicates_rounds_when_slots_hold_few_samples():
 
 def test_packed_one_clip_idles_less_than_balanced():
     """#20's one-clip target at G = 1, where packed had idled more than balanced: light runs by token count and
-    light slots filled anew (schedule/packed._densify) bring it below balanced on both mixes, with steps closer to
-    the data (40,000 samples, 8 ranks; docs/history/benchmarks.md has 200,000 and 1M)."""
+    light slots filled anew (policies/packed_slots._densify) bring it below balanced on both mixes, with steps
+    closer to the data (40,000 samples, 8 ranks; docs/history/benchmarks.md has 200,000 and 1M)."""
     one = calibrated(75693)
     for mix in ("video-heavy", "image-heavy"):
         samples = make_mix(mix, 40000)
@@ -284,7 +284,7 @@ def test_packed_light_runs_hold_one_token_count_but_where_counts_meet():
     mixes two token counts only where one count ends, and only the last run is short."""
     import random
 
-    from ds_adaptiveload.schedule.policies import packed
+    from ds_adaptiveload.schedule.policies import packed, packed_stream
 
     profile = calibrated(75693)
     samples = make_mix("video-heavy", 3000)
@@ -293,7 +293,7 @@ def test_packed_light_runs_hold_one_token_count_but_where_counts_meet():
     ctx = packed.PackedCtx(profile, cfg, tokens, list(tokens), [(s.frames, s.height, s.width) for s in samples], {})
     keep = list(range(len(samples)))
     _, heavy = packed._target(keep, ctx, packed.PACK_FILL)
-    order, runs, cont = packed._stream(keep, ctx, random.Random(0), heavy, 8, replicate=True)
+    order, runs, cont = packed_stream.epoch_stream(keep, ctx, random.Random(0), heavy, 8, replicate=True)
     light_runs, cur = [], None
     for p, i in enumerate(order):
         if heavy[i]:
@@ -315,7 +315,7 @@ def test_packed_heavy_runs_go_by_token_count_across_shapes():
     64 ranks the plan is within 1% of the lower bound (runs of one shape left a short run per shape: 7%)."""
     import random
 
-    from ds_adaptiveload.schedule.policies import packed
+    from ds_adaptiveload.schedule.policies import packed, packed_stream
 
     profile = calibrated(75693)
     samples = make_mix("openvid-720p", 4000)
@@ -325,7 +325,7 @@ def test_packed_heavy_runs_go_by_token_count_across_shapes():
     keep = list(range(len(samples)))
     _, heavy = packed._target(keep, ctx, packed.PACK_FILL)
     assert len({ctx.shape[i] for i in keep if heavy[i]}) >= 50
-    order, runs, _ = packed._stream(keep, ctx, random.Random(0), heavy, 16)
+    order, runs, _ = packed_stream.epoch_stream(keep, ctx, random.Random(0), heavy, 16)
     assert sum(runs.values()) == sum(heavy[i] for i in keep)
     assert sum(n < 16 for n in runs.values()) == 1
     ordered = sorted(tokens[i] for i in keep if heavy[i])[::-1]
@@ -592,7 +592,7 @@ def test_packed_trade_search_numpy_equals_pair_by_pair(dual):
     none, with and without a compute cap: plans must not depend on which of the two ran."""
     import dataclasses
 
-    from ds_adaptiveload.schedule.policies import packed
+    from ds_adaptiveload.schedule.policies import packed, packed_slots
 
     profile = calibrated(453693)
     if dual:
@@ -604,7 +604,7 @@ def test_packed_trade_search_numpy_equals_pair_by_pair(dual):
     rng = random.Random(1)
     found = 0
     for trial in range(300):
-        sl = packed._Slots(ctx, 2)
+        sl = packed_slots.Slots(ctx, 2)
         for k, n in enumerate((rng.randint(1, 40), rng.randint(0, 40))):
             for i in rng.sample(range(len(samples)), n):
                 if sl.room(k, i):
@@ -613,7 +613,7 @@ def test_packed_trade_search_numpy_equals_pair_by_pair(dual):
         xs = list({shapes[i]: i for i in sl.samples[a]}.values())
         ys = [None] + list({shapes[i]: i for i in sl.samples[b]}.values())
         gap = sl.load[a] - sl.load[b]
-        want = packed._best_trade_py(sl, a, b, xs, ys, gap)
-        assert packed._best_trade_np(sl, a, b, xs, ys, gap) == want, trial
+        want = packed_slots._best_trade_py(sl, a, b, xs, ys, gap)
+        assert packed_slots._best_trade_np(sl, a, b, xs, ys, gap) == want, trial
         found += want is not None
     assert 30 < found < 300  # both outcomes are exercised

@@ -108,10 +108,10 @@ def policy_of(model, side):
     from ds_adaptiveload.model import wan
     from ds_adaptiveload.model.gelu_linear import GeluLinear
 
-    before = (model.checkpoint_blocks, model.checkpoint_ffn_blocks, model.open_recompute)
+    before = (model.checkpoint_blocks, model.checkpoint_full_blocks, model.checkpoint_ffn_blocks), model.open_recompute
     blocks, ffn, open_recompute = SIDES[side]
     n = len(model.blocks)
-    model.checkpoint_blocks, model.checkpoint_ffn_blocks = (True if blocks == 1 else int(blocks * n)), int(ffn * n)
+    model.set_checkpointing(True if blocks == 1 else int(blocks * n), model.checkpoint_full_blocks, int(ffn * n))
     model.open_recompute = open_recompute
     op_forward, ffn_policy = GeluLinear.forward, wan.save_attention_ffn_policy
     if side.endswith("-function"):
@@ -120,7 +120,8 @@ def policy_of(model, side):
     try:
         yield
     finally:
-        model.checkpoint_blocks, model.checkpoint_ffn_blocks, model.open_recompute = before
+        model.set_checkpointing(*before[0])
+        model.open_recompute = before[1]
         GeluLinear.forward, wan.save_attention_ffn_policy = op_forward, ffn_policy
 
 
@@ -172,7 +173,7 @@ def run(args) -> dict:
     opts = argparse.Namespace(seed=0, checkpoint_blocks=True, compile_blocks=args.compile_blocks or None)
     fn = plain_step(cfg, opts, geo, device, dtype, None)
     model = fn.engine.module
-    model.checkpoint_policy = "attention"
+    model.set_checkpointing(model.checkpoint_blocks, 0, policy="attention")  # plain_step: every block checkpointed
     a, b = args.compare.split(":")
     out = {"model_config": args.model_config, "compile_blocks": args.compile_blocks, "compare": [a, b],
            "cases": [], "build_s": round(time.perf_counter() - t0, 1)}

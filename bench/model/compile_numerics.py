@@ -125,9 +125,9 @@ def build(args, device):
 def reference(model, inputs, device):
     """fp32, eager, exact attention (memory-efficient kernel on CUDA, math on CPU), every block checkpointed."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    model.checkpoint_blocks, model.checkpoint_policy = True, "full"
+    model.set_checkpointing(True, 0, policy="full")
     loss, pred, grads = grads_of(model, inputs, "efficient" if device == "cuda" else None)
-    model.checkpoint_blocks = False
+    model.set_checkpointing(False, 0)
     return loss, pred, grads
 
 
@@ -156,7 +156,7 @@ def run_variant(model, inputs, name, ref, calls=3):
     model.set_attention(wan.sdpa_attention)
     if backend:
         compile_blocks(model, dynamic=not static, backend=backend)
-    model.checkpoint_blocks, model.checkpoint_policy = policy is not None, policy or "full"
+    model.set_checkpointing(policy is not None, 0, policy=policy or "full")
     row = {"variant": name, "backend": backend or "none", "sdpa": kernel or "default",
            "checkpoint": policy or "none", "patch": PATCHES.get(name)}
     try:

@@ -172,7 +172,7 @@ class Bench:
         elif self.cuda and self.worst_bytes_per_token * tokens > 0.9 * self.capacity:
             rec["status"] = "skipped: would not fit (largest measured bytes per token)"
         else:
-            self.model.checkpoint_blocks = mode == "ckpt"
+            self.model.set_checkpointing(mode == "ckpt", 0)
             base = torch.cuda.memory_allocated() if self.cuda else 0
             fn = self.packed_fn(self.samples(spec)) if packed else self.separate_fn(self.samples(spec))
             try:
@@ -330,7 +330,7 @@ def paired_ratios(b: Bench, mode: str, mixed, heavy, best) -> dict:
     """--pairs: the two targets measured in ABBA pairs (Bench.paired); each function's inputs are made anew, so
     the memory of one case's inputs is held only while its pair runs."""
     ck, out = mode == "ckpt", {}
-    b.model.checkpoint_blocks = ck
+    b.model.set_checkpointing(ck, 0)
     if all(r["status"] == "ok" for r in mixed):
         tok = mixed[0]["tokens"]
         rec = b.paired("mixed: packed / separate", mode, b.packed_fn(b.samples(MIXED[ck])),

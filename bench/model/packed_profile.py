@@ -89,7 +89,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.reps, args.heavy_reps, args.budget_s = 1, 1, 1e9
     b = pm.Bench(args)
-    b.model.checkpoint_blocks = True
+    b.model.set_checkpointing(True, 0)
     spec = (pm.MIXED if args.mix == "mixed" else pm.IMAGE_MIX)[True]
     smp = b.samples(spec)
     runs = {}

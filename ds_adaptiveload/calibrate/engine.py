@@ -144,10 +144,9 @@ class StepFn:
         (attention) or those and their FFN outputs (attention-ffn), as the trainer sets them per micro-batch under
         --checkpoint-blocks auto."""
         m = self.engine.module
-        m.checkpoint_blocks, m.checkpoint_policy = blocks, "attention" if policy == "attention-ffn" else policy
-        m.checkpoint_full_blocks = 0
-        # every checkpointed block: WanModel.forward keeps the FFN output of at most its checkpointed ones
-        m.checkpoint_ffn_blocks = len(m.blocks) if policy == "attention-ffn" else 0
+        # attention-ffn: k_ffn is every block, as WanModel.forward keeps the FFN output of at most the checkpointed ones
+        m.set_checkpointing(blocks, 0, len(m.blocks) if policy == "attention-ffn" else 0,
+                            policy="attention" if policy == "attention-ffn" else policy)
 
     def _inputs(self, p):
         """Random latents and text contexts of p's shape: [B, C, ...] tensors for a grid Point, lists of

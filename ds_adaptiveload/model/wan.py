@@ -286,13 +286,9 @@ class WanModel(nn.Module):
     def __init__(self, cfg: WanConfig, checkpoint_blocks: bool = False,
                  self_attn_fn: Optional[AttentionFn] = None, checkpoint_policy: str = "full"):
         super().__init__()
-        if checkpoint_policy not in CHECKPOINT_POLICIES:
-            raise UserError(f"WanModel: checkpoint_policy {checkpoint_policy!r}: expected one of {CHECKPOINT_POLICIES}")
         self.cfg = cfg
-        self.checkpoint_blocks = checkpoint_blocks
-        self.checkpoint_policy = checkpoint_policy
-        self.checkpoint_full_blocks = 0  # settable per micro-batch: schedule/memory.selective_checkpoint
-        self.checkpoint_ffn_blocks = 0  # likewise: schedule/memory.ffn_blocks
+        # checkpoint_full_blocks and checkpoint_ffn_blocks, settable per micro-batch: schedule/memory.py sizes them
+        self.set_checkpointing(checkpoint_blocks, 0, 0, policy=checkpoint_policy)
         self.open_recompute = "none"  # the blocks not checkpointed: keep all they save, or recompute "elementwise"
         self.offload_blocks = 0  # likewise: schedule/memory.offload_blocks
         self.__dict__["_offload"] = BlockInputOffload()  # outside the module tree: no state, no ZeRO hooks
@@ -308,9 +304,14 @@ class WanModel(nn.Module):
         self.set_block_fns(None)
         self.init_weights()
 
-    def set_checkpointing(self, k, k_full=None, k_ffn: int = 0) -> None:
+    def set_checkpointing(self, k, k_full=None, k_ffn: int = 0, policy: Optional[str] = None) -> None:
         """The next micro-batch's checkpoint counts, as its plan decided (loader.MicroBatch.checkpoint): the first k
-        blocks checkpointed, k_full of them recomputed whole (default all k), k_ffn of them keeping their FFN output."""
+        blocks checkpointed (True: every block), k_full of them recomputed whole (default all k), k_ffn of them keeping
+        their FFN output; policy (None: unchanged) replaces checkpoint_policy, as calibration and benchmarks do."""
+        if policy is not None:
+            if policy not in CHECKPOINT_POLICIES:
+                raise UserError(f"WanModel: checkpoint_policy {policy!r}: expected one of {CHECKPOINT_POLICIES}")
+            self.checkpoint_policy = policy
         self.checkpoint_blocks = k
         self.checkpoint_full_blocks = k if k_full is None else k_full
         self.checkpoint_ffn_blocks = k_ffn

@@ -31,6 +31,7 @@ many of the k checkpointed blocks got theirs.
 import math
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.schedule.geometry import per_gpu_tokens
 
 DEFAULT_SAFETY = 0.9  # calibrate's default share of device memory the budget may use
 
@@ -239,6 +240,16 @@ class RecomputeCost:
             k = self.step_k(all_mbs)
             return [(k, k, 0)] * len(rank_mbs)
         return [self.plan(t, n) for t, n in rank_mbs]
+
+    def step_checkpoints(self, mode: str, sp: int, rank_tokens: list, all_tokens=()) -> list:
+        """step_plans of a rank's micro-batches given as their samples' full-sequence tokens, split over `sp` GPUs:
+        the counts the loader hands the model and `plan --dump` shows. all_tokens: every rank's micro-batches of
+        the step, read under auto-step only."""
+        def cost(tokens):  # (this GPU's tokens, samples) of a micro-batch
+            return sum(per_gpu_tokens(S, sp) for S in tokens), len(tokens)
+
+        every = (cost(t) for t in all_tokens) if mode == "auto-step" else ()
+        return self.step_plans(mode, [cost(t) for t in rank_tokens], every)
 
     def ks(self, tokens: int, samples: int) -> tuple:
         """(k, k_full) of plan()."""

@@ -1,0 +1,247 @@
+"""The packed policy's step: its samples packed by LPT into R*G slots, the slots cut into rounds of R and each
+round evened out (trades between slots, samples given back to the next step, gaps filled with sand). Pure Python
+and numpy, no torch."""
+import heapq
+import math
+
+import numpy as np
+
+# Slots the LPT tries (cheapest first) before it defers a sample that fits none of them to the next step.
+TRIES = 8
+# A slot this close (relative) to its round's mean (evening) or costliest slot (gap filling) is left alone.
+EVEN_TOL = 1e-3
+# A light slot below this fraction of its round's costliest is filled anew (_densify). With runs by
+# token count, at one clip per micro-batch 0.5 left 0.0060% idle (video-heavy, 8 ranks, G = 1), 0.7 0.0043%.
+DENSE_BELOW = 0.7
+# _best_trade scores the pairs of a round's two slots with numpy from this many (x, y) pairs on: with memory for
+# six 720p clips a slot holds ~30 shapes (900 pairs, most of the planning time in pure Python); with one clip a
+# few, where numpy's per-call overhead is the larger cost.
+NUMPY_PAIRS = 64
+
+
+def sample_cols(ctx):
+    """(cost, memory, compute) per sample: the columns a step sums; without a compute cap memory stands in for it."""
+    return [ctx.cost, ctx.mem, ctx.comp if ctx.dual else ctx.mem]
+
+
+class Slots:
+    """One step's R*G slots: samples, summed line cost, memory and compute (the compute column repeats memory
+    without a cap, so one check serves both)."""
+
+    def __init__(self, ctx, n):
+        self.cost, self.mem, self.comp = sample_cols(ctx)
+        self.ctx = ctx
+        self.limit = ctx.budget
+        self.limit_c = ctx.dual[1] * (1 + 1e-9) if ctx.dual else self.limit
+        self.samples = [[] for _ in range(n)]
+        self.load, self.used, self.used_c = [0.0] * n, [0.0] * n, [0.0] * n
+
+    def room(self, k, i):
+        return (not self.samples[k] or self.used[k] + self.mem[i] <= self.limit
+                and self.used_c[k] + self.comp[i] <= self.limit_c)
+
+    def add(self, k, i, sign=1):
+        (self.samples[k].append if sign > 0 else self.samples[k].remove)(i)
+        self.load[k] += sign * self.cost[i]
+        self.used[k] += sign * self.mem[i]
+        self.used_c[k] += sign * self.comp[i]
+
+
+def pack_step(cand, ctx, slots):
+    """LPT: costliest sample first into the cheapest slot that has room (memory, compute cap). Returns the
+    slots and the samples none of the TRIES cheapest slots had room for."""
+    sl = Slots(ctx, slots)
+    heap = [(0.0, k) for k in range(slots)]
+    deferred = []
+    cost, mem, comp, samples, used, used_c = sl.cost, sl.mem, sl.comp, sl.samples, sl.used, sl.used_c
+    limit, limit_c = sl.limit, sl.limit_c
+    replace = heapq.heapreplace
+    fail_m = fail_c = math.inf  # memory and compute of the last sample that fit none of the TRIES cheapest slots
+    for i in sorted(cand, key=cost.__getitem__, reverse=True):
+        if mem[i] >= fail_m and comp[i] >= fail_c:
+            # Nothing was placed since that sample failed, so the same slots are the cheapest and have no more
+            # room: this one fails them too (at one clip per micro-batch, most of the packing time went here).
+            deferred.append(i)
+            continue
+        load, k = heap[0]
+        # the common case, inline (the hot loop): the cheapest slot has room
+        if not samples[k] or used[k] + mem[i] <= limit and used_c[k] + comp[i] <= limit_c:
+            replace(heap, (load + cost[i], k))
+            samples[k].append(i)
+            used[k] += mem[i]
+            used_c[k] += comp[i]
+            fail_m = fail_c = math.inf
+            continue
+        tried, k = [], None
+        while heap and len(tried) < TRIES:
+            load, j = heapq.heappop(heap)
+            if sl.room(j, i):
+                k, load = j, load + cost[i]
+            tried.append((load, j))
+            if k is not None:
+                break
+        for item in tried:
+            heapq.heappush(heap, item)
+        if k is None:
+            deferred.append(i)
+            fail_m, fail_c = mem[i], comp[i]
+            continue
+        sl.add(k, i)
+        fail_m = fail_c = math.inf
+    sl.load = [0.0] * slots  # the heap held the loads
+    for load, k in heap:
+        sl.load[k] = load
+    return sl, deferred
+
+
+def step_rounds(sl, ctx, r, draw, carry, replicate=False):
+    """Slots sorted by cost, cut into rounds of R (the slots of one cost level), each round evened out
+    (_even, _shed into `carry` while the stream lasts, _fill_gaps); a round's costliest slot goes to the
+    least-loaded rank so far (even rank totals too). With `replicate` nothing is shed: a sample given back
+    lands alone in the next step, whose rounds its runs would otherwise make exact."""
+    order = sorted((k for k in range(len(sl.samples)) if sl.samples[k]), key=sl.load.__getitem__, reverse=True)
+    step = [[] for _ in range(r)]
+    total = [0.0] * r
+    shape = ctx.shape
+    for j in range(0, len(order), r):
+        rd = order[j:j + r]
+        _even(rd, sl, ctx)
+        if not draw.done():  # a sample given back must have a next step to go to
+            if not replicate:
+                _shed(rd, sl, ctx.shape, carry)
+            _densify(rd, sl, draw.heavy, carry)
+        _fill_gaps(rd, sl, draw)
+        ranks = sorted(range(r), key=total.__getitem__)
+        for rank, k in zip(ranks, sorted(rd, key=sl.load.__getitem__, reverse=True)):
+            mb = sl.samples[k]
+            mb.sort(key=shape.__getitem__)  # stable: samples of one shape contiguous, in placement order
+            step[rank].append(mb)
+            total[rank] += sl.load[k]
+    return step
+
+
+def _even(rd, sl, ctx, passes=8, scan=4, tol=None):
+    """Local improvement of one round: in each pass every slot above the mean, costliest first, trades with
+    one of the `scan` cheapest slots not yet traded with, taking the move of one sample or the swap of two
+    that best halves their gap within memory and the compute cap. A round costs its costliest slot; slots
+    within `tol` of the mean are left alone. Few samples per slot (small budgets) are where LPT leaves gaps."""
+    load, tol = sl.load, EVEN_TOL if tol is None else tol
+    for _ in range(passes):
+        mean = sum(load[k] for k in rd) / len(rd)
+        light = sorted(rd, key=load.__getitem__)
+        heavy = [k for k in reversed(light) if load[k] > mean * (1 + tol)]
+        light = [k for k in light if load[k] < mean]
+        improved = False
+        for a in heavy:
+            for b in light[:scan]:
+                act = _best_trade(sl, a, b, ctx.shape)
+                if act is not None:
+                    x, y = act
+                    sl.add(a, x, -1)
+                    sl.add(b, x)
+                    if y is not None:
+                        sl.add(b, y, -1)
+                        sl.add(a, y)
+                    light.remove(b)
+                    improved = True
+                    break
+        if not improved:
+            return
+
+
+def _shed(rd, sl, shape, out, tol=None):
+    """Slots of a round above its mean (by more than `tol`) give samples back (to `out`, the next step) until
+    they are not: each time the cheapest sample that covers the excess, else the costliest. A cost-dense
+    slot (a long clip with its company) then no longer sets the round's pace; moving the sample within the
+    step is what _even tried, and memory is what stopped it."""
+    load, cost, tol = sl.load, sl.cost, EVEN_TOL if tol is None else tol
+    level = sum(load[k] for k in rd) / len(rd) * (1 + tol)
+    for k in rd:
+        while load[k] > level and len(sl.samples[k]) > 1:
+            excess = load[k] - level
+            xs = {shape[i]: i for i in sl.samples[k]}.values()
+            cover = [i for i in xs if cost[i] >= excess]
+            x = min(cover, key=cost.__getitem__) if cover else max(xs, key=cost.__getitem__)
+            sl.add(k, x, -1)
+            out.append(x)
+
+
+def _densify(rd, sl, heavy, out):
+    """Slots of a round below DENSE_BELOW of its costliest, holding two or more samples and none heavy, give
+    all but their costliest sample back (to `out`, the next step), so that _fill_gaps fills them anew from the
+    stream ahead, costliest first. Memory full of small samples caps a slot's cost well below one of few large
+    ones: beside a round of 720p clips, seven small samples made 4.3 s where two or three larger ones make 6-7 s."""
+    top, cost = max(sl.load[k] for k in rd), sl.cost
+    for k in rd:
+        mb = sl.samples[k]
+        if sl.load[k] < DENSE_BELOW * top and len(mb) > 1 and not any(heavy[i] for i in mb):
+            keep = max(mb, key=cost.__getitem__)
+            for i in [i for i in mb if i != keep]:
+                sl.add(k, i, -1)
+                out.append(i)
+
+
+def _fill_gaps(rd, sl, draw, tol=None):
+    """Slots of a round more than `tol` below its costliest take light samples from just ahead in the
+    stream (draw.sand), costliest that fits first, until their gap is below tol or nothing fits."""
+    top, tol = max(sl.load[k] for k in rd), EVEN_TOL if tol is None else tol
+    for k in rd:
+        while top - sl.load[k] > tol * top:
+            i = draw.sand(top - sl.load[k], sl, k)
+            if i is None:
+                break
+            sl.add(k, i)
+
+
+def _best_trade(sl, a, b, shape):
+    """(x from a, y from b or None): the move or swap that brings the pair's costs closest, or None if none
+    lowers the costlier. One sample per distinct shape is tried (samples of one shape are interchangeable)."""
+    cost, mem, comp = sl.cost, sl.mem, sl.comp
+    gap = sl.load[a] - sl.load[b]
+    xs = list({shape[i]: i for i in sl.samples[a]}.values())
+    ys = [None] + list({shape[i]: i for i in sl.samples[b]}.values())
+    if len(xs) * len(ys) >= NUMPY_PAIRS:
+        return _best_trade_np(sl, a, b, xs, ys, gap)
+    return _best_trade_py(sl, a, b, xs, ys, gap)
+
+
+def _best_trade_py(sl, a, b, xs, ys, gap):
+    """_best_trade pair by pair (few pairs: cheaper than numpy's per-call overhead)."""
+    cost, mem, comp = sl.cost, sl.mem, sl.comp
+    best, best_left = None, gap - 1e-9
+    for x in xs:
+        for y in ys:
+            if y is None:
+                if len(sl.samples[a]) == 1:
+                    continue  # a slot keeps at least one sample
+                d, dm, dc = cost[x], mem[x], comp[x]
+            else:
+                d, dm, dc = cost[x] - cost[y], mem[x] - mem[y], comp[x] - comp[y]
+            if not 0 < d < gap or sl.used[b] + dm > sl.limit or sl.used[a] - dm > sl.limit:
+                continue
+            if sl.used_c[b] + dc > sl.limit_c or sl.used_c[a] - dc > sl.limit_c:
+                continue
+            left = abs(gap - 2 * d)  # the pair's new cost difference
+            if left < best_left:
+                best, best_left = (x, y), left
+    return best
+
+
+def _best_trade_np(sl, a, b, xs, ys, gap):
+    """_best_trade over all (x, y) pairs at once, float for float the same arithmetic and the same pick: the
+    first pair (x outer, y inner) with the least new difference, if below gap. Column 0 (y None) is a move."""
+    cols = sl.ctx.np_cols()
+    diff = cols[xs][:, None, :] - cols[[len(cols) - 1] + ys[1:]][None, :, :]
+    d, dm = diff[..., 0], diff[..., 1]
+    ok = (d > 0) & (d < gap) & (sl.used[b] + dm <= sl.limit) & (sl.used[a] - dm <= sl.limit)
+    if sl.ctx.dual:  # without a compute cap its column repeats memory, checked above
+        dc = diff[..., 2]
+        ok &= (sl.used_c[b] + dc <= sl.limit_c) & (sl.used_c[a] - dc <= sl.limit_c)
+    if len(sl.samples[a]) == 1:
+        ok[:, 0] = False  # a slot keeps at least one sample
+    left = np.where(ok, np.abs(gap - 2 * d), np.inf)
+    j = int(np.argmin(left))
+    if not left.flat[j] < gap - 1e-9:
+        return None
+    return xs[j // len(ys)], ys[j % len(ys)]
+
