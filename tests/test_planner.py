@@ -586,10 +586,30 @@ def test_sampler_state_refuses_a_differently_planned_epoch_mid_way():
     assert same.next_step == 3 and same.state_dict()["plan"] == state["plan"]
 
 
+def _trade_pair_by_pair(sl, a, b, xs, ys):
+    """The reference for packed_slots._best_trade: every (x, y) pair in order (y None first: a move), the first with
+    the least new difference |gap - 2 d| with 0 < d < gap and memory and compute kept, if below gap."""
+    gap = sl.load[a] - sl.load[b]
+    best, best_left = None, gap - 1e-9
+    for x in xs:
+        for y in [None] + ys:
+            if y is None and len(sl.samples[a]) == 1:
+                continue
+            d, dm, dc = [col[x] - (0 if y is None else col[y]) for col in (sl.cost, sl.mem, sl.comp)]
+            if not 0 < d < gap or sl.used[b] + dm > sl.limit or sl.used[a] - dm > sl.limit:
+                continue
+            if sl.used_c[b] + dc > sl.limit_c or sl.used_c[a] - dc > sl.limit_c:
+                continue
+            if abs(gap - 2 * d) < best_left:
+                best, best_left = (x, y), abs(gap - 2 * d)
+    return best
+
+
 @pytest.mark.parametrize("dual", [False, True])
-def test_packed_trade_search_numpy_equals_pair_by_pair(dual):
-    """_best_trade_np (large slots) picks exactly the move or swap that the pair-by-pair search picks, including
-    none, with and without a compute cap: plans must not depend on which of the two ran."""
+def test_packed_trade_search_equals_pair_by_pair(dual):
+    """packed's trade search (a walk over a slot's samples by cost) picks exactly the slot and the move or swap
+    that trying every pair of every slot in turn picks, including none and ties between shapes of one cost (720x1280
+    and 1280x720), with and without a compute cap."""
     import dataclasses
 
     from ds_adaptiveload.schedule.policies import packed, packed_slots
@@ -602,18 +622,24 @@ def test_packed_trade_search_numpy_equals_pair_by_pair(dual):
     shapes = [(s.frames, s.height, s.width) for s in samples]
     ctx = packed.PackedCtx(profile, PlanConfig("packed", 2), tokens, list(tokens), shapes, {})
     rng = random.Random(1)
-    found = 0
-    for trial in range(300):
-        sl = packed_slots.Slots(ctx, 2)
-        for k, n in enumerate((rng.randint(1, 40), rng.randint(0, 40))):
-            for i in rng.sample(range(len(samples)), n):
+    found = later = moves = 0
+    for trial in range(400):
+        n = rng.randint(2, 5)
+        sl = packed_slots.Slots(ctx, n)
+        for k in range(n):
+            for i in rng.sample(range(len(samples)), rng.randint(1 if k == 0 else 0, 40)):
                 if sl.room(k, i):
                     sl.add(k, i)
-        a, b = sorted((0, 1), key=sl.load.__getitem__, reverse=True)
+        a, *bs = sorted(range(n), key=sl.load.__getitem__, reverse=True)
         xs = list({shapes[i]: i for i in sl.samples[a]}.values())
-        ys = [None] + list({shapes[i]: i for i in sl.samples[b]}.values())
-        gap = sl.load[a] - sl.load[b]
-        want = packed_slots._best_trade_py(sl, a, b, xs, ys, gap)
-        assert packed_slots._best_trade_np(sl, a, b, xs, ys, gap) == want, trial
+        want = None
+        for b in bs:
+            t = _trade_pair_by_pair(sl, a, b, xs, list({shapes[i]: i for i in sl.samples[b]}.values()))
+            if t is not None:
+                want = (b, *t)
+                break
+        assert packed_slots._first_trade(sl, a, bs, shapes, packed_slots._TradeMemo()) == want, trial
         found += want is not None
-    assert 30 < found < 300  # both outcomes are exercised
+        later += want is not None and want[0] != bs[0]
+        moves += want is not None and want[2] is None
+    assert 30 < found < 400 and later > 5 and 5 < moves < found  # none, the first slot, a later one, moves, swaps

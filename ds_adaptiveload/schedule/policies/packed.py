@@ -29,7 +29,6 @@ import random
 from array import array
 from dataclasses import dataclass
 
-import numpy as np
 
 from ds_adaptiveload.schedule.policies.common import Ctx
 from ds_adaptiveload.schedule.policies.packed_slots import pack_step, sample_cols, step_rounds
@@ -72,16 +71,6 @@ class PackedCtx(Ctx):
         # Micro-batches repeat (a round's slots are copies under replicate, shapes are few): cost each sequence of
         # per-GPU tokens once. Keyed by the sequence, not its multiset, so the float sum is the uncached one.
         self._packed_ms = {}
-        self._np_cols = None
-
-    def np_cols(self):
-        """(cost, memory, compute) of every sample as rows of one float64 array, built once, plus a row of zeros
-        at index len(samples) (_best_trade_np: "nothing back" as a sample that costs nothing)."""
-        if self._np_cols is None:
-            self._np_cols = np.zeros((len(self.cost) + 1, 3))
-            for j, col in enumerate(sample_cols(self)):
-                self._np_cols[:-1, j] = col
-        return self._np_cols
 
     def base_ms(self, mb):
         key = tuple(map(self.gpu.__getitem__, mb))

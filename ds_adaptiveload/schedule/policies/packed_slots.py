@@ -1,10 +1,9 @@
 """The packed policy's step: its samples packed by LPT into R*G slots, the slots cut into rounds of R and each
-round evened out (trades between slots, samples given back to the next step, gaps filled with sand). Pure Python
-and numpy, no torch."""
+round evened out (trades between slots, samples given back to the next step, gaps filled with sand). Pure Python,
+no torch."""
+import bisect
 import heapq
 import math
-
-import numpy as np
 
 # Slots the LPT tries (cheapest first) before it defers a sample that fits none of them to the next step.
 TRIES = 8
@@ -13,10 +12,6 @@ EVEN_TOL = 1e-3
 # A light slot below this fraction of its round's costliest is filled anew (_densify). With runs by
 # token count, at one clip per micro-batch 0.5 left 0.0060% idle (video-heavy, 8 ranks, G = 1), 0.7 0.0043%.
 DENSE_BELOW = 0.7
-# _best_trade scores the pairs of a round's two slots with numpy from this many (x, y) pairs on: with memory for
-# six 720p clips a slot holds ~30 shapes (900 pairs, most of the planning time in pure Python); with one clip a
-# few, where numpy's per-call overhead is the larger cost.
-NUMPY_PAIRS = 64
 
 
 def sample_cols(ctx):
@@ -126,6 +121,7 @@ def _even(rd, sl, ctx, passes=8, scan=4, tol=None):
     that best halves their gap within memory and the compute cap. A round costs its costliest slot; slots
     within `tol` of the mean are left alone. Few samples per slot (small budgets) are where LPT leaves gaps."""
     load, tol = sl.load, EVEN_TOL if tol is None else tol
+    memo = _TradeMemo()
     for _ in range(passes):
         mean = sum(load[k] for k in rd) / len(rd)
         light = sorted(rd, key=load.__getitem__)
@@ -133,20 +129,46 @@ def _even(rd, sl, ctx, passes=8, scan=4, tol=None):
         light = [k for k in light if load[k] < mean]
         improved = False
         for a in heavy:
-            for b in light[:scan]:
-                act = _best_trade(sl, a, b, ctx.shape)
-                if act is not None:
-                    x, y = act
-                    sl.add(a, x, -1)
-                    sl.add(b, x)
-                    if y is not None:
-                        sl.add(b, y, -1)
-                        sl.add(a, y)
-                    light.remove(b)
-                    improved = True
-                    break
+            act = _first_trade(sl, a, light[:scan], ctx.shape, memo)
+            if act is not None:
+                b, x, y = act
+                sl.add(a, x, -1)
+                sl.add(b, x)
+                if y is not None:
+                    sl.add(b, y, -1)
+                    sl.add(a, y)
+                memo.changed(a, b)
+                light.remove(b)
+                improved = True
         if not improved:
             return
+
+
+class _TradeMemo:
+    """What _first_trade knows from earlier passes of one round: each slot's samples by cost (_sorted_reps) and
+    the pairs of slots found to have no trade, both as of a version of the slots that a trade moves on. A search
+    depends only on the two slots, so while neither has traded its answer stands (most searches of the later
+    passes are such repeats)."""
+
+    def __init__(self):
+        self.version, self.reps, self.none = {}, {}, {}
+
+    def changed(self, *slots):
+        for k in slots:
+            self.version[k] = self.version.get(k, 0) + 1
+
+    def sorted_reps(self, sl, b, shape):
+        v = self.version.get(b, 0)
+        hit = self.reps.get(b)
+        if hit is None or hit[0] != v:
+            hit = self.reps[b] = (v, _sorted_reps(sl, b, shape))
+        return hit[1]
+
+    def known_none(self, a, b):
+        return self.none.get((a, b)) == (self.version.get(a, 0), self.version.get(b, 0))
+
+    def set_none(self, a, b):
+        self.none[a, b] = (self.version.get(a, 0), self.version.get(b, 0))
 
 
 def _shed(rd, sl, shape, out, tol=None):
@@ -193,55 +215,80 @@ def _fill_gaps(rd, sl, draw, tol=None):
             sl.add(k, i)
 
 
-def _best_trade(sl, a, b, shape):
-    """(x from a, y from b or None): the move or swap that brings the pair's costs closest, or None if none
-    lowers the costlier. One sample per distinct shape is tried (samples of one shape are interchangeable)."""
-    cost, mem, comp = sl.cost, sl.mem, sl.comp
-    gap = sl.load[a] - sl.load[b]
-    xs = list({shape[i]: i for i in sl.samples[a]}.values())
-    ys = [None] + list({shape[i]: i for i in sl.samples[b]}.values())
-    if len(xs) * len(ys) >= NUMPY_PAIRS:
-        return _best_trade_np(sl, a, b, xs, ys, gap)
-    return _best_trade_py(sl, a, b, xs, ys, gap)
+def _first_trade(sl, a, bs, shape, memo):
+    """(b, x, y): the first slot b of `bs` that has a trade with a: the move of x from a to b (y None), or the swap
+    of x for y from b, that brings the pair's costs closest, if it lowers the costlier; or None. One sample per
+    distinct shape is tried (samples of one shape are interchangeable). `memo`: a _TradeMemo of the round."""
+    xs = None
+    for b in bs:
+        if memo.known_none(a, b):
+            continue
+        if xs is None:
+            xs = list({shape[i]: i for i in sl.samples[a]}.values())
+        act = _best_trade(sl, a, b, xs, memo.sorted_reps(sl, b, shape), sl.load[a] - sl.load[b])
+        if act is not None:
+            return (b, *act)
+        memo.set_none(a, b)
+    return None
 
 
-def _best_trade_py(sl, a, b, xs, ys, gap):
-    """_best_trade pair by pair (few pairs: cheaper than numpy's per-call overhead)."""
-    cost, mem, comp = sl.cost, sl.mem, sl.comp
+def _sorted_reps(sl, b, shape):
+    """(costs, samples, ranks) of slot b's samples, one per distinct shape, by (cost, rank), where rank is the
+    sample's place among them in first-seen order (the order of the pair-by-pair search, which ties go by)."""
+    ys = list({shape[i]: i for i in sl.samples[b]}.values())
+    order = sorted(range(len(ys)), key=lambda r: (sl.cost[ys[r]], r))
+    return [sl.cost[ys[r]] for r in order], [ys[r] for r in order], order
+
+
+def _best_trade(sl, a, b, xs, reps, gap):
+    """(x, y) of the best trade between a and b (_first_trade), or None: the pick of the search over every pair
+    (x outer in order; y inner: none, then b's samples in order) of the first least new difference |gap - 2 d|,
+    d the cost moved, with 0 < d < gap and memory (and compute) kept, if below gap. For one x the new difference
+    falls, then rises, as y's cost rises, so the search walks b's samples by cost from where it turns, each way
+    to the first that fits (then on past those as close, for the tie-break): about log n steps a sample of a
+    where every pair took n."""
+    cost, mem, comp, used, used_c = sl.cost, sl.mem, sl.comp, sl.used, sl.used_c
+    limit, limit_c = sl.limit, sl.limit_c
+    ycost, ys, rank = reps
+    n = len(ys)
+    move = len(sl.samples[a]) > 1  # a slot keeps at least one sample
+    ua, ub, uca, ucb = used[a], used[b], used_c[a], used_c[b]
+
+    def fits(dm, dc):
+        return ub + dm <= limit and ua - dm <= limit and ucb + dc <= limit_c and uca - dc <= limit_c
+
     best, best_left = None, gap - 1e-9
     for x in xs:
-        for y in ys:
-            if y is None:
-                if len(sl.samples[a]) == 1:
-                    continue  # a slot keeps at least one sample
-                d, dm, dc = cost[x], mem[x], comp[x]
-            else:
-                d, dm, dc = cost[x] - cost[y], mem[x] - mem[y], comp[x] - comp[y]
-            if not 0 < d < gap or sl.used[b] + dm > sl.limit or sl.used[a] - dm > sl.limit:
-                continue
-            if sl.used_c[b] + dc > sl.limit_c or sl.used_c[a] - dc > sl.limit_c:
-                continue
-            left = abs(gap - 2 * d)  # the pair's new cost difference
+        cx, mx, kx = cost[x], mem[x], comp[x]
+        left, r_best, y_best = math.inf, n, None  # this x's least (new difference, rank); the move is rank -1
+        if move and 0 < cx < gap and fits(mx, kx):
+            left, r_best = abs(gap - 2 * cx), -1
+        # no y costs within (cx - gap, cx) (with a margin above rounding): no swap (most x; skip the walk)
+        k = bisect.bisect_right(ycost, cx - gap - 1e-12 * cx)
+        if k == n or ycost[k] >= cx:
             if left < best_left:
-                best, best_left = (x, y), left
+                best, best_left = (x, None), left
+            continue
+        # j: the first y with gap - 2 d >= 0, where the new difference turns (near cost cx - gap / 2; exact below)
+        j = bisect.bisect_left(ycost, cx - 0.5 * gap)
+        while j > 0 and gap - 2 * (cx - ycost[j - 1]) >= 0:
+            j -= 1
+        while j < n and gap - 2 * (cx - ycost[j]) < 0:
+            j += 1
+        for side in (range(j - 1, -1, -1), range(j, n)):
+            found = math.inf
+            for idx in side:
+                d = cx - ycost[idx]
+                if not 0 < d < gap:
+                    break  # and so is every one further on
+                new = abs(gap - 2 * d)
+                if new > found or new > left:
+                    break
+                y = ys[idx]
+                if fits(mx - mem[y], kx - comp[y]):
+                    found = new
+                    if new < left or rank[idx] < r_best:
+                        left, r_best, y_best = new, rank[idx], y
+        if left < best_left:
+            best, best_left = (x, y_best), left
     return best
-
-
-def _best_trade_np(sl, a, b, xs, ys, gap):
-    """_best_trade over all (x, y) pairs at once, float for float the same arithmetic and the same pick: the
-    first pair (x outer, y inner) with the least new difference, if below gap. Column 0 (y None) is a move."""
-    cols = sl.ctx.np_cols()
-    diff = cols[xs][:, None, :] - cols[[len(cols) - 1] + ys[1:]][None, :, :]
-    d, dm = diff[..., 0], diff[..., 1]
-    ok = (d > 0) & (d < gap) & (sl.used[b] + dm <= sl.limit) & (sl.used[a] - dm <= sl.limit)
-    if sl.ctx.dual:  # without a compute cap its column repeats memory, checked above
-        dc = diff[..., 2]
-        ok &= (sl.used_c[b] + dc <= sl.limit_c) & (sl.used_c[a] - dc <= sl.limit_c)
-    if len(sl.samples[a]) == 1:
-        ok[:, 0] = False  # a slot keeps at least one sample
-    left = np.where(ok, np.abs(gap - 2 * d), np.inf)
-    j = int(np.argmin(left))
-    if not left.flat[j] < gap - 1e-9:
-        return None
-    return xs[j // len(ys)], ys[j % len(ys)]
-

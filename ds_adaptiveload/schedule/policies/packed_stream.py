@@ -56,26 +56,36 @@ def epoch_stream(keep, ctx, rng, heavy, run, replicate=False):
     # next begins, and only the last run is short; runs of one shape left a short run per shape, each a round
     # only partly heavy (a mix of 72 heavy 720p shapes at one clip per micro-batch, 64 ranks: 7.0% over the lower
     # bound, 0.5% by token count; light runs: docs/history/benchmarks.md, twenty-fourth session).
+    with_runs = set()  # the classes that hold runs
     for ch in (heavy_chain, chain):
         flat = [i for *_, b in sorted(ch) for i in b]
         for j in range(0, len(flat), run):
-            classes.setdefault(token_class(full[flat[j]]), []).append(flat[j:j + run])
+            c = token_class(full[flat[j]])
+            classes.setdefault(c, []).append(flat[j:j + run])
+            with_runs.add(c)
     items, keys = [], array("d")
     rnd = rng.random
     for c in sorted(classes):
         group = classes[c]
         rng.shuffle(group)
+        if c not in with_runs:  # samples one by one (the common case, and most of the samples)
+            n = len(group)
+            items += group
+            keys.extend([(j + rnd()) / n for j in range(n)])
+            continue
         sizes = [len(it) if isinstance(it, list) else 1 for it in group]
         n = sum(sizes)
-        starts = range(n) if n == len(group) else accumulate(sizes, initial=0)
         items += group
-        keys.extend([(j + rnd()) / n for j, _ in zip(starts, group)])
+        keys.extend([(j + rnd()) / n for j, _ in zip(accumulate(sizes, initial=0), group)])
         for p, it in enumerate(group, len(items) - len(group)):  # a heavy shape's shorter, last run
             if isinstance(it, list) and heavy[it[0]] and len(it) < run:
                 keys[p] = min(keys[p], REMAINDER_BEFORE)
-    order, runs, cont = array("q"), {}, bytearray()
     # keys ascend within a class (but for the shorter runs moved up), so the sort merges a few sorted runs
-    for p in sorted(range(len(items)), key=keys.__getitem__):
+    by_key = sorted(range(len(items)), key=keys.__getitem__)
+    if not with_runs:
+        return array("q", map(items.__getitem__, by_key)), {}, bytearray(len(items))
+    order, runs, cont = array("q"), {}, bytearray()
+    for p in by_key:
         it = items[p]
         if not isinstance(it, list):
             order.append(it)
@@ -101,10 +111,13 @@ class Drawer:
         self.pos, self.n_heavy, self.sums, self.pending = 0, 0, [0.0] * len(self.cols), []
         self.taken = {}  # positions ahead of pos already pulled forward by sand()
         self.shape, self.ahead, self.horizon = ctx.shape, {}, 0
-        first = {}
-        for i in stream:
+        one = dict(zip(map(ctx.shape.__getitem__, stream), stream))  # a sample of each shape (heavy goes by shape)
+        shapes, first = sum(1 for i in one.values() if not heavy[i]), {}
+        for i in stream:  # each light shape's first sample, in stream order (ties in by_cost keep that order)
             if not heavy[i]:
                 first.setdefault(ctx.shape[i], i)
+                if len(first) == shapes:
+                    break
         # light shapes, costliest first: (cost, memory, compute, shape)
         self.by_cost = sorted(((self.cols[0][i], self.cols[1][i], self.cols[2][i], key) for key, i in first.items()),
                               key=lambda t: -t[0])
