@@ -407,6 +407,23 @@ def record(path=None, **row):
     return row
 
 
+def forget(path=None, **match):
+    """Remove the rows whose columns equal every given value (a superseded experiment whose key changed: record()
+    upserts, so rows of the old key would stay). Returns how many went."""
+    path = path or RESULTS_CSV
+    unknown = sorted(set(match) - set(COLUMNS))
+    if unknown:
+        _fail(f"forget: unknown column(s) {unknown}")
+    with _locked(path):
+        rows = read_results(path)
+        keep = [r for r in rows if any(r[k] != v for k, v in match.items())]
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", newline="") as f:
+            f.write(_table_text(keep))
+        os.replace(tmp, path)
+    return len(rows) - len(keep)
+
+
 def check_results(path=None):
     """Every row of a table valid with its raw files present, and the file exactly as record() writes it (so no
     hand edit slipped in). Returns the rows."""

@@ -41,6 +41,19 @@ def test_record_upserts_on_experiment_variant_metric_hardware(tmp_path):
     assert [(r["variant"], r["hardware"]) for r in rows] == sorted(by_key)  # sorted by the key
 
 
+def test_forget_removes_only_the_rows_that_match_every_column(tmp_path):
+    table = tmp_path / "results.csv"
+    harness.record(table, **row())
+    harness.record(table, **row(variant="balanced", value=43.6))
+    harness.record(table, **row(metric="epoch wall", unit="s", value=129.0))
+    assert harness.forget(table, metric="MFU, whole step", variant="balanced") == 1
+    assert sorted((r["variant"], r["metric"]) for r in harness.read_results(table)) == [
+        ("packed", "MFU, whole step"), ("packed", "epoch wall")]
+    assert harness.forget(table, metric="no such metric") == 0
+    with pytest.raises(UserError, match="unknown column"):
+        harness.forget(table, colour="red")
+
+
 def test_record_fills_environment_and_ratio(tmp_path):
     table = tmp_path / "results.csv"
     given = row()

@@ -168,38 +168,85 @@ def baselines_section(args):
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
 
 
-def record_baselines(raw, timing=None):
-    """results.csv rows from a --section baselines raw file: per mix, world size and planner, the worst gap to the
-    lower bound over budgets and G (predicted), and packed's planning time for the big epoch; prints the Markdown
-    table docs/scheduler.md shows."""
-    from bench.harness import record
+def record_baselines(*raws):
+    """results.csv rows from --section baselines raw files (merged; a later file's row for the same case wins): per
+    mix, world size and planner, the worst gap to the lower bound over budgets and G (predicted); packed's planning
+    time for the big epoch where a file has it. Prints the Markdown table docs/scheduler.md shows ("-": not run)
+    and where a baseline beats packed or packed's mix_tv is above equal-tokens'."""
+    from bench.harness import forget, record
 
-    with open(raw) as f:
-        res = json.load(f)
-    cmd = f"nice -n 10 python bench/plan/plan_bench.py --section baselines --samples {res['samples']} --budgets 1,6"
+    res, cases = {}, {}
+    for raw in raws:
+        with open(raw) as f:
+            res[raw] = json.load(f)
+        for r in res[raw]["rows"]:
+            cases[(r["mix"], r["dp_size"], r["budget_tokens"], r["grad_accum"], r["policy"])] = (r, raw)
     groups = {}
-    for r in res["rows"]:
-        groups.setdefault((r["mix"], r["dp_size"]), {}).setdefault(r["policy"], []).append(r)
+    for (mix, ranks, _, _, name), (r, raw) in cases.items():
+        groups.setdefault((mix, ranks), {}).setdefault(name, []).append((r, raw))
+    forget(metric="worst gap to the lower bound (predicted)", section="scheduler")  # the sweep's rows, any key
     print("| mix | ranks | " + " | ".join(NAMES) + " |\n|---|---|" + "---|" * len(NAMES))
-    for (mix, ranks), by in groups.items():
+    order = {m: j for j, m in enumerate(SWEEP_MIXES)}
+    for (mix, ranks), by in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0])):
         cells = []
+        eq = {(r["budget_tokens"], r["grad_accum"]): r["mix_tv"] for r, _ in by.get("equal-tokens", ())}
         for name in NAMES:
-            rows = by[name]
+            if name not in by:
+                cells.append("-")
+                continue
+            rows = [r for r, _ in by[name]]
             worst = max(rows, key=lambda r: r["bound_gap"])
-            eq = {(r["budget_tokens"], r["grad_accum"]): r["mix_tv"] for r in by["equal-tokens"]}
-            tv_over = sum(r["mix_tv"] > eq[(r["budget_tokens"], r["grad_accum"])] + 1e-9 for r in rows)
+            tv_over = sum(r["mix_tv"] > eq.get((r["budget_tokens"], r["grad_accum"]), 1) + 1e-9 for r in rows)
+            clips = sorted({round((r["budget_tokens"] - 93) / CLIP) for r in rows})
+            first, raw = by[name][0]
+            n = first.get("samples_total", res[raw]["samples"])  # older raw files hold fewer columns
             cells.append(f"{100 * worst['bound_gap']:.2f}% / {max(r['mix_tv'] for r in rows):.2f}")
-            record(experiment=f"plan_bench.py --section baselines, {mix} mix, {res['samples']:,} samples, 1 and 6 "
-                              f"clips of memory, G = 1 and 4, lockstep",
+            record(experiment=f"plan_bench.py --section baselines, {mix} mix, {n:,} samples, "
+                              f"{_span(clips)} clips of memory, G = 1 and 4, lockstep",
                    variant=name, metric="worst gap to the lower bound (predicted)", unit="%",
                    value=round(100 * worst["bound_gap"], 3), status="predicted", hardware=f"{ranks}x H200",
-                   gpus=ranks, policy=name if name in POLICIES else "", model="Wan2.1 1.3B", command=cmd,
-                   raw_file=raw, section="scheduler", better="lower", date=res["date"],
+                   gpus=ranks, policy=name if name in POLICIES else "", model="Wan2.1 1.3B",
+                   command=_sweep_cmd(res[raw], clips, mix, ranks, n),
+                   raw_file=";".join(sorted({w for _, w in by[name]})),
+                   section="scheduler", better="lower", date=res[raw]["date"],
                    note=f"at {worst['budget_tokens']:,} tokens, G={worst['grad_accum']}; mean gap "
                         f"{100 * sum(r['bound_gap'] for r in rows) / len(rows):.2f}%; mix_tv up to "
                         f"{max(r['mix_tv'] for r in rows):.3f}, above equal-tokens' in {tv_over} of {len(rows)}")
         print(f"| {mix} | {ranks} | " + " | ".join(cells) + " |")
-    record_timing(timing or raw, cmd + " --big 1000000 --big-budgets 1")
+    _print_wins(cases)
+    for raw in raws:
+        if res[raw].get("timing_1024"):
+            record_timing(raw, _sweep_cmd(res[raw], [1, 6]).replace("--big 0", "--big 1000000 --big-budgets 1"))
+
+
+def _span(clips):
+    return f"{clips[0]} to {clips[-1]}" if clips == list(range(clips[0], clips[-1] + 1)) and len(clips) > 2 else \
+        " and ".join(map(str, clips))
+
+
+def _sweep_cmd(res, clips, mix="", ranks=0, n=0):
+    """The command that plans one row group again (one mix at one world size, its epoch size where not --samples)."""
+    cmd = (f"nice -n 10 python bench/plan/plan_bench.py --section baselines --samples {res['samples']} "
+           f"--budgets {','.join(map(str, clips))} --big 0")
+    if mix:
+        cmd += f" --mixes {mix} --ranks {ranks}" + (f" --rank-samples {ranks}={n}" if n != res["samples"] else "")
+    return cmd
+
+
+def _print_wins(cases):
+    """The cases where a baseline predicts less wall time than packed, and where packed's mix_tv is above
+    equal-tokens'."""
+    for (mix, ranks, budget, g, name), (r, _) in sorted(cases.items()):
+        p = cases.get((mix, ranks, budget, g, "packed"), (None,))[0]
+        if p is None or name == "packed":
+            continue
+        clips = round((budget - 93) / CLIP)
+        if r["predicted_wall_s"] < p["predicted_wall_s"]:
+            print(f"{name} beats packed: {mix}, {ranks} ranks, {clips} clips, G={g}: gap {100 * r['bound_gap']:.2f}% "
+                  f"vs {100 * p['bound_gap']:.2f}%, mix_tv {r['mix_tv']:.3f} vs {p['mix_tv']:.3f}")
+        if name == "equal-tokens" and p["mix_tv"] > r["mix_tv"] + 1e-9:
+            print(f"packed mix_tv above equal-tokens': {mix}, {ranks} ranks, {clips} clips, G={g}: "
+                  f"{p['mix_tv']:.3f} vs {r['mix_tv']:.3f} (gap {100 * p['bound_gap']:.2f}%)")
 
 
 def record_timing(raw, cmd):
@@ -276,7 +323,7 @@ def main():
     ap.add_argument("--big-mix", default="openvid-720p", help="--section baselines, timing: mix of the --big timing")
     ap.add_argument("--out")
     ap.add_argument("--record", nargs="+", metavar="RAW",
-                    help="record a --section baselines raw file (and a separate timing raw file) into results.csv")
+                    help="record --section baselines raw files (merged, a later file's case wins) into results.csv")
     ap.add_argument("--record-timing", metavar="RAW", help="record a --section timing raw file into results.csv")
     args = ap.parse_args()
     if args.record_timing:
