@@ -8,10 +8,13 @@ peak memory for 1M samples at 1024 ranks. Pure CPU.
 
 --section baselines: every policy and baseline (schedule/policies/baselines.py: runtime LPT, TRL's sum of L^2, an
 Open-Sora bucket table) through one checker (schedule/bound.check_plan), each one's gap to the lower bound
-(schedule/bound.py), under lockstep with the calibrated H200 profile, on the bench's mixes and the held-out ones, at memory for 1, 2, 3
-and 6 720p clips; then packed's planning time and peak memory for --big samples at 1024 ranks per budget:
+(schedule/bound.py), under lockstep with the calibrated H200 profile, on the bench's mixes and the held-out ones, at
+memory for --budgets 720p clips (default 1, 2, 3 and 6) and --ranks world sizes (--rank-samples: a larger epoch at a
+large world size; --names: some planners only); then, unless --big 0, packed's planning time and peak memory for
+--big samples at 1024 ranks per budget. --record FILES... records the rows and prints docs/scheduler.md's table:
 
-    nice -n 10 python bench/plan/plan_bench.py --section baselines --samples 20000 [--mixes a,b] [--budgets 1,6]
+    nice -n 10 python bench/plan/plan_bench.py --section baselines --samples 20000 --ranks 8,64,1024 \
+        --rank-samples 1024=200000 --budgets 1,2,3,4,5,6 --big 0 [--mixes a,b] [--names packed,equal-tokens]
 
 --section timing: packed's planning time (wall and CPU), load average and peak memory for --big samples at 1024 ranks,
 per budget and G = 1 and 4 (record the raw file with --record-timing RAW):
