@@ -139,8 +139,8 @@ def register_rank() -> None:
 
 
 # What the SIGTERM watcher read from the store while it was up: the peers that marked a SIGTERM, and whether a rank
-# already printed the run's SIGTERM line.
-_seen = {"marked": set(), "said": False}
+# already printed the run's SIGTERM line; also the group it reads (store, world size, rank) and the thread.
+_seen = {"marked": set(), "said": False, "group": None, "thread": None}
 _SAID = "ds_adaptiveload/sigterm/said"
 
 
@@ -155,14 +155,18 @@ def _watch_sigterm() -> None:
 
     if threading.current_thread() is not threading.main_thread():
         return
-    r, w = socket.socketpair()
-    w.setblocking(False)
-    signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-    group = (_store(), _dist().get_world_size(), _rank())  # the thread may run on after the group is destroyed
-    threading.Thread(target=_sigterm_watcher, args=(r, w, *group), name="ds_adaptiveload-sigterm", daemon=True).start()
+    # this group's store, size and rank: the thread may run on after the group is destroyed
+    _seen.update(marked=set(), said=False, group=(_store(), _dist().get_world_size(), _rank()))
+    if _seen.get("thread") is None:  # one per process, also where a process sets up several groups (tests)
+        r, w = socket.socketpair()
+        w.setblocking(False)
+        signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        _seen["thread"] = threading.Thread(target=_sigterm_watcher, args=(r, w), name="ds_adaptiveload-sigterm",
+                                           daemon=True)
+        _seen["thread"].start()
 
 
-def _sigterm_watcher(r, w, store, world: int, me: int, poll_s: float = 0.05, limit_s: float = 60.0) -> None:
+def _sigterm_watcher(r, w, poll_s: float = 0.05, limit_s: float = 60.0) -> None:
     """The watcher's loop: wait for a SIGTERM byte (other signals' bytes are skipped), then read the store until
     every peer has marked and a rank has printed, or the store is gone. w: kept open here, as the fd's owner."""
     import signal
@@ -174,6 +178,7 @@ def _sigterm_watcher(r, w, store, world: int, me: int, poll_s: float = 0.05, lim
             return
         if signal.SIGTERM in data:
             break
+    store, world, me = _seen["group"]
     _mark_sigterm(store, me)
     end = time.monotonic() + limit_s
     while time.monotonic() < end:
