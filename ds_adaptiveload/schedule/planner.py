@@ -142,6 +142,9 @@ class Plan:
     """packed: the memory a micro-batch was filled to, in tokens (PlanConfig.pack_tokens resolved)."""
     bound: dict = None
     """bound.lower_bound of the planned samples: the least predicted wall time any plan of them can have."""
+    mb_ms: list = None
+    """mb_ms[step][dp_rank][g] -> predicted ms of that micro-batch (pred_ms less the profile's step_fixed_ms, by
+    micro-batch): what a replay of the plan compares its measured times with (bench/e2e/replay.py)."""
 
     def summary(self) -> dict:
         cfg = self.config
@@ -237,9 +240,11 @@ def plan_with(samples, profile, cfg: PlanConfig, epoch, policy: Policy) -> Plan:
         ctx.budget = policy.cap_of(keep, ctx, cfg.seed)
     steps = policy.steps(keep, ctx, rng) if keep else []
     pad = _finish_tail(steps, ctx, keep)
-    pred, wall = zip(*(ctx.step_pred(step) for step in steps)) if steps else ((), ())
+    costs = [ctx.step_costs(step) for step in steps]
+    pred, wall = zip(*(ctx.step_pred(step, c) for step, c in zip(steps, costs))) if steps else ((), ())
     return Plan(steps, list(pred), pad, skipped, full, cfg, epoch, dual, list(wall),
-                ctx.budget if policy.cap_of is not None else None, lower_bound([gpu[i] for i in keep], profile, cfg))
+                ctx.budget if policy.cap_of is not None else None, lower_bound([gpu[i] for i in keep], profile, cfg),
+                costs)
 
 
 def _tokens(samples, profile, sp):
