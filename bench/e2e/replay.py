@@ -255,7 +255,8 @@ def replay(trainer, args, ranks, sample_steps, grad_accum):
         doc = summarize(plan, steps, runs[0], opt)
         doc.update(run_s=time.perf_counter() - t0, steps=steps, optimizer_ms=opt, measured_ms=runs, peak_gib=peaks,
                    predicted_ms=[plan.mb_ms[s] for s in steps], executed=executed, run_to_run=spread(runs),
-                   plan_summary=plan.summary())
+                   planned=[plan.steps[s] for s in steps], planned_wall_ms=[plan.pred_wall_ms[s] for s in steps],
+                   planned_rank_ms=[plan.pred_ms[s] for s in steps], plan_summary=plan.summary())
         out.append(doc)
         print(f"{policy:13s} W={ranks} G={grad_accum} steps {len(steps)}/{len(plan.steps)} ({doc['run_s']:.0f} s): "
               f"idle measured {doc['measured']['idle_fraction']:.4f} predicted {doc['predicted']['idle_fraction']:.4f};"
