@@ -85,3 +85,24 @@ def test_predicted_side_is_the_planners_and_measured_side_is_recomputed(tiny_rep
             assert by["equal-tokens"][side]["speedup_over_equal_tokens"] == 1.0
             assert by["packed"][side]["speedup_over_equal_tokens"] == pytest.approx(
                 by["equal-tokens"][side]["epoch_wall_s"] / by["packed"][side]["epoch_wall_s"])
+
+
+def test_a_spent_deadline_stops_after_the_first_step_and_repeats_the_same_micro_batches(monkeypatch):
+    calls = []
+
+    def fake_rank_steps(trainer, plan, s):
+        return [f"s{s}r{r}" for r in range(2)]
+
+    def fake_run(trainer, s, rs, executed):
+        calls.append(rs)
+        executed.append(rs)
+        return [1.0, 2.0], [None, None], 0.5
+
+    monkeypatch.setattr(replay, "rank_steps", fake_rank_steps)
+    monkeypatch.setattr(replay, "run_rank_step", fake_run)
+    runs, opt, _, executed, done = replay.replay_policy(None, None, [3, 5, 7], 2, deadline=0.0)
+    assert done == [3]  # one step, however late
+    assert calls == ["s3r0", "s3r1", "s3r0", "s3r1"] and executed == ["s3r0", "s3r1"]
+    assert runs == [[[[1.0, 2.0], [1.0, 2.0]]]] * 2 and opt == [0.5]
+    runs, _, _, _, done = replay.replay_policy(None, None, [3, 5, 7], 1)
+    assert done == [3, 5, 7] and len(runs[0]) == 3

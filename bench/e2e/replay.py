@@ -161,7 +161,7 @@ def build_trainer(args):
     return Trainer(targs)
 
 
-def plan_for(trainer, policy, ranks, grad_accum):
+def plan_for(trainer, policy, ranks, grad_accum, budget_tokens=None):
     """The epoch plan of the trainer's samples for `ranks` virtual ranks with `policy` (the run's other keys)."""
     from ds_adaptiveload.schedule.planner import make_plan
     from ds_adaptiveload.train.config import zero_stage
@@ -170,7 +170,14 @@ def plan_for(trainer, policy, ranks, grad_accum):
     stage = zero_stage(trainer.ds_cfg)
     cfg = trainer.al.plan_config(ranks, 1, grad_accum, stage, **plan_checkpoint(trainer.args, stage))
     cfg = dataclasses.replace(cfg, policy=policy, pack_tokens=cfg.pack_tokens if policy == "packed" else None)
-    return make_plan(trainer.samples, trainer.profile, cfg)
+    return make_plan(trainer.samples, profile_for(trainer, budget_tokens), cfg)
+
+
+def profile_for(trainer, budget_tokens):
+    """The run's profile, its micro-batch budget lowered to budget_tokens where given (None: as it is)."""
+    if budget_tokens is None:
+        return trainer.profile
+    return dataclasses.replace(trainer.profile, budget_tokens=min(budget_tokens, trainer.profile.budget_tokens))
 
 
 def set_grad_accum(trainer, grad_accum):
@@ -218,21 +225,24 @@ def run_rank_step(trainer, step_no, rank_step, executed):
     return times, peaks, (time.perf_counter() - t0) * 1000
 
 
-def replay_policy(trainer, plan, steps, repeat):
-    """Every micro-batch of every virtual rank of the chosen steps, `repeat` times over. -> (runs of measured
-    costs[step][rank][g], optimizer ms per step of the first run, peaks, the indices executed in the first run)."""
-    runs, peaks, executed = [], [], []
-    opt = []
-    for rep in range(repeat):
-        costs, done = [], executed if rep == 0 else []
-        for s in steps:
-            per_rank = [run_rank_step(trainer, s, rs, done) for rs in rank_steps(trainer, plan, s)]
-            costs.append([t for t, _, _ in per_rank])
+def replay_policy(trainer, plan, steps, repeat, deadline=None):
+    """Every micro-batch of every virtual rank of the chosen steps, each step `repeat` times over (the noise
+    check: the same micro-batches back to back); no further step once `deadline` (time.monotonic) is past. ->
+    (runs of measured costs[step][rank][g], optimizer ms per step, peak GiB, the indices executed in the first run,
+    the steps run)."""
+    runs, opt, peaks, executed, done = [[] for _ in range(repeat)], [], [], [], []
+    for s in steps:
+        if done and deadline is not None and time.monotonic() > deadline:
+            break
+        ranks = rank_steps(trainer, plan, s)
+        for rep in range(repeat):
+            per_rank = [run_rank_step(trainer, s, rs, executed if rep == 0 else []) for rs in ranks]
+            runs[rep].append([t for t, _, _ in per_rank])
             if rep == 0:
                 peaks.append([p for _, p, _ in per_rank])
                 opt.append(sum(o for _, _, o in per_rank) / len(per_rank))
-        runs.append(costs)
-    return runs, opt, peaks, executed
+        done.append(s)
+    return runs, opt, peaks, executed, done
 
 
 def warm_up(trainer, plan):
@@ -245,13 +255,14 @@ def replay(trainer, args, ranks, sample_steps, grad_accum):
     """Every policy's plan for `ranks` virtual ranks replayed at G = grad_accum: per policy, summarize's numbers,
     the noise check, the measured and predicted times per micro-batch."""
     set_grad_accum(trainer, grad_accum)
-    plans = {p: plan_for(trainer, p, ranks, grad_accum) for p in args.policies}
+    plans = {p: plan_for(trainer, p, ranks, grad_accum, args.budget_tokens) for p in args.policies}
     warm_up(trainer, plans[args.policies[0]])
     out = []
     for policy, plan in plans.items():
         steps = chosen_steps(len(plan.steps), sample_steps, trainer.al.seed)
         t0 = time.perf_counter()
-        runs, opt, peaks, executed = replay_policy(trainer, plan, steps, args.repeat)
+        deadline = time.monotonic() + args.policy_s if args.policy_s else None
+        runs, opt, peaks, executed, steps = replay_policy(trainer, plan, steps, args.repeat, deadline)
         doc = summarize(plan, steps, runs[0], opt)
         doc.update(run_s=time.perf_counter() - t0, steps=steps, optimizer_ms=opt, measured_ms=runs, peak_gib=peaks,
                    predicted_ms=[plan.mb_ms[s] for s in steps], executed=executed, run_to_run=spread(runs),
@@ -264,6 +275,7 @@ def replay(trainer, args, ranks, sample_steps, grad_accum):
               flush=True)
     speedups(out)
     return {"ranks": ranks, "grad_accum": grad_accum, "sample_steps": sample_steps, "mix": args.mix,
+            "budget_tokens": profile_for(trainer, args.budget_tokens).budget_tokens,
             "policies": out, "communication": comm_ms(trainer.model_cfg.num_params(), ranks, args.bus_gbps)}
 
 
@@ -285,7 +297,8 @@ def record_rows(run, raw, staging, hardware, command):
     predicted, and the median of measured / predicted per micro-batch (p5, p95 and max in the note)."""
     import harness
 
-    exp = f"Replay on one GPU, W={run['ranks']} virtual ranks, G={run['grad_accum']}, {run['mix']}"
+    exp = (f"Replay on one GPU, W={run['ranks']} virtual ranks, G={run['grad_accum']}, {run['mix']}, micro-batches "
+           f"<= {run['budget_tokens']} tokens")
     for p in run["policies"]:
         common = dict(experiment=exp, variant=p["policy"], hardware=hardware, section="replay", zero_stage=2,
                       policy=p["policy"], model="wan 1.3b", command=command, raw_file=raw)
@@ -344,6 +357,12 @@ def parse_args(argv=None):
     ap.add_argument("--bus-gbps", type=positive_float, default=360.0,
                     help="assumed collective bus bandwidth in GB/s for the predicted communication (default: "
                          "%(default)s)")
+    ap.add_argument("--budget-tokens", type=positive_int, default=None,
+                    help="plan micro-batches of at most this many tokens (below the profile's budget: more, shorter "
+                         "micro-batches, so a step of W ranks fits one device's time)")
+    ap.add_argument("--budget-s", type=positive_float, default=None,
+                    help="seconds for the whole replay: each policy of each (W, G) gets an equal share and runs no "
+                         "further step once its share is spent (steps_run in the output; at least one step each)")
     ap.add_argument("--checkpoint-blocks", default="auto", help="the trainer's --checkpoint-blocks (default auto)")
     ap.add_argument("--compile-blocks", nargs="?", const="auto", default=None, help="the trainer's --compile-blocks")
     ap.add_argument("--out", required=True, help="folder of the raw JSON (and the staging CSV with --record)")
@@ -355,6 +374,7 @@ def parse_args(argv=None):
         raise UserError(f"--policies {','.join(bad)}: not a policy; choose from {', '.join(REGISTRY)}")
     args.ranks, args.grad_accum = rank_list(args.ranks), int_list(args.grad_accum, "--grad-accum")
     args.work = os.path.join(args.out, "work")
+    args.policy_s = None
     return args
 
 
@@ -367,7 +387,11 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
+    t0 = time.monotonic()
     trainer = build_trainer(args)
+    if args.budget_s:  # what setup (model build, first compile) left, shared equally
+        left = args.budget_s - (time.monotonic() - t0)
+        args.policy_s = max(1.0, left / (len(args.ranks) * len(args.grad_accum) * len(args.policies)))
     runs = [replay(trainer, args, w, sample, g) for w, sample in args.ranks for g in args.grad_accum]
     doc = document(trainer, args, runs)
     name = f"replay-{datetime.date.today().isoformat()}-{args.mix}.json"
