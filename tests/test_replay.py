@@ -106,3 +106,20 @@ def test_a_spent_deadline_stops_after_the_first_step_and_repeats_the_same_micro_
     assert runs == [[[[1.0, 2.0], [1.0, 2.0]]]] * 2 and opt == [0.5]
     runs, _, _, _, done = replay.replay_policy(None, None, [3, 5, 7], 1)
     assert done == [3, 5, 7] and len(runs[0]) == 3
+
+
+def test_record_rows_pass_the_results_table_checks(tiny_replay, tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import harness
+
+    staging = str(tmp_path / "staging.csv")
+    for run in tiny_replay["runs"]:  # the rows a GPU run writes (hardware named as it would be)
+        replay.record_rows(run, "bench/results/replay-x.json", staging, "1x H100 80GB", "python3 bench/e2e/replay.py")
+    rows = harness.read_results(staging)  # record() checked each row as a staging table takes it
+    # per (W, G) and policy: idle and speed-up, measured and predicted, and the measured/predicted median
+    assert len(rows) == len(tiny_replay["runs"]) * 2 * 5
+    run = tiny_replay["runs"][1]
+    packed = next(p for p in run["policies"] if p["policy"] == "packed")
+    idle = next(r for r in rows if r["variant"] == "packed" and r["metric"] == "idle" and "G=2" in r["experiment"])
+    assert float(idle["value"]) == pytest.approx(100 * packed["measured"]["idle_fraction"])
+    assert idle["section"] == "replay" and idle["status"] == "ok"

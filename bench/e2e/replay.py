@@ -383,6 +383,11 @@ def main(argv=None):
 
     try:
         args = parse_args(argv)
+        if args.record:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UserError(f"--record {args.record}: results rows come from GPU runs only; leave it out on a CPU")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -392,24 +397,23 @@ def main(argv=None):
     if args.budget_s:  # what setup (model build, first compile) left, shared equally
         left = args.budget_s - (time.monotonic() - t0)
         args.policy_s = max(1.0, left / (len(args.ranks) * len(args.grad_accum) * len(args.policies)))
-    runs = [replay(trainer, args, w, sample, g) for w, sample in args.ranks for g in args.grad_accum]
-    doc = document(trainer, args, runs)
     name = f"replay-{datetime.date.today().isoformat()}-{args.mix}.json"
-    raw = os.path.join(args.out, name)
-    with open(raw, "w") as f:
-        json.dump(doc, f, indent=1)
-    comm = runs[-1]["communication"]
-    print(f"wrote {raw}; communication excluded: predicted reduce-scatter {comm['reduce_scatter_ms_per_micro_batch']:.1f}"
-          f" ms per micro-batch at W={runs[-1]['ranks']}, {args.bus_gbps} GB/s (assumed)", flush=True)
-    if args.record:
-        if trainer.device.type != "cuda":
-            print("error: --record: results rows come from GPU runs only", file=sys.stderr)
-            return 2
-        from shipped_configs import hardware
+    raw, runs = os.path.join(args.out, name), []
+    for w, sample in args.ranks:
+        for g in args.grad_accum:
+            runs.append(replay(trainer, args, w, sample, g))
+            doc = document(trainer, args, runs)
+            with open(raw, "w") as f:  # after every run: a call cut later keeps what ran
+                json.dump(doc, f, indent=1)
+            if args.record:
+                from shipped_configs import hardware
 
-        for run in runs:
-            record_rows(run, f"bench/results/{name}", args.record, hardware(doc["env"]["device"]),
-                        " ".join(["python3", *sys.argv]))
+                record_rows(runs[-1], f"bench/results/{name}", args.record, hardware(doc["env"]["device"]),
+                            " ".join(["python3", *sys.argv]))
+            comm = runs[-1]["communication"]
+            print(f"wrote {raw}; communication excluded: predicted reduce-scatter "
+                  f"{comm['reduce_scatter_ms_per_micro_batch']:.1f} ms per micro-batch at W={w}, {args.bus_gbps} "
+                  f"GB/s (assumed)", flush=True)
     return 0
 
 
