@@ -260,6 +260,9 @@ def replay(trainer, args, ranks, sample_steps, grad_accum):
     out = []
     for policy, plan in plans.items():
         steps = chosen_steps(len(plan.steps), sample_steps, trainer.al.seed)
+        work_s = args.repeat * sum(sum(map(sum, plan.mb_ms[s])) for s in steps) / 1000
+        print(f"{policy:13s} W={ranks} G={grad_accum}: {len(steps)} of {len(plan.steps)} steps, predicted compute "
+              f"{work_s:.0f} s (every rank's micro-batches, {args.repeat}x)", flush=True)
         t0 = time.perf_counter()
         deadline = time.monotonic() + args.policy_s if args.policy_s else None
         runs, opt, peaks, executed, steps = replay_policy(trainer, plan, steps, args.repeat, deadline)
