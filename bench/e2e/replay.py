@@ -72,12 +72,12 @@ def chosen_steps(n_steps, sample, seed):
 
 def summarize(plan, steps, measured, opt_ms):
     """One policy's numbers: the measured and predicted lockstep of the run steps (predicted: the plan's own
-    mb_ms and the profile's fixed ms), the epoch wall scaled from the run steps to all, mix_tv of the plan (by
+    micro_batch_ms and the profile's fixed ms), the epoch wall scaled from the run steps to all, mix_tv of the plan (by
     sample count: no time enters it) and the distribution of measured / predicted per micro-batch."""
     from ds_adaptiveload.schedule.planner import mix_tv
 
-    pred_costs = [plan.mb_ms[s] for s in steps]
-    fixed = [plan.pred_ms[s][0] - sum(plan.mb_ms[s][0]) for s in steps]  # the profile's step_fixed_ms
+    pred_costs = [plan.micro_batch_ms(s) for s in steps]
+    fixed = [plan.pred_ms[s][0] - sum(plan.micro_batch_ms(s)[0]) for s in steps]  # the profile's step_fixed_ms
     pred = lockstep(pred_costs, fixed)
     meas = lockstep(measured, opt_ms)
     scale = len(plan.steps) / len(steps)
@@ -260,7 +260,7 @@ def replay(trainer, args, ranks, sample_steps, grad_accum):
     out = []
     for policy, plan in plans.items():
         steps = chosen_steps(len(plan.steps), sample_steps, trainer.al.seed)
-        work_s = args.repeat * sum(sum(map(sum, plan.mb_ms[s])) for s in steps) / 1000
+        work_s = args.repeat * sum(sum(map(sum, plan.micro_batch_ms(s))) for s in steps) / 1000
         print(f"{policy:13s} W={ranks} G={grad_accum}: {len(steps)} of {len(plan.steps)} steps, predicted compute "
               f"{work_s:.0f} s (every rank's micro-batches, {args.repeat}x)", flush=True)
         t0 = time.perf_counter()
@@ -268,7 +268,7 @@ def replay(trainer, args, ranks, sample_steps, grad_accum):
         runs, opt, peaks, executed, steps = replay_policy(trainer, plan, steps, args.repeat, deadline)
         doc = summarize(plan, steps, runs[0], opt)
         doc.update(run_s=time.perf_counter() - t0, steps=steps, optimizer_ms=opt, measured_ms=runs, peak_gib=peaks,
-                   predicted_ms=[plan.mb_ms[s] for s in steps], executed=executed, run_to_run=spread(runs),
+                   predicted_ms=[plan.micro_batch_ms(s) for s in steps], executed=executed, run_to_run=spread(runs),
                    planned=[plan.steps[s] for s in steps], planned_wall_ms=[plan.pred_wall_ms[s] for s in steps],
                    planned_rank_ms=[plan.pred_ms[s] for s in steps], plan_summary=plan.summary())
         out.append(doc)
