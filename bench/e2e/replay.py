@@ -8,9 +8,10 @@ all-gather time from the parameter bytes and --bus-gbps instead. Each virtual ra
 step, timed apart from the micro-batches (the measured "fixed" part of a step, beside the profile's step_fixed_ms).
 
     python bench/e2e/replay.py --deepspeed_config configs/ds_zero2_bf16.json --model-config configs/wan_1_3b.yaml \\
-        --mix video-heavy --samples 320 --ranks 8 --grad-accum 4 --compile-blocks --repeat 2 --out OUT
+        --mix video-heavy --samples 2000 --ranks 8:2 --grad-accum 1 --budget-tokens 76000 --compile-blocks regions \\
+        --checkpoint-policy attention --repeat 2 --out OUT
     python bench/e2e/replay.py --deepspeed_config configs/ds_tiny_cpu.json --model-config configs/wan_tiny.yaml \\
-        --mix tiny --samples 64 --ranks 4 --grad-accum 2 --sample-steps 2 --out /tmp/replay     # CPU mechanics
+        --mix tiny --samples 64 --ranks 4:2 --grad-accum 1,2 --repeat 2 --out /tmp/replay     # CPU mechanics
 """
 import argparse
 import dataclasses
@@ -149,7 +150,7 @@ def build_trainer(args):
     eng.single_process_env()
     argv = ["--deepspeed_config", args.deepspeed_config, "--model-config", args.model_config, "--data", "-",
             "--output", os.path.join(args.work, "run"), "--max-steps", "1", "--num-workers", "0",
-            "--checkpoint-blocks", args.checkpoint_blocks, "--overwrite"]
+            "--checkpoint-blocks", args.checkpoint_blocks, "--checkpoint-policy", args.checkpoint_policy, "--overwrite"]
     if args.compile_blocks:
         argv += ["--compile-blocks", args.compile_blocks]
     targs = train_cli.parse_args(argv)
@@ -367,6 +368,8 @@ def parse_args(argv=None):
                     help="seconds for the whole replay: each policy of each (W, G) gets an equal share and runs no "
                          "further step once its share is spent (steps_run in the output; at least one step each)")
     ap.add_argument("--checkpoint-blocks", default="auto", help="the trainer's --checkpoint-blocks (default auto)")
+    ap.add_argument("--checkpoint-policy", default="full", choices=("full", "attention"),
+                    help="the trainer's --checkpoint-policy (the README's ZeRO-2 command: attention)")
     ap.add_argument("--compile-blocks", nargs="?", const="auto", default=None, help="the trainer's --compile-blocks")
     ap.add_argument("--out", required=True, help="folder of the raw JSON (and the staging CSV with --record)")
     ap.add_argument("--record", metavar="CSV", help="record results rows into this staging table (GPU runs only)")
