@@ -18,7 +18,8 @@ OUT = os.path.join(harness.ROOT, "docs", "results.md")
 DETAIL = os.path.join(harness.ROOT, "docs", "results-detail.md")
 MAX_LINES = 200
 SECTION_TITLES = {"training": "Training", "packing": "Packed micro-batches", "kernel": "Kernels",
-                  "calibration": "Calibration", "scheduler": "Scheduler", "data": "Data tools"}
+                  "calibration": "Calibration", "scheduler": "Scheduler",
+                  "replay": "Measured on one GPU, W virtual ranks", "data": "Data tools"}
 INTRO = """# Results
 
 Every number users should see, one row each: its date, hardware, raw file under bench/results/ and command (`c1`,

@@ -643,3 +643,21 @@ def test_packed_trade_search_equals_pair_by_pair(dual):
         later += want is not None and want[0] != bs[0]
         moves += want is not None and want[2] is None
     assert 30 < found < 400 and later > 5 and 5 < moves < found  # none, the first slot, a later one, moves, swaps
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_micro_batch_ms_add_up_to_the_plans_rank_and_wall_times(policy, lockstep):
+    """Plan.micro_batch_ms (what a replay compares measured times with) is the cost the plan's totals are made of."""
+    profile = CostProfile.load(H200)
+    samples = [Sample(f"s{i}", *SHAPES[i % len(SHAPES)]) for i in range(120)]
+    plan = make_plan(samples, profile, PlanConfig(policy=policy, world_size=3, grad_accum=2, lockstep=lockstep))
+    assert plan.steps
+    for s, step in enumerate(plan.steps):
+        costs = plan.micro_batch_ms(s)
+        assert [len(c) for c in costs] == [len(mbs) for mbs in step] == [2] * 3
+        fixed = profile.step_fixed_ms
+        assert [fixed + sum(c) for c in costs] == pytest.approx(plan.pred_ms[s])
+        wall = fixed + sum(max(c[g] for c in costs) for g in range(2)) if lockstep else max(plan.pred_ms[s])
+        assert plan.pred_wall_ms[s] == pytest.approx(wall)
+        assert all(c > 0 for rank in costs for c in rank)

@@ -186,6 +186,12 @@ STAGES = {
                      "the README's command for the shipped ZeRO-2 and ZeRO-3 configs, profile auto, 20 steps each "
                      "(one config per call: --args shipped=\"--configs configs/ds_zero3_bf16.json\"; the run "
                      "JIT-builds the op itself where no build is cached, as a user's first run does)", margin=20),
+    "replay": Stage([py("bench/e2e/replay.py", "--compile-blocks", "regions", "--checkpoint-policy", "attention",
+                        "--repeat", "2", "--budget-s", "{inner}", "--out", "{out}", "--record", "{out}/staging.csv")],
+                    560,
+                    "balance measured on one GPU: W virtual ranks' micro-batches through the trainer's engine "
+                    "(bench/e2e/replay.py; --args replay=\"--mix image-heavy --ranks 8:2 --grad-accum 1\")",
+                    margin=120),
     "encode": Stage([py("bench/data/encode_bench.py", "--out", "{out}", "--budget-s", "{inner}")], 240,
                     "encode: full-size Wan VAE + umT5-XXL (random weights), clips/s and peak memory", margin=40),
 }

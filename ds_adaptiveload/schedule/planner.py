@@ -23,6 +23,8 @@ Policies (one module each in schedule/policies/, named in its REGISTRY):
   steps drawn from the stratified stream (so they look like the data), at any G.
 """
 import random
+from array import array
+from itertools import chain
 from operator import attrgetter
 from dataclasses import dataclass
 
@@ -142,6 +144,17 @@ class Plan:
     """packed: the memory a micro-batch was filled to, in tokens (PlanConfig.pack_tokens resolved)."""
     bound: dict = None
     """bound.lower_bound of the planned samples: the least predicted wall time any plan of them can have."""
+    mb_ms: list = None
+    """mb_ms[step] -> predicted ms of the step's micro-batches, rank after rank (an array: micro_batch_ms reads it)."""
+
+    def micro_batch_ms(self, step: int) -> list:
+        """[dp_rank][g] -> predicted ms of each micro-batch of the step (its pred_ms less the profile's step_fixed_ms,
+        by micro-batch): what a replay of the plan compares its measured times with (bench/e2e/replay.py)."""
+        flat, out, at = self.mb_ms[step], [], 0
+        for mbs in self.steps[step]:
+            out.append(list(flat[at:at + len(mbs)]))
+            at += len(mbs)
+        return out
 
     def summary(self) -> dict:
         cfg = self.config
@@ -237,9 +250,16 @@ def plan_with(samples, profile, cfg: PlanConfig, epoch, policy: Policy) -> Plan:
         ctx.budget = policy.cap_of(keep, ctx, cfg.seed)
     steps = policy.steps(keep, ctx, rng) if keep else []
     pad = _finish_tail(steps, ctx, keep)
-    pred, wall = zip(*(ctx.step_pred(step) for step in steps)) if steps else ((), ())
-    return Plan(steps, list(pred), pad, skipped, full, cfg, epoch, dual, list(wall),
-                ctx.budget if policy.cap_of is not None else None, lower_bound([gpu[i] for i in keep], profile, cfg))
+    pred, wall, mb_ms = [], [], []
+    for step in steps:
+        costs = ctx.step_costs(step)
+        ranks, w = ctx.step_pred(step, costs)
+        pred.append(ranks)
+        wall.append(w)
+        mb_ms.append(array("d", chain.from_iterable(costs)))  # 8 bytes a micro-batch: 10M samples plan in 4 GB
+    return Plan(steps, pred, pad, skipped, full, cfg, epoch, dual, wall,
+                ctx.budget if policy.cap_of is not None else None, lower_bound([gpu[i] for i in keep], profile, cfg),
+                mb_ms)
 
 
 def _tokens(samples, profile, sp):

@@ -57,13 +57,17 @@ class Ctx:
         k = self.recompute.step_k((sum(map(self.gpu.__getitem__, mb)), len(mb)) for mbs in step for mb in mbs)
         return k, k
 
-    def step_pred(self, step):
+    def step_costs(self, step):
+        """Predicted ms of every micro-batch of the step, costs[rank][g] (what a replay compares measured times with)."""
+        ks = self.step_ks(step)
+        return [[self.mb_ms(mb, ks) for mb in mbs] for mbs in step]
+
+    def step_pred(self, step, costs=None):
         """(predicted ms of every rank, predicted wall ms of the step), each micro-batch costed once (with 1M
         samples costing them twice, per rank and per round, took a fifth of the planning time). Every rank
         holds the same number of micro-batches; under lockstep the wall is the sum over rounds of the
-        slowest micro-batch, else the slowest rank."""
-        ks = self.step_ks(step)
-        costs = [[self.mb_ms(mb, ks) for mb in mbs] for mbs in step]
+        slowest micro-batch, else the slowest rank. costs: step_costs(step), where already computed."""
+        costs = self.step_costs(step) if costs is None else costs
         fixed = self.profile.step_fixed_ms
         ranks = [fixed + sum(c) for c in costs]
         if not self.cfg.lockstep:
