@@ -8,7 +8,7 @@ overlaps the next block's forward, and free the device copy once the copy is don
 input itself moves: the text context and time vectors are saved by every block, so a host copy would free nothing.
 Backward runs the
 blocks in reverse order: fetching block i's input starts the copy back of block i - 1's, which then overlaps block
-i's recompute and backward. The offloaded inputs' bytes leave the peak (schedule/memory.py: offload_blocks).
+i's recompute and backward. The offloaded inputs' bytes leave the peak (schedule/offload.py: offload_blocks).
 
 Device-agnostic: on the CPU (tests) the "host copy" is a plain copy and no stream is used, so the same code runs.
 """

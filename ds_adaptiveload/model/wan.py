@@ -274,7 +274,7 @@ class WanModel(nn.Module):
         recompute, which selective checkpointing rejects.
     offload_blocks (attribute, 0 by default; settable per micro-batch): the first offload_blocks of the checkpointed
         blocks keep their inputs in pinned host memory instead of device memory from forward to backward, copied on a
-        side stream (model/offload.py); schedule/memory.offload_blocks sizes it.
+        side stream (model/offload.py); schedule/offload.offload_blocks sizes it.
     open_recompute (attribute, "none" by default): "elementwise" runs the blocks not checkpointed under selective
         checkpointing that keeps every matmul and attention output (save_matmuls_policy) and recomputes only the
         elementwise steps; less memory than keeping everything, for one more pass of those steps. Measured by
@@ -290,7 +290,7 @@ class WanModel(nn.Module):
         # checkpoint_full_blocks and checkpoint_ffn_blocks, settable per micro-batch: schedule/memory.py sizes them
         self.set_checkpointing(checkpoint_blocks, 0, 0, policy=checkpoint_policy)
         self.open_recompute = "none"  # the blocks not checkpointed: keep all they save, or recompute "elementwise"
-        self.offload_blocks = 0  # likewise: schedule/memory.offload_blocks
+        self.offload_blocks = 0  # likewise: schedule/offload.offload_blocks
         self.__dict__["_offload"] = BlockInputOffload()  # outside the module tree: no state, no ZeRO hooks
         d = cfg.dim
         self.patch_embedding = PatchEmbed(cfg.in_dim, d, kernel_size=cfg.patch_size, stride=cfg.patch_size)

@@ -204,6 +204,7 @@ class RecomputeCost:
             raise UserError(f"checkpoint policy must be full or attention, got {policy!r}")
         self.memory, self.L, self.policy = memory, num_layers, policy
         self.recompute_frac, self.attention_frac, self.ffn_frac = recompute_frac, attention_frac, ffn_frac
+        self.offload = None  # set_offload: (setting, input bytes per token, t_ms of per-GPU tokens, samples)
         recompute_factor(num_layers, num_layers, recompute_frac, 0, attention_frac, num_layers, ffn_frac)  # validates
         self._cache = {}
 
@@ -217,11 +218,29 @@ class RecomputeCost:
         return cls(mem, L, profile.recompute_frac, profile.attention_recompute_frac, policy,
                    profile.ffn_recompute_frac)
 
+    def set_offload(self, setting, input_bytes_per_token: float, t_ms=None) -> "RecomputeCost":
+        """adaptive_load.activation_offload under --checkpoint-blocks auto: plan() then gives (k, k_full, k_ffn, n),
+        n of the checkpointed blocks offloaded (schedule/offload.offload_blocks). t_ms(tokens, samples): the
+        micro-batch's time with every block checkpointed, which "auto" weighs recompute against the host link with.
+        "off" leaves plan() as it is."""
+        self.offload = None if setting == "off" else (setting, input_bytes_per_token, t_ms)
+        self._cache = {}
+        return self
+
     def plan(self, tokens: int, samples: int) -> tuple:
-        """(k, k_full, k_ffn) as the trainer sets them (checkpoint_plan)."""
+        """(k, k_full, k_ffn) as the trainer sets them (checkpoint_plan); with set_offload, (k, k_full, k_ffn, n)."""
         key = ("plan", tokens, samples)
         if key not in self._cache:
-            self._cache[key] = checkpoint_plan(tokens, samples, self.memory, self.L, self.policy)
+            if self.offload is None:
+                self._cache[key] = checkpoint_plan(tokens, samples, self.memory, self.L, self.policy)
+            else:
+                from ds_adaptiveload.schedule.offload import offload_blocks
+
+                setting, in_bpt, t_ms = self.offload
+                self._cache[key] = offload_blocks(
+                    tokens, samples, self.memory, self.L, setting, in_bpt, self.policy,
+                    t_ms(tokens, samples) if t_ms and setting == "auto" else None,
+                    (self.recompute_frac, self.attention_frac, self.ffn_frac))
         return self._cache[key]
 
     def step_k(self, micro_batches) -> int:
@@ -263,7 +282,7 @@ class RecomputeCost:
         """recompute_factor at ks (default: this micro-batch's own, its FFN-keeping blocks included)."""
         key = ("factor", tokens, samples) if ks is None else ("at", *ks)
         if key not in self._cache:
-            k, k_full, k_ffn = self.plan(tokens, samples) if ks is None else (*ks, 0)
+            k, k_full, k_ffn = self.plan(tokens, samples)[:3] if ks is None else (*ks, 0)
             self._cache[key] = recompute_factor(k, self.L, self.recompute_frac, k_full, self.attention_frac, k_ffn,
                                                 self.ffn_frac)
         return self._cache[key]

@@ -1,0 +1,104 @@
+"""Activation offload, the planning half: how many of a micro-batch's checkpointed blocks keep their input in pinned
+host memory instead of device memory (model/offload.py), and what that costs against recompute. Pure Python: no torch.
+
+Memory: a checkpointed block keeps its input from forward to backward, tokens x dim x 2 bytes in bf16
+(input_bytes_per_token). The profile's bytes_per_token, calibrated with every block checkpointed, holds L of them;
+with n of the k checkpointed blocks offloaded, n x input_bytes_per_token x tokens leave the peak, so
+peak(k, n) = peak(k) - n * input_bytes_per_token * tokens (n <= k). The bytes freed can open blocks (less recompute)
+or let a micro-batch that does not fit with every block checkpointed fit.
+
+Time: an offloaded block's input goes to the host during the next block's forward and comes back during the backward
+of the block after it, each copy bytes / host_link_bytes_per_s. A copy hides behind that compute and costs only what
+exceeds it: exposed(n) = n * (max(0, copy - fwd) + max(0, copy - 2 * fwd)), fwd = one block's forward, which is what
+recomputing a fully checkpointed block costs (time_ms.recompute_frac * t / L, t the micro-batch's time with every
+block checkpointed). Recompute costs t * recompute_factor(k, ...) (schedule/memory.py). "auto" takes the n with the
+least predicted time among those that fit, the fewest on a tie (offload is off where it buys nothing).
+
+host_link_bytes_per_s (profile memory.host_link_bytes_per_s, else DEFAULT_HOST_LINK_BYTES_PER_S): an H100 SXM's
+PCIe Gen5 x16 link moves 64 GB/s per direction on paper; pinned device-to-host copies reach about half of it beside
+training traffic, so the default is 25e9, a chosen value, not measured here.
+"""
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.schedule.memory import DEFAULT_SAFETY, _number, checkpoint_plan, predicted_peak_bytes, recompute_factor
+
+DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
+BWD_PER_FWD = 2.0  # a block's backward against its forward: the window the copy back hides in
+
+
+def input_bytes_per_token(dim: int, dtype_bytes: int = 2) -> int:
+    """What a checkpointed block keeps per token: its input, dim values of dtype_bytes (bf16: 2)."""
+    return int(dim) * int(dtype_bytes)
+
+
+def parse_setting(value, source: str):
+    """adaptive_load.activation_offload as the planner takes it: "off", "auto" or an int >= 0 (0 is "off")."""
+    if value in ("off", "auto"):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return "off" if value == 0 else value
+    raise UserError(f'{source}: must be "off", "auto" or an integer >= 0, got {value!r}')
+
+
+def _freed(memory: dict, n: int, in_bpt: float) -> dict:
+    """The memory section with n block inputs per token off the device."""
+    return {**memory, "bytes_per_token": _number(memory, "bytes_per_token") - n * in_bpt}
+
+
+def _consistent(tokens, samples, memory, num_layers, policy, n, in_bpt) -> tuple:
+    """(k, k_full, k_ffn, m): the checkpoint plan with m blocks offloaded, m the largest up to n that the plan
+    checkpoints (only a checkpointed block's input can go to the host; fewer offloaded blocks checkpoint more)."""
+    for m in range(min(n, num_layers), -1, -1):
+        plan = checkpoint_plan(tokens, samples, _freed(memory, m, in_bpt), num_layers, policy)
+        if plan[0] >= m:
+            return (*plan, m)
+    raise AssertionError("unreachable: m = 0 is always consistent")
+
+
+def fits(tokens: int, samples: int, memory: dict, num_layers: int, plan: tuple, in_bpt: float) -> bool:
+    """Whether (k, k_full, k_ffn, n) keeps the micro-batch under capacity_bytes * safety (True without a capacity)."""
+    if memory.get("capacity_bytes") is None:
+        return True
+    k, k_full, k_ffn, n = plan
+    peak = predicted_peak_bytes(tokens, samples, memory, num_layers, k, k_full, k_ffn) - n * in_bpt * tokens
+    return peak <= _number(memory, "capacity_bytes") * _number(memory, "safety", DEFAULT_SAFETY)
+
+
+def offload_ms(tokens: int, n: int, block_fwd_ms: float, in_bpt: float, host_bps: float) -> float:
+    """The exposed host-link time of n offloaded blocks (module docstring)."""
+    copy_ms = tokens * in_bpt / host_bps * 1e3
+    return n * (max(0.0, copy_ms - block_fwd_ms) + max(0.0, copy_ms - BWD_PER_FWD * block_fwd_ms))
+
+
+def offload_blocks(tokens: int, samples: int, memory: dict, num_layers: int, setting, in_bpt: float,
+                   policy: str = "full", t_ms: float = None, fracs: tuple = (0.0, 0.0, 0.0)) -> tuple:
+    """(k, k_full, k_ffn, n) of a micro-batch of `tokens` (per GPU) and `samples`: its checkpoint plan with n of its
+    checkpointed blocks offloaded. setting "off": checkpoint_plan and n = 0; an int: at most that many (fewer where
+    fewer are checkpointed); "auto": the n with the least predicted time that fits (module docstring). t_ms: the
+    micro-batch's time with every block checkpointed; fracs: time_ms (recompute_frac, attention_recompute_frac,
+    ffn_recompute_frac). Without t_ms or recompute_frac, auto offloads the fewest blocks that make it fit."""
+    if setting == "off":
+        return (*checkpoint_plan(tokens, samples, memory, num_layers, policy), 0)
+    if setting != "auto":
+        return _consistent(tokens, samples, memory, num_layers, policy, setting, in_bpt)
+    host_bps = _number(memory, "host_link_bytes_per_s", DEFAULT_HOST_LINK_BYTES_PER_S)
+    if not host_bps:
+        raise UserError("profile: memory.host_link_bytes_per_s must be > 0")
+    rf, af, ff = fracs
+    plans, seen = [], set()
+    for n in range(num_layers + 1):
+        plan = _consistent(tokens, samples, memory, num_layers, policy, n, in_bpt)
+        if plan not in seen:
+            seen.add(plan)
+            plans.append(plan)
+    fitting = [p for p in plans if fits(tokens, samples, memory, num_layers, p, in_bpt)]
+    if not fitting:  # nothing fits: the most offload leaves the least on the device
+        return max(plans, key=lambda p: p[3])
+    if not t_ms or not rf:
+        return min(fitting, key=lambda p: p[3])
+
+    def cost(p):
+        k, k_full, k_ffn, n = p
+        return (t_ms * recompute_factor(k, num_layers, rf, k_full, af, k_ffn, ff)
+                + offload_ms(tokens, n, rf * t_ms / num_layers, in_bpt, host_bps), n)
+
+    return min(fitting, key=cost)

@@ -1,0 +1,71 @@
+"""schedule/offload.py: how many checkpointed blocks offload their inputs, from the memory and time model."""
+import pytest
+
+from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.schedule.memory import RecomputeCost, checkpoint_plan, predicted_peak_bytes
+from ds_adaptiveload.schedule.offload import fits, offload_blocks, offload_ms, parse_setting
+
+L = 10
+IN_BPT = 1000.0  # a block input's bytes per token
+MEM = {"capacity_bytes": 100e6, "safety": 1.0, "fixed_bytes": 0.0, "bytes_per_token": 10 * IN_BPT + 2000.0,
+       "block_bytes_per_token": 4000.0}
+
+
+def test_off_is_the_checkpoint_plan():
+    for tokens in (100, 2000, 8000):
+        assert offload_blocks(tokens, 1, MEM, L, "off", IN_BPT) == (*checkpoint_plan(tokens, 1, MEM, L), 0)
+
+
+def test_offload_frees_the_inputs_and_opens_blocks():
+    tokens = 5000  # all checkpointed: 60 MB; each open block 20 MB more
+    k0 = checkpoint_plan(tokens, 1, MEM, L)[0]
+    k, _, _, n = offload_blocks(tokens, 1, MEM, L, 4, IN_BPT)
+    assert n == 4 and k < k0  # 4 inputs off the device (20 MB) open one block more
+    assert fits(tokens, 1, MEM, L, (k, k, 0, n), IN_BPT)
+    assert not fits(tokens, 1, MEM, L, (k, k, 0, 0), IN_BPT)
+
+
+def test_an_int_offloads_at_most_the_checkpointed_blocks():
+    k, _, _, n = offload_blocks(100, 1, MEM, L, 8, IN_BPT)  # everything fits open
+    assert (k, n) == (0, 0)
+
+
+def test_auto_makes_a_too_large_micro_batch_fit():
+    tokens = 9000  # every block checkpointed needs 108 MB > 100 MB
+    assert not fits(tokens, 1, MEM, L, (L, L, 0, 0), IN_BPT)
+    plan = offload_blocks(tokens, 1, MEM, L, "auto", IN_BPT)  # no time model: the fewest that fit
+    assert fits(tokens, 1, MEM, L, plan, IN_BPT) and plan[3] == 1  # 9 MB of 8 MB over
+    assert not fits(tokens, 1, MEM, L, (*plan[:3], plan[3] - 1), IN_BPT)
+
+
+@pytest.mark.parametrize("host_bps, offloads", [(1e15, True), (1e3, False)])
+def test_auto_weighs_recompute_against_the_host_link(host_bps, offloads):
+    tokens = 5000
+    mem = {**MEM, "host_link_bytes_per_s": host_bps}
+    plan = offload_blocks(tokens, 1, mem, L, "auto", IN_BPT, t_ms=1000.0, fracs=(0.3, 0.0, 0.0))
+    assert (plan[3] > 0) == offloads
+    if offloads:  # a free link: offload until no checkpointed block is left to open
+        assert plan[0] < checkpoint_plan(tokens, 1, MEM, L)[0]
+    else:
+        assert plan == (*checkpoint_plan(tokens, 1, MEM, L), 0)
+
+
+def test_exposed_copy_time():
+    # 1000 tokens x 1000 B at 1e9 B/s: 1 ms each way; a 0.4 ms forward hides 0.4, the 0.8 ms backward 0.8
+    assert offload_ms(1000, 3, 0.4, 1000.0, 1e9) == pytest.approx(3 * (0.6 + 0.2))
+    assert offload_ms(1000, 3, 5.0, 1000.0, 1e9) == 0.0
+
+
+def test_recompute_cost_plans_carry_the_count():
+    cost = RecomputeCost(MEM, L, 0.3).set_offload(4, IN_BPT)
+    k, k_full, k_ffn, n = cost.plan(5000, 1)
+    assert n == 4 and cost.factor(5000, 1) < RecomputeCost(MEM, L, 0.3).factor(5000, 1)
+    assert predicted_peak_bytes(5000, 1, MEM, L, k, k_full, k_ffn) - n * IN_BPT * 5000 <= MEM["capacity_bytes"]
+    assert RecomputeCost(MEM, L, 0.3).set_offload("off", IN_BPT).plan(5000, 1) == checkpoint_plan(5000, 1, MEM, L)
+
+
+@pytest.mark.parametrize("bad", ["on", -1, 1.5, True])
+def test_bad_setting(bad):
+    with pytest.raises(UserError, match="adaptive_load.activation_offload"):
+        parse_setting(bad, "x.json: adaptive_load.activation_offload")
+    assert parse_setting(0, "x") == "off" and parse_setting(3, "x") == 3
