@@ -33,7 +33,8 @@ class MicroBatch:
     """Full-sequence tokens of each sample (a packed micro-batch mixes shapes)."""
     checkpoint: tuple = None
     """(k, k_full, k_ffn) the model runs this micro-batch at (schedule/memory.RecomputeCost.step_checkpoints: the counts
-    the planner costs it with); None where the run checkpoints a fixed count."""
+    the planner costs it with), and with adaptive_load.activation_offload a 4th, the checkpointed blocks whose input
+    goes to host memory; None where the run checkpoints a fixed count."""
 
     def noise(self, x0):
         """(eps like x0, t [B]) seeded by (seed, epoch, sample index): independent of rank, micro-batch and
@@ -81,13 +82,15 @@ class AdaptiveLoader:
     plan position of the last step handed out is `state_dict()`, a plain dict to store in the checkpoint.
 
     divisor: what DeepSpeed divides summed gradients by (sp.grad_divisor); lr: a BatchSizeLR told each step's
-    sample count, or None; memory_model: (profile memory, num_layers) for --checkpoint-blocks auto, else None."""
+    sample count, or None; memory_model: (profile memory, num_layers) for --checkpoint-blocks auto, else None;
+    offload: (adaptive_load.activation_offload, model dim) with memory_model: each micro-batch's checkpoint counts
+    then carry how many of its checkpointed blocks offload their input (schedule/offload.py)."""
 
     def __init__(self, sampler, dataset, collate_fn, loader_kwargs, divisor, lr, settings, device=None, rank=0,
-                 memory_model=None):
+                 memory_model=None, offload=None):
         self.sampler, self.dataset, self.collate_fn = sampler, dataset, collate_fn
         self.loader_kwargs, self.divisor, self.lr, self.settings = loader_kwargs, divisor, lr, settings
-        self.device, self.rank, self.memory_model = device, rank, memory_model
+        self.device, self.rank, self.memory_model, self.offload = device, rank, memory_model, offload
         """The per-step agreement's counter lives on `device` (the engine's: NCCL reduces CUDA tensors only)."""
         self._it = self._stream = self._state = None
         self._recompute = None  # RecomputeCost of memory_model, built at the first step
@@ -172,6 +175,13 @@ class AdaptiveLoader:
             memory, num_layers = self.memory_model
             # recompute fractions 0: only plan()'s counts are used here, not the time factors
             self._recompute = RecomputeCost(memory, num_layers, 0.0, policy=cfg.checkpoint_policy)
+            if self.offload is not None and self.offload[0] != "off":
+                from ds_adaptiveload.schedule.offload import attach
+
+                prof = self.sampler.profile  # "auto" weighs recompute time: the profile's fractions
+                self._recompute = attach(RecomputeCost(memory, num_layers, prof.recompute_frac,
+                                                       prof.attention_recompute_frac, cfg.checkpoint_policy,
+                                                       prof.ffn_recompute_frac), *self.offload, prof)
         every = (self._tokens(mb) for mbs in ps.all_micro_batches for mb in mbs)  # read under auto-step only
         return self._recompute.step_checkpoints(cfg.checkpoint, cfg.sp, tokens, every)
 

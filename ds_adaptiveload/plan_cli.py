@@ -7,7 +7,7 @@ import time
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.flags import non_negative_int, positive_int
-from ds_adaptiveload.train.config import AdaptiveLoadConfig, add_flag, check_grad_accum, flag_name
+from ds_adaptiveload.train.config import AdaptiveLoadConfig, add_flag, check_grad_accum, flag_name, offload_arg
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ def add_arguments(p):
              help="packed: light samples in runs of R of one shape, so that a round's micro-batches are copies (auto: "
                   "when a micro-batch holds fewer than about 10 samples)")
     add_flag(p, "pack_tokens", metavar="N|auto", type=str)  # pack_tokens_arg reads it
+    add_flag(p, "activation_offload", metavar="off|auto|N", type=str)  # with --checkpoint auto or auto-step
     p.add_argument("--lockstep", action="store_true",
                    help="ranks synchronise at every micro-batch (ZeRO-2/3; the trainer sets this from the "
                         "DeepSpeed config): plan and predict per micro-batch round")
@@ -47,7 +48,8 @@ def add_arguments(p):
                         "budget and checkpointed blocks move there from its memory.capacity_bytes, as the trainer "
                         "does on such a GPU (profile.for_device); default: the profile's own GPU")
     p.add_argument("--dump", help="write one JSON line per micro-batch: step, rank, micro, ids (and with --checkpoint "
-                                  "auto or auto-step, checkpoint: the [k, k_full, k_ffn] the trainer runs it at)")
+                                  "auto or auto-step, checkpoint: the [k, k_full, k_ffn] the trainer runs it at, and with "
+                                  "--activation-offload the blocks that offload their input)")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON summary line")
 
 
@@ -77,13 +79,16 @@ def run(args):
     samples = load_samples(args, profile.geometry)
     keys = {k: getattr(args, k) for k in ("profile", "policy", "seed", "on_oversize", "window", "fill")}
     keys.update(pack_tokens=pack_tokens_arg(args.pack_tokens),
-                replicate={"auto": None, "on": True, "off": False}[args.replicate])
+                replicate={"auto": None, "on": True, "off": False}[args.replicate],
+                activation_offload=offload_arg(args.activation_offload))
     al = AdaptiveLoadConfig.checked(keys, flag_name)
     cfg = al.plan_config(args.world_size, args.sp, args.grad_accum, lockstep=args.lockstep,
                          checkpoint=args.checkpoint, checkpoint_policy=args.checkpoint_policy)
     profile = run_profile(profile, args.zero_stage, args.world_size, source,  # after cfg checked --world-size
                           device_bytes(args.device_memory_gib))
     recompute = RecomputeCost.of(profile, args.checkpoint_policy) if args.checkpoint != "all" else None
+    if recompute is not None and al.activation_offload != "off":
+        recompute = with_offload(recompute, al.activation_offload, profile, source)
     if args.checkpoint != "all" and recompute is None:
         logger.warning(f"{source}: no time_ms.recompute_frac, memory.block_bytes_per_token, capacity_bytes or "
                        f"meta.model.num_layers: --checkpoint {args.checkpoint} costs every block checkpointed")
@@ -95,6 +100,8 @@ def run(args):
     ckpts = plan_checkpoints(plan, samples, profile.geometry, cfg, recompute)
     summary = {**plan.summary(), "plan_seconds": round(elapsed, 3), "budget_tokens": profile.budget_tokens,
                "capacity_bytes": profile.memory.get("capacity_bytes"), "checkpoint_blocks": block_range(ckpts)}
+    if al.activation_offload != "off":  # the fewest and most blocks offloaded, beside the checkpointed ones
+        summary["offload_blocks"] = block_range(ckpts, 3)
     if plan.skipped:
         ids = ", ".join(samples[i].id for i in plan.skipped[:5])
         logger.warning(f"skipped {len(plan.skipped)} oversize sample(s) (over {profile.budget_tokens} tokens per GPU): "
@@ -188,10 +195,21 @@ def plan_checkpoints(plan, samples, geometry, cfg, recompute):
     return out
 
 
-def block_range(checkpoints):
-    """--json's checkpoint_blocks: the fewest and most checkpointed blocks (k) over the plan's micro-batches, or
-    None when the trainer checkpoints a fixed count."""
-    ks = [k for k, *_ in checkpoints.values()] if checkpoints else None
+def with_offload(recompute, setting, profile, source):
+    """recompute planning --activation-offload `setting` (schedule/offload.attach), for the profile's model width."""
+    from ds_adaptiveload.schedule.offload import attach
+
+    model = profile.meta.get("model")
+    dim = model.get("dim") if isinstance(model, dict) else None
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+        raise UserError(f"{source}: --activation-offload needs the profile's meta.model.dim (the model's width)")
+    return attach(recompute, setting, dim, profile)
+
+
+def block_range(checkpoints, at: int = 0):
+    """--json's checkpoint_blocks: the fewest and most checkpointed blocks (k; at=3: offloaded blocks) over the plan's
+    micro-batches, or None when the trainer checkpoints a fixed count."""
+    ks = [c[at] for c in checkpoints.values() if len(c) > at] if checkpoints else None
     return [min(ks), max(ks)] if ks else None
 
 

@@ -116,10 +116,12 @@ def _checkpoint_arguments(p):
 def _compute_arguments(p):
     """Activation checkpointing, attention kernels and torch.compile."""
     from ds_adaptiveload.model.config import ATTENTION_BACKENDS
+    from ds_adaptiveload.train.config import add_flag
 
     p.add_argument("--checkpoint-blocks", nargs="?", const=True, default=False, type=_ckpt_blocks,
                    help="per-block activation checkpointing: every block; 'auto': per micro-batch, as many blocks "
                         "as its predicted peak memory needs (profile memory.block_bytes_per_token); an int k: the first k")
+    add_flag(p, "activation_offload", default=None, type=str, metavar="off|auto|N")  # over the JSON's key
     p.add_argument("--checkpoint-policy", choices=("full", "attention"), default="full",
                    help="what a checkpointed block recomputes: everything (full), or all but its attention kernels, "
                         "whose outputs it keeps (attention: less recompute, ~3 KB/token more per attention call; "

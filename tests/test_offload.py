@@ -114,3 +114,12 @@ def test_offload_with_compiled_blocks(kind):
     assert compiled._offload.stats()["tensors"] == TINY.num_layers and got.keys() == want.keys()
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_set_checkpointing_carries_the_offload_count():
+    """The loader's 4th count reaches the model through set_checkpointing; a call without it leaves the count."""
+    model = WanModel(TINY, checkpoint_blocks=True)
+    model.set_checkpointing(2, 2, 0, 1)
+    assert (model.checkpoint_blocks, model.offload_blocks) == (2, 1)
+    model.set_checkpointing(1, policy="full")
+    assert model.offload_blocks == 1

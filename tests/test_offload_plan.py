@@ -69,3 +69,54 @@ def test_bad_setting(bad):
     with pytest.raises(UserError, match="adaptive_load.activation_offload"):
         parse_setting(bad, "x.json: adaptive_load.activation_offload")
     assert parse_setting(0, "x") == "off" and parse_setting(3, "x") == 3
+
+
+def _profile_file(tmp_path):
+    import dataclasses
+    import os
+
+    from ds_adaptiveload.schedule.profile import CostProfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = CostProfile.load(os.path.join(root, "configs", "profiles", "h200-wan1.3b-zero3.yaml"))
+    prof = dataclasses.replace(base, memory={**base.memory, "block_bytes_per_token": 51_510}, recompute_frac=0.22)
+    path = tmp_path / "p.yaml"
+    prof.to_yaml(str(path))
+    return str(path)
+
+
+def test_plan_command_shows_the_offload_count(tmp_path, capsys):
+    """plan --dump/--json carry the offloaded blocks beside k, k_full, k_ffn; "off" dumps what no flag dumps."""
+    import json
+
+    from ds_adaptiveload.cli import main
+
+    path = _profile_file(tmp_path)
+    argv = ["plan", "--mix", "video-heavy:40", "--profile", path, "--world-size", "2", "--checkpoint", "auto"]
+    dumps = {}
+    for name, extra in (("none", []), ("off", ["--activation-offload", "off"]), ("n", ["--activation-offload", "3"]),
+                        ("auto", ["--activation-offload", "auto"])):
+        dumps[name] = tmp_path / f"{name}.jsonl"
+        assert main(argv + extra + ["--json", "--dump", str(dumps[name])]) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert ("offload_blocks" in summary) == (name in ("n", "auto"))
+    assert dumps["off"].read_text() == dumps["none"].read_text()
+    rows = [json.loads(line) for line in dumps["n"].read_text().splitlines()]
+    assert all(len(r["checkpoint"]) == 4 and r["checkpoint"][3] == min(3, r["checkpoint"][0]) for r in rows)
+    plain = [json.loads(line) for line in dumps["none"].read_text().splitlines()]
+    assert any(r["checkpoint"][0] < p["checkpoint"][0] for r, p in zip(rows, plain))  # freed memory opens blocks
+
+
+@pytest.mark.parametrize("value", ["on", "-2", "2.5"])
+def test_bad_flag_and_key_are_named(tmp_path, capsys, value):
+    from ds_adaptiveload.cli import main
+    from ds_adaptiveload.train.config import AdaptiveLoadConfig
+
+    assert main(["plan", "--mix", "video-heavy:10", "--profile", _profile_file(tmp_path), "--world-size", "1",
+                 "--checkpoint", "auto", "--activation-offload", value]) == 2
+    assert capsys.readouterr().err.startswith("error: --activation-offload must be")
+    for bad in ("on", -2, 2.5, True):
+        with pytest.raises(UserError, match=r"^run.json: adaptive_load.activation_offload must be"):
+            AdaptiveLoadConfig.from_dict({"profile": "p.yaml", "activation_offload": bad}, "run.json")
+    assert AdaptiveLoadConfig.from_dict({"profile": "p.yaml", "activation_offload": 4}, "run.json").activation_offload == 4
+    assert AdaptiveLoadConfig.from_dict({"profile": "p.yaml"}, "run.json").activation_offload == "off"

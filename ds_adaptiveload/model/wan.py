@@ -288,9 +288,9 @@ class WanModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         # checkpoint_full_blocks and checkpoint_ffn_blocks, settable per micro-batch: schedule/memory.py sizes them
+        self.offload_blocks = 0  # likewise: schedule/offload.offload_blocks
         self.set_checkpointing(checkpoint_blocks, 0, 0, policy=checkpoint_policy)
         self.open_recompute = "none"  # the blocks not checkpointed: keep all they save, or recompute "elementwise"
-        self.offload_blocks = 0  # likewise: schedule/offload.offload_blocks
         self.__dict__["_offload"] = BlockInputOffload()  # outside the module tree: no state, no ZeRO hooks
         d = cfg.dim
         self.patch_embedding = PatchEmbed(cfg.in_dim, d, kernel_size=cfg.patch_size, stride=cfg.patch_size)
@@ -304,10 +304,12 @@ class WanModel(nn.Module):
         self.set_block_fns(None)
         self.init_weights()
 
-    def set_checkpointing(self, k, k_full=None, k_ffn: int = 0, policy: Optional[str] = None) -> None:
+    def set_checkpointing(self, k, k_full=None, k_ffn: int = 0, offload: Optional[int] = None, *,
+                          policy: Optional[str] = None) -> None:
         """The next micro-batch's checkpoint counts, as its plan decided (loader.MicroBatch.checkpoint): the first k
         blocks checkpointed (True: every block), k_full of them recomputed whole (default all k), k_ffn of them keeping
-        their FFN output; policy (None: unchanged) replaces checkpoint_policy, as calibration and benchmarks do."""
+        their FFN output, the first `offload` of them keeping their input in host memory (offload_blocks; None:
+        unchanged); policy (None: unchanged) replaces checkpoint_policy, as calibration and benchmarks do."""
         if policy is not None:
             if policy not in CHECKPOINT_POLICIES:
                 raise UserError(f"WanModel: checkpoint_policy {policy!r}: expected one of {CHECKPOINT_POLICIES}")
@@ -315,6 +317,8 @@ class WanModel(nn.Module):
         self.checkpoint_blocks = k
         self.checkpoint_full_blocks = k if k_full is None else k_full
         self.checkpoint_ffn_blocks = k_ffn
+        if offload is not None:
+            self.offload_blocks = int(offload)
 
     def set_attention(self, fn: Optional[AttentionFn]) -> None:
         """Replace the self-attention core (None restores sdpa_attention). Kept out of the module tree,

@@ -36,7 +36,7 @@ from ds_adaptiveload.schedule.geometry import per_gpu_tokens
 DEFAULT_SAFETY = 0.9  # calibrate's default share of device memory the budget may use
 
 
-def _number(mem: dict, key: str, default=None) -> float:
+def profile_number(mem: dict, key: str, default=None) -> float:
     v = mem.get(key, default)
     if v is None:
         return None
@@ -48,18 +48,18 @@ def _number(mem: dict, key: str, default=None) -> float:
 def _free_bytes(tokens: int, samples: int, profile_memory: dict) -> float:
     """capacity * safety - peak(k = L): what is left beyond every block checkpointed (the profile has
     capacity_bytes and bytes_per_token)."""
-    safety = _number(profile_memory, "safety", DEFAULT_SAFETY)
+    safety = profile_number(profile_memory, "safety", DEFAULT_SAFETY)
     if not 0 < safety <= 1:
         raise UserError(f"profile: memory.safety must be in (0, 1], got {safety!r}")
-    return (_number(profile_memory, "capacity_bytes") * safety - _number(profile_memory, "fixed_bytes", 0.0)
-            - _number(profile_memory, "bytes_per_sample", 0.0) * samples
-            - _number(profile_memory, "bytes_per_token") * tokens)
+    return (profile_number(profile_memory, "capacity_bytes") * safety - profile_number(profile_memory, "fixed_bytes", 0.0)
+            - profile_number(profile_memory, "bytes_per_sample", 0.0) * samples
+            - profile_number(profile_memory, "bytes_per_token") * tokens)
 
 
 def _beyond_attention(tokens: int, samples: int, profile_memory: dict, num_layers: int) -> float:
     """What is left once every block is checkpointed and keeps its attention outputs (attention_bytes_per_token):
     the bytes selective_checkpoint and ffn_blocks share out to FFN outputs and open blocks."""
-    attn = _number(profile_memory, "attention_bytes_per_token", 0.0)
+    attn = profile_number(profile_memory, "attention_bytes_per_token", 0.0)
     return _free_bytes(tokens, samples, profile_memory) - num_layers * attn * tokens
 
 
@@ -76,12 +76,12 @@ def blocks_to_checkpoint(tokens: int, samples: int, profile_memory: dict, num_la
     if not isinstance(profile_memory, dict):
         raise UserError(f"blocks_to_checkpoint: profile_memory must be the profile's memory mapping, "
                         f"got {type(profile_memory).__name__}")
-    block = _number(profile_memory, "block_bytes_per_token")
-    capacity = _number(profile_memory, "capacity_bytes")
-    per_token = _number(profile_memory, "bytes_per_token")
+    block = profile_number(profile_memory, "block_bytes_per_token")
+    capacity = profile_number(profile_memory, "capacity_bytes")
+    per_token = profile_number(profile_memory, "bytes_per_token")
     if block is None or capacity is None or per_token is None:
         return num_layers
-    per_block = block * tokens + _number(profile_memory, "block_bytes_per_sample", 0.0) * samples
+    per_block = block * tokens + profile_number(profile_memory, "block_bytes_per_sample", 0.0) * samples
     if tokens == 0 or per_block == 0:
         return 0
     free = _free_bytes(tokens, samples, profile_memory)
@@ -97,22 +97,22 @@ def selective_checkpoint(tokens: int, samples: int, profile_memory: dict, num_la
     FLOPs, its outputs a few KB per token), so every block gets it before any block goes un-checkpointed.
     Without attention_bytes_per_token: (blocks_to_checkpoint, same k), i.e. every checkpointed block whole."""
     k = blocks_to_checkpoint(tokens, samples, profile_memory, num_layers)
-    attn = _number(profile_memory, "attention_bytes_per_token")
-    if attn is None or tokens == 0 or _number(profile_memory, "capacity_bytes") is None:
+    attn = profile_number(profile_memory, "attention_bytes_per_token")
+    if attn is None or tokens == 0 or profile_number(profile_memory, "capacity_bytes") is None:
         return k, k  # without a capacity blocks_to_checkpoint checkpoints every block: all recomputed whole
-    block = _number(profile_memory, "block_bytes_per_token") or 0.0
+    block = profile_number(profile_memory, "block_bytes_per_token") or 0.0
     free = _free_bytes(tokens, samples, profile_memory)
     if free <= 0:
         return num_layers, num_layers
     kept = num_layers if attn == 0 else min(num_layers, math.floor(free / (attn * tokens)))
     if kept < num_layers:
         return num_layers, num_layers - kept
-    ffn = _number(profile_memory, "ffn_bytes_per_token", 0.0)
+    ffn = profile_number(profile_memory, "ffn_bytes_per_token", 0.0)
     rest = _beyond_attention(tokens, samples, profile_memory, num_layers) - num_layers * ffn * tokens
     if rest < 0:  # not every block's FFN output fits: no block opens (ffn_blocks says how many keep theirs)
         return num_layers, 0
     # an open block adds its activations less what a kept block holds already, and its per-sample bytes
-    per_block = (block - attn - ffn) * tokens + _number(profile_memory, "block_bytes_per_sample", 0.0) * samples
+    per_block = (block - attn - ffn) * tokens + profile_number(profile_memory, "block_bytes_per_sample", 0.0) * samples
     open_ = num_layers if per_block <= 0 else min(num_layers, math.floor(rest / per_block))
     return num_layers - open_, 0
 
@@ -121,7 +121,7 @@ def ffn_blocks(tokens: int, samples: int, profile_memory: dict, num_layers: int,
     """Of selective_checkpoint's k checkpointed blocks (k_full of them whole), how many also keep their FFN output
     (memory.ffn_bytes_per_token each per token): none without the field or when a block recomputes whole, all k
     when a block is open, else as many as the bytes beyond every block's attention outputs hold."""
-    ffn = _number(profile_memory, "ffn_bytes_per_token")
+    ffn = profile_number(profile_memory, "ffn_bytes_per_token")
     if not ffn or k_full > 0 or k == 0 or tokens == 0:
         return 0
     if k < num_layers:
@@ -140,15 +140,15 @@ def predicted_peak_bytes(tokens: int, samples: int, profile_memory: dict, num_la
     if not 0 <= k_full <= k <= num_layers or not 0 <= k_ffn <= k - k_full:
         raise UserError(f"predicted_peak_bytes: need 0 <= k_full <= k <= {num_layers} and 0 <= k_ffn <= k - k_full, "
                         f"got k={k!r}, k_full={k_full!r}, k_ffn={k_ffn!r}")
-    per_token = _number(profile_memory, "bytes_per_token")
+    per_token = profile_number(profile_memory, "bytes_per_token")
     if per_token is None:
         raise UserError("predicted_peak_bytes: the profile has no memory.bytes_per_token")
-    block = _number(profile_memory, "block_bytes_per_token", 0.0)
-    attn = _number(profile_memory, "attention_bytes_per_token", 0.0)
-    block_sample = _number(profile_memory, "block_bytes_per_sample", 0.0)
-    return (_number(profile_memory, "fixed_bytes", 0.0) + _number(profile_memory, "bytes_per_sample", 0.0) * samples
+    block = profile_number(profile_memory, "block_bytes_per_token", 0.0)
+    attn = profile_number(profile_memory, "attention_bytes_per_token", 0.0)
+    block_sample = profile_number(profile_memory, "block_bytes_per_sample", 0.0)
+    return (profile_number(profile_memory, "fixed_bytes", 0.0) + profile_number(profile_memory, "bytes_per_sample", 0.0) * samples
             + tokens * (per_token + (num_layers - k) * block + (k - k_full) * attn
-                        + k_ffn * _number(profile_memory, "ffn_bytes_per_token", 0.0))
+                        + k_ffn * profile_number(profile_memory, "ffn_bytes_per_token", 0.0))
             + samples * (num_layers - k) * block_sample)
 
 
@@ -252,11 +252,15 @@ class RecomputeCost:
     def step_plans(self, mode: str, rank_mbs: list, all_mbs) -> list:
         """(k, k_full, k_ffn) of each of a rank's micro-batches ((per-GPU tokens, samples) each) under
         PlanConfig.checkpoint `mode`: auto, each its own plan(); auto-step, all at step_k(all_mbs), recomputed
-        whole; None under all (the model keeps its fixed count)."""
+        whole (with set_offload, offloading the most blocks any of them does); None under all (the model keeps its
+        fixed count)."""
         if mode == "all":
             return None
         if mode == "auto-step":
+            all_mbs = list(all_mbs)
             k = self.step_k(all_mbs)
+            if self.offload is not None:  # the most any micro-batch offloads: more offload only lowers a peak
+                return [(k, k, 0, min(k, max(self.plan(t, n)[3] for t, n in all_mbs)))] * len(rank_mbs)
             return [(k, k, 0)] * len(rank_mbs)
         return [self.plan(t, n) for t, n in rank_mbs]
 

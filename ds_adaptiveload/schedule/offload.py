@@ -19,7 +19,8 @@ PCIe Gen5 x16 link moves 64 GB/s per direction on paper; pinned device-to-host c
 training traffic, so the default is 25e9, a chosen value, not measured here.
 """
 from ds_adaptiveload.errors import UserError
-from ds_adaptiveload.schedule.memory import DEFAULT_SAFETY, _number, checkpoint_plan, predicted_peak_bytes, recompute_factor
+from ds_adaptiveload.schedule.memory import (DEFAULT_SAFETY, checkpoint_plan, predicted_peak_bytes, profile_number,
+                                             recompute_factor)
 
 DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
 BWD_PER_FWD = 2.0  # a block's backward against its forward: the window the copy back hides in
@@ -41,7 +42,7 @@ def parse_setting(value, source: str):
 
 def _freed(memory: dict, n: int, in_bpt: float) -> dict:
     """The memory section with n block inputs per token off the device."""
-    return {**memory, "bytes_per_token": _number(memory, "bytes_per_token") - n * in_bpt}
+    return {**memory, "bytes_per_token": profile_number(memory, "bytes_per_token") - n * in_bpt}
 
 
 def _consistent(tokens, samples, memory, num_layers, policy, n, in_bpt) -> tuple:
@@ -60,7 +61,7 @@ def fits(tokens: int, samples: int, memory: dict, num_layers: int, plan: tuple, 
         return True
     k, k_full, k_ffn, n = plan
     peak = predicted_peak_bytes(tokens, samples, memory, num_layers, k, k_full, k_ffn) - n * in_bpt * tokens
-    return peak <= _number(memory, "capacity_bytes") * _number(memory, "safety", DEFAULT_SAFETY)
+    return peak <= profile_number(memory, "capacity_bytes") * profile_number(memory, "safety", DEFAULT_SAFETY)
 
 
 def offload_ms(tokens: int, n: int, block_fwd_ms: float, in_bpt: float, host_bps: float) -> float:
@@ -80,7 +81,7 @@ def offload_blocks(tokens: int, samples: int, memory: dict, num_layers: int, set
         return (*checkpoint_plan(tokens, samples, memory, num_layers, policy), 0)
     if setting != "auto":
         return _consistent(tokens, samples, memory, num_layers, policy, setting, in_bpt)
-    host_bps = _number(memory, "host_link_bytes_per_s", DEFAULT_HOST_LINK_BYTES_PER_S)
+    host_bps = profile_number(memory, "host_link_bytes_per_s", DEFAULT_HOST_LINK_BYTES_PER_S)
     if not host_bps:
         raise UserError("profile: memory.host_link_bytes_per_s must be > 0")
     rf, af, ff = fracs
@@ -102,3 +103,12 @@ def offload_blocks(tokens: int, samples: int, memory: dict, num_layers: int, set
                 + offload_ms(tokens, n, rf * t_ms / num_layers, in_bpt, host_bps), n)
 
     return min(fitting, key=cost)
+
+
+def attach(cost, setting, dim: int, profile):
+    """RecomputeCost `cost` planning activation_offload `setting` for a model of width `dim` (bf16 block inputs), its
+    "auto" timed by `profile` (a CostProfile: a micro-batch's time with every block checkpointed)."""
+    def t_ms(tokens, samples):
+        return profile.micro_ms(samples, tokens / samples) if samples else 0.0
+
+    return cost.set_offload(setting, input_bytes_per_token(dim), t_ms)

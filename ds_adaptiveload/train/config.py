@@ -143,6 +143,13 @@ class AdaptiveLoadConfig(BaseModel):
     """Share of samples that train on the empty prompt's embedding instead of their caption (classifier-free
     guidance; Wan and most video trainers use 0.1). The choice is seeded by (seed, epoch, sample id): the same on
     resume and at any world size. Needs empty_prompt.safetensors beside the manifest, which `encode` writes."""
+    activation_offload: Union[Literal["off", "auto"], Annotated[int, Field(ge=0, strict=True)]] = setting(
+        "off", must='"off", "auto" or an integer >= 0')
+    """Keep the inputs of checkpointed blocks in pinned host memory instead of device memory from forward to
+    backward, copied on a side stream that overlaps compute (model/offload.py). "off"; an integer n: the first n
+    checkpointed blocks; "auto" (needs --checkpoint-blocks auto): per micro-batch, the number with the least
+    predicted time that fits, weighing the host link (profile memory.host_link_bytes_per_s, default 25e9 B/s)
+    against the recompute the freed memory saves (schedule/offload.py)."""
     ema_decay: Optional[float] = setting(None, must="a number in [0, 1) or null", ge=0.0, lt=1.0)
     """Keep an exponential moving average of the weights, ema = d * ema + (1 - d) * w after every applied update
     (e.g. 0.999), in fp32, partitioned like the weights under ZeRO-3; saved in checkpoints, exported with
@@ -236,6 +243,21 @@ def add_flag(parser, key: str, model=None, prefix: str = "", **kw):
     else:
         spec["type"] = next((t for t in (field.annotation, *get_args(field.annotation)) if t in (int, float)), str)
     return parser.add_argument(flag_name(prefix + key), **{**spec, **kw})
+
+
+def offload_arg(text):
+    """--activation-offload's value as the schema takes it: off, auto, or an integer (digits)."""
+    return int(text) if isinstance(text, str) and text.strip().isdigit() else text
+
+
+def offload_from_flags(args, al: "AdaptiveLoadConfig", source: str) -> "AdaptiveLoadConfig":
+    """`al` with --activation-offload (when given) over adaptive_load.activation_offload, checked by the schema."""
+    value = getattr(args, "activation_offload", None)
+    if value is None:
+        return al
+    return AdaptiveLoadConfig.checked({**al.model_dump(), "activation_offload": offload_arg(value)},
+                                      lambda k: flag_name(k) if k == "activation_offload" else f"adaptive_load.{k}",
+                                      f"{source}: ")
 
 
 def _comma_list(text: str) -> list:

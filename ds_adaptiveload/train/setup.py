@@ -25,6 +25,10 @@ def read_config(args, world, rank, device=None):
 
     ds_cfg, al = config.load_ds_config(args.deepspeed_config)
     al = config.lora_from_flags(args, al)  # --lora-rank and friends over adaptive_load.lora
+    al = config.offload_from_flags(args, al, args.deepspeed_config)  # --activation-offload over the JSON's key
+    if al.activation_offload == "auto" and getattr(args, "checkpoint_blocks", None) != "auto":
+        raise UserError(f"{args.deepspeed_config}: adaptive_load.activation_offload \"auto\" needs "
+                        f"--checkpoint-blocks auto (or give an integer number of blocks)")
     if al.lora and al.ema_decay is not None:  # the EMA follows every weight, and a frozen one has no fp32 copy
         raise UserError(f"{args.deepspeed_config}: adaptive_load.ema_decay is not supported with adaptive_load.lora "
                         f"(or --lora-rank); remove one of them")

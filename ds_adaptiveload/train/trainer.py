@@ -91,6 +91,8 @@ class Trainer:
                             checkpoint_blocks=True if args.checkpoint_blocks == "auto" else args.checkpoint_blocks,
                             checkpoint_policy=getattr(args, "checkpoint_policy", "full"),
                             init_weights=not getattr(args, "init_from", None))
+        if isinstance(self.al.activation_offload, int) and args.checkpoint_blocks != "auto":
+            model.offload_blocks = self.al.activation_offload  # a fixed count; under auto the loader's, per micro-batch
         if getattr(args, "init_from", None):
             self.load_init_from(model)
         if self.rank == 0 and hasattr(next(model.parameters()), "ds_tensor"):
@@ -218,8 +220,9 @@ class Trainer:
                 mem = {**mem, "capacity_bytes": torch.cuda.get_device_properties(self.device).total_memory}
             memory_model = (mem, self.model_cfg.num_layers)
         settings = Settings(self.al.seed, args.timestep_shift, self.al.loss_weighting)
+        offload = (self.al.activation_offload, self.model_cfg.dim) if memory_model else None
         return AdaptiveLoader(self.sampler, dataset, first, kwargs, self.divisor, self.lr_scale, settings, self.device,
-                              self.rank, memory_model)
+                              self.rank, memory_model, offload)
 
     def make_ema(self, tag):
         """adaptive_load.ema_decay: the EMA (train/ema.py) from the current weights, or the resumed checkpoint's."""
@@ -433,14 +436,20 @@ class Trainer:
         from ds_adaptiveload.schedule.geometry import per_gpu_tokens
         from ds_adaptiveload.schedule.memory import predicted_peak_bytes
 
-        k, k_full, k_ffn = mb.checkpoint
-        # ckpt_k in the step log: what each micro-batch recomputed ([k, k_full], and k_ffn when blocks kept FFN outputs)
-        self._step_ks = [*self._step_ks, [k, k_full, k_ffn] if k_ffn else [k, k_full]]
+        k, k_full, k_ffn, *off = mb.checkpoint
+        # ckpt_k in the step log: what each micro-batch recomputed ([k, k_full], and k_ffn when blocks kept FFN outputs;
+        # with activation_offload, [k, k_full, k_ffn, offloaded blocks])
+        self._step_ks = [*self._step_ks, list(mb.checkpoint) if off or k_ffn else [k, k_full]]
         mem = self.profile.memory
         if mem.get("bytes_per_token") is None:
             return
         tokens = sum(per_gpu_tokens(S, self.dims.sp) for S in mb.tokens)
-        peak = predicted_peak_bytes(tokens, len(mb.tokens), mem, self.model_cfg.num_layers, k, k_full, k_ffn) / 2**30
+        peak = predicted_peak_bytes(tokens, len(mb.tokens), mem, self.model_cfg.num_layers, k, k_full, k_ffn)
+        if off:  # the offloaded block inputs (bf16) leave the device
+            from ds_adaptiveload.schedule.offload import input_bytes_per_token
+
+            peak -= off[0] * input_bytes_per_token(self.model_cfg.dim) * tokens
+        peak /= 2**30
         self._pred_peak_gib = max(self._pred_peak_gib, peak)
 
     def run_micro_batches(self, step: int, mbs: list) -> SimpleNamespace:
