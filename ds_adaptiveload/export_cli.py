@@ -41,10 +41,12 @@ def load_weights(args):
 
     tag = export.checkpoint_tag(args.checkpoint, args.tag)
     cfg = export.model_config(args.checkpoint, tag, args.model_config)
-    if getattr(args, "ema", False):
-        weights = export.read_ema(args.checkpoint, tag, cfg)
+    ema = export.read_ema(args.checkpoint, tag, cfg) if getattr(args, "ema", False) else None
+    if ema is None or lora_ema_only(ema):  # a LoRA run's EMA holds the adapters: the base comes from the weights
+        weights = {**export.read_weights(args.checkpoint, tag, getattr(args, "trust_checkpoint", False)),
+                   **(ema or {})}
     else:
-        weights = export.read_weights(args.checkpoint, tag, getattr(args, "trust_checkpoint", False))
+        weights = ema
     weights = _lora(args, tag, weights)
     if args.format in ("lora-diffusers", "lora-wan"):
         return cfg, tag, weights
@@ -54,6 +56,13 @@ def load_weights(args):
         raise UserError(f"--checkpoint {os.path.join(args.checkpoint, tag)}: its parameters are not the model "
                         f"config's (missing {missing[:5]}, extra {extra[:5]}); give the run's --model-config")
     return cfg, tag, weights
+
+
+def lora_ema_only(ema: dict) -> bool:
+    """Whether an EMA is a LoRA run's (train/ema.py averages the trainable weights: there, the adapters alone)."""
+    from ds_adaptiveload.model import lora_export
+
+    return lora_export.is_lora_checkpoint(ema) and not any(".base_layer." in k for k in ema)
 
 
 def _lora(args, tag, weights) -> dict:

@@ -14,11 +14,12 @@ from ds_adaptiveload.train.config import (DEFAULT_LORA_TARGETS, AdaptiveLoadConf
                                           lora_from_flags)
 
 peft = pytest.importorskip("peft")
-from ds_adaptiveload.model.lora import (GeluLoraLinear, RowsLoraLinear, apply_lora, is_adapter,  # noqa: E402
-                                        target_pattern)
+from ds_adaptiveload.model.lora import (GeluLoraLinear, RowsLoraLinear, adapter_state, apply_lora,  # noqa: E402
+                                        is_adapter, target_pattern)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_tiny.yaml"))
+TINY_PATH = os.path.join(ROOT, "configs", "wan_tiny.yaml")
+TINY = WanConfig.from_yaml(TINY_PATH)
 # Shapes of one packed micro-batch: three groups (two runs of tokens), so the output projection takes a list.
 SHAPES = [(1, 4, 4), (1, 4, 4), (3, 4, 4), (2, 2, 6)]
 
@@ -194,9 +195,9 @@ def test_gelu_adapter_with_dropout_takes_the_plain_path():
         assert not torch.allclose(layer(h), fused(h))  # dropout acts on the adapter's input
 
 
-def test_read_config_takes_the_lora_flags_and_refuses_an_ema_with_them(tmp_path):
+def test_read_config_takes_the_lora_flags_and_an_ema_with_them(tmp_path):
     """--lora-rank reaches the run's settings and its profile's memory (the base's state bytes gone); an EMA of the
-    weights with LoRA is refused naming both keys."""
+    of the adapters goes with them."""
     from types import SimpleNamespace
 
     from ds_adaptiveload.train.setup import read_config
@@ -211,5 +212,42 @@ def test_read_config_takes_the_lora_flags_and_refuses_an_ema_with_them(tmp_path)
     assert (c.al.lora.rank, c.al.lora.targets) == (4, ["q", "ffn"])
     ds["adaptive_load"]["ema_decay"] = 0.99
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    with pytest.raises(UserError, match="adaptive_load.ema_decay is not supported with adaptive_load.lora"):
-        read_config(args, 1, 0)
+    assert read_config(args, 1, 0).al.ema_decay == 0.99
+
+
+def test_ema_of_a_lora_run_averages_the_adapters_only(tmp_path, monkeypatch):
+    """train/ema.EMA over a LoRA model keeps the adapters alone and equals the hand-computed average after N updates;
+    `export --ema` reads it with the base from the checkpoint's weights (export_cli.load_weights)."""
+    from types import SimpleNamespace
+
+    from ds_adaptiveload import export_cli
+    from ds_adaptiveload.model import export
+    from ds_adaptiveload.train.ema import EMA
+
+    decay, model = 0.6, lora_model(LoraSettings(rank=2, targets=["q", "ffn"]))
+    ema = EMA(SimpleNamespace(module=model, zero_optimization_stage=lambda: 0), decay, 0)
+    adapters = adapter_state(model)
+    assert set(ema.shadow) == set(adapters) and adapters
+    want = {n: p.detach().float().clone() for n, p in adapters.items()}
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter(n)}
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        with torch.no_grad():
+            for n, p in adapters.items():
+                p.add_(torch.randn(p.shape, generator=g))
+                want[n] = decay * want[n] + (1 - decay) * p.float()
+        ema.update()
+    for n, t in ema.shadow.items():
+        torch.testing.assert_close(t.view(want[n].shape), want[n], rtol=1e-6, atol=1e-6)
+    folder = tmp_path / "ckpt" / "global_step4"
+    folder.mkdir(parents=True)
+    ema.save(str(folder))
+    averaged = export.read_ema(str(tmp_path / "ckpt"), "global_step4", TINY)
+    assert export_cli.lora_ema_only(averaged) and set(averaged) == set(adapters)
+    (folder / "adaptive_load.json").write_text(json.dumps({"lora": {"rank": 2, "alpha": None}}))
+    monkeypatch.setattr(export, "read_weights", lambda *a: {**base, **{n: p * 0 for n, p in adapters.items()}})
+    args = SimpleNamespace(checkpoint=str(tmp_path / "ckpt"), tag="global_step4", model_config=TINY_PATH, ema=True,
+                           format="lora-diffusers", merge=False)
+    _, _, weights = export_cli.load_weights(args)
+    for n in adapters:
+        torch.testing.assert_close(weights[n], want[n], rtol=1e-6, atol=1e-6)

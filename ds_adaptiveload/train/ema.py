@@ -4,7 +4,11 @@ applied update, kept in fp32.
 Under ZeRO-3 each rank keeps the EMA of its own partitions only, taken from the optimizer's fp32 partition of each
 parameter (no communication), and saves them as ema_rank{r}.pt in the checkpoint; `export --ema` joins the ranks'
 files (model/export.read_ema). Under ZeRO-0/1/2 the weights are whole on every rank: the EMA follows the module's
-weights (bf16 under bf16 training) and rank 0 saves it as ema_rank0.pt."""
+weights (bf16 under bf16 training) and rank 0 saves it as ema_rank0.pt.
+
+Only trainable parameters are averaged: with adaptive_load.lora the adapters (the frozen base never changes, and
+under ZeRO-3 it has no fp32 partition to read), so `export --ema` with a lora-* format writes the adapters' EMA and
+with --merge merges it into the base."""
 import os
 
 from ds_adaptiveload.errors import UserError
@@ -14,7 +18,7 @@ from ds_adaptiveload.model.export import EMA_PREFIX
 class EMA:
     def __init__(self, engine, decay: float, rank: int):
         self.engine, self.decay, self.rank = engine, decay, rank
-        self.params = list(engine.module.named_parameters())
+        self.params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         self.zero3 = engine.zero_optimization_stage() == 3
         self.shadow = {n: self.source(p).detach().float().clone().view(-1) for n, p in self.params}
 

@@ -29,9 +29,6 @@ def read_config(args, world, rank, device=None):
     if al.activation_offload == "auto" and getattr(args, "checkpoint_blocks", None) != "auto":
         raise UserError(f"{args.deepspeed_config}: adaptive_load.activation_offload \"auto\" needs "
                         f"--checkpoint-blocks auto (or give an integer number of blocks)")
-    if al.lora and al.ema_decay is not None:  # the EMA follows every weight, and a frozen one has no fp32 copy
-        raise UserError(f"{args.deepspeed_config}: adaptive_load.ema_decay is not supported with adaptive_load.lora "
-                        f"(or --lora-rank); remove one of them")
     dims = sp.ParallelDims(world=world, sp=ds_cfg.get("sequence_parallel_size", 1), rank=rank)
     if world % dims.sp:
         raise UserError(f"{args.deepspeed_config}: sequence_parallel_size {dims.sp} does not divide "
