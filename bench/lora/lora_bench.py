@@ -56,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--config", default="configs/ds_zero2_bf16.json", help="DeepSpeed JSON (its ZeRO stage, bf16, "
                                                                            "optimizer; batch keys and monitors reset)")
     p.add_argument("--offload-blocks", type=int, default=None,
-                   help="checkpointed blocks whose inputs go to host memory in the offload parts (default: all)")
+                   help="checkpointed blocks whose inputs go to host memory (default: all in the 14B parts, none in "
+                        "the others; given, in every part: its variant then names the count)")
     p.add_argument("--no-offload", action="store_true", help="no part offloads")
     p.add_argument("--compile-blocks", default="regions", choices=("none", "regions", "block"),
                    help="as the trainer's flag (CUDA only; the CPU smoke run stays eager)")
@@ -110,7 +111,7 @@ def build(spec, args):
         from ds_adaptiveload.model.lora import apply_lora
 
         apply_lora(model, LoraSettings(rank=spec["lora"]))
-    if spec["offload"] and not args.no_offload:
+    if (spec["offload"] or args.offload_blocks) and not args.no_offload:  # --offload-blocks N: any part
         model.offload_blocks = cfg.num_layers if args.offload_blocks is None else args.offload_blocks
     return eng.build_engine(model, ds, mpu=None), cfg, device, dtype
 
@@ -189,19 +190,29 @@ def hardware_name(env) -> str:
     return f"1x {short}"
 
 
+def variant_name(part: str, row: dict) -> str:
+    """The part's name, and the offloaded block count where offload is on in a part that runs without it, or off in
+    one that runs with it (offload against recompute, row by row)."""
+    n = row.get("offload_blocks") or 0
+    if bool(n) == PARTS[part]["offload"]:
+        return part
+    return f"{part}, offload {n} blocks" if n else f"{part}, no offload"
+
+
 def record_rows(rows, args, raw_file, env):
     """One staging-table row per number: 14B steps, peak memory, MFU, tokens/s; 1.3B LoRA tokens/s vs full."""
     csv = args.csv or os.path.join(args.out, "results-staging.csv")
     hw = args.hardware or hardware_name(env)
     by = {r["part"]: r for r in rows}
     command = "python bench/lora/lora_bench.py --parts " + ",".join(by) + f" --steps {args.steps}"
+    command += f" --offload-blocks {args.offload_blocks}" if args.offload_blocks is not None else ""
     common = dict(experiment="lora", hardware=hw, section="training", zero_stage=2, raw_file=raw_file,
                   command=command)
     for name, r in by.items():
         status = r["status"]
         note = f"{r['doc']}; {r['steps']} timed steps after 1 warm-up, no OOM" if status == "ok" else \
             f"{r['doc']}; {status} after {r['steps']} steps: {r.get('error', '')}"
-        base = dict(common, variant=name, model=os.path.basename(r["model"]).replace(".yaml", ""), note=note,
+        base = dict(common, variant=variant_name(name, r), model=os.path.basename(r["model"]).replace(".yaml", ""), note=note,
                     status=status if status == "ok" else status)
         if status != "ok" or not r["step_s"]:  # out of memory, a crash, or the budget spent before a timed step
             harness.record(csv, metric="peak memory", unit="GiB", value=None,
