@@ -68,3 +68,23 @@ def test_without_a_memory_model_the_model_keeps_its_count(tmp_path):
     assert all(mb.checkpoint is None for mb in next(loader))
     loader.memory_model = None
     assert all(mb.checkpoint is None for mb in next(loader))
+
+
+def test_offload_counts_ride_with_the_checkpoint_counts(tmp_path):
+    """activation_offload n under auto: each micro-batch's counts are offload_blocks' (k, k_full, k_ffn, n), n <= k;
+    the freed input bytes (dim x 2 per token and block) leave some micro-batch with fewer checkpointed blocks."""
+    from ds_adaptiveload.schedule.offload import offload_blocks
+
+    loader, sampler, samples, memory = _loader(tmp_path, "auto")
+    # a block input (dim 1, bf16) is 2 of the 8 bytes per token every block checkpointed keeps; 3 of them free what
+    # an open block adds (6)
+    memory.update(capacity_bytes=2 * memory["capacity_bytes"], bytes_per_token=8, block_bytes_per_token=6)
+    loader.offload = (3, 1)
+    fewer = False
+    for _ in range(len(loader)):
+        for mb in next(loader):
+            tokens, n = _cost(mb.indices, samples)
+            assert mb.checkpoint == offload_blocks(tokens, n, memory, L, 3, 2.0)
+            assert mb.checkpoint[3] <= mb.checkpoint[0]
+            fewer |= mb.checkpoint[0] < checkpoint_plan(tokens, n, memory, L)[0]
+    assert fewer

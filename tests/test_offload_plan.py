@@ -3,7 +3,7 @@ import pytest
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.memory import RecomputeCost, checkpoint_plan, predicted_peak_bytes
-from ds_adaptiveload.schedule.offload import fits, offload_blocks, offload_ms, parse_setting
+from ds_adaptiveload.schedule.offload import attach, fits, offload_blocks, offload_ms, parse_setting
 
 L = 10
 IN_BPT = 1000.0  # a block input's bytes per token
@@ -57,11 +57,11 @@ def test_exposed_copy_time():
 
 
 def test_recompute_cost_plans_carry_the_count():
-    cost = RecomputeCost(MEM, L, 0.3).set_offload(4, IN_BPT)
+    cost = attach(RecomputeCost(MEM, L, 0.3), 4, IN_BPT / 2)  # a width of IN_BPT / 2 bf16 values
     k, k_full, k_ffn, n = cost.plan(5000, 1)
     assert n == 4 and cost.factor(5000, 1) < RecomputeCost(MEM, L, 0.3).factor(5000, 1)
     assert predicted_peak_bytes(5000, 1, MEM, L, k, k_full, k_ffn) - n * IN_BPT * 5000 <= MEM["capacity_bytes"]
-    assert RecomputeCost(MEM, L, 0.3).set_offload("off", IN_BPT).plan(5000, 1) == checkpoint_plan(5000, 1, MEM, L)
+    assert attach(RecomputeCost(MEM, L, 0.3), "off", 500).plan(5000, 1) == checkpoint_plan(5000, 1, MEM, L)
 
 
 @pytest.mark.parametrize("bad", ["on", -1, 1.5, True])
@@ -118,5 +118,6 @@ def test_bad_flag_and_key_are_named(tmp_path, capsys, value):
     for bad in ("on", -2, 2.5, True):
         with pytest.raises(UserError, match=r"^run.json: adaptive_load.activation_offload must be"):
             AdaptiveLoadConfig.from_dict({"profile": "p.yaml", "activation_offload": bad}, "run.json")
-    assert AdaptiveLoadConfig.from_dict({"profile": "p.yaml", "activation_offload": 4}, "run.json").activation_offload == 4
+    good = AdaptiveLoadConfig.from_dict({"profile": "p.yaml", "activation_offload": 4}, "run.json")
+    assert good.activation_offload == 4
     assert AdaptiveLoadConfig.from_dict({"profile": "p.yaml"}, "run.json").activation_offload == "off"

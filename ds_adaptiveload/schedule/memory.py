@@ -51,7 +51,8 @@ def _free_bytes(tokens: int, samples: int, profile_memory: dict) -> float:
     safety = profile_number(profile_memory, "safety", DEFAULT_SAFETY)
     if not 0 < safety <= 1:
         raise UserError(f"profile: memory.safety must be in (0, 1], got {safety!r}")
-    return (profile_number(profile_memory, "capacity_bytes") * safety - profile_number(profile_memory, "fixed_bytes", 0.0)
+    return (profile_number(profile_memory, "capacity_bytes") * safety
+            - profile_number(profile_memory, "fixed_bytes", 0.0)
             - profile_number(profile_memory, "bytes_per_sample", 0.0) * samples
             - profile_number(profile_memory, "bytes_per_token") * tokens)
 
@@ -146,7 +147,8 @@ def predicted_peak_bytes(tokens: int, samples: int, profile_memory: dict, num_la
     block = profile_number(profile_memory, "block_bytes_per_token", 0.0)
     attn = profile_number(profile_memory, "attention_bytes_per_token", 0.0)
     block_sample = profile_number(profile_memory, "block_bytes_per_sample", 0.0)
-    return (profile_number(profile_memory, "fixed_bytes", 0.0) + profile_number(profile_memory, "bytes_per_sample", 0.0) * samples
+    return (profile_number(profile_memory, "fixed_bytes", 0.0)
+            + profile_number(profile_memory, "bytes_per_sample", 0.0) * samples
             + tokens * (per_token + (num_layers - k) * block + (k - k_full) * attn
                         + k_ffn * profile_number(profile_memory, "ffn_bytes_per_token", 0.0))
             + samples * (num_layers - k) * block_sample)
@@ -204,7 +206,7 @@ class RecomputeCost:
             raise UserError(f"checkpoint policy must be full or attention, got {policy!r}")
         self.memory, self.L, self.policy = memory, num_layers, policy
         self.recompute_frac, self.attention_frac, self.ffn_frac = recompute_frac, attention_frac, ffn_frac
-        self.offload = None  # set_offload: (setting, input bytes per token, t_ms of per-GPU tokens, samples)
+        self.offload = None  # set_offload: (tokens, samples) -> (k, k_full, k_ffn, offloaded blocks)
         recompute_factor(num_layers, num_layers, recompute_frac, 0, attention_frac, num_layers, ffn_frac)  # validates
         self._cache = {}
 
@@ -218,12 +220,10 @@ class RecomputeCost:
         return cls(mem, L, profile.recompute_frac, profile.attention_recompute_frac, policy,
                    profile.ffn_recompute_frac)
 
-    def set_offload(self, setting, input_bytes_per_token: float, t_ms=None) -> "RecomputeCost":
-        """adaptive_load.activation_offload under --checkpoint-blocks auto: plan() then gives (k, k_full, k_ffn, n),
-        n of the checkpointed blocks offloaded (schedule/offload.offload_blocks). t_ms(tokens, samples): the
-        micro-batch's time with every block checkpointed, which "auto" weighs recompute against the host link with.
-        "off" leaves plan() as it is."""
-        self.offload = None if setting == "off" else (setting, input_bytes_per_token, t_ms)
+    def set_offload(self, planner) -> "RecomputeCost":
+        """adaptive_load.activation_offload under --checkpoint-blocks auto (schedule/offload.attach): plan() then gives
+        planner(tokens, samples), (k, k_full, k_ffn, n) with n of the checkpointed blocks offloaded; None: as before."""
+        self.offload = planner
         self._cache = {}
         return self
 
@@ -231,16 +231,8 @@ class RecomputeCost:
         """(k, k_full, k_ffn) as the trainer sets them (checkpoint_plan); with set_offload, (k, k_full, k_ffn, n)."""
         key = ("plan", tokens, samples)
         if key not in self._cache:
-            if self.offload is None:
-                self._cache[key] = checkpoint_plan(tokens, samples, self.memory, self.L, self.policy)
-            else:
-                from ds_adaptiveload.schedule.offload import offload_blocks
-
-                setting, in_bpt, t_ms = self.offload
-                self._cache[key] = offload_blocks(
-                    tokens, samples, self.memory, self.L, setting, in_bpt, self.policy,
-                    t_ms(tokens, samples) if t_ms and setting == "auto" else None,
-                    (self.recompute_frac, self.attention_frac, self.ffn_frac))
+            self._cache[key] = (checkpoint_plan(tokens, samples, self.memory, self.L, self.policy)
+                                if self.offload is None else self.offload(tokens, samples))
         return self._cache[key]
 
     def step_k(self, micro_batches) -> int:

@@ -105,10 +105,16 @@ def offload_blocks(tokens: int, samples: int, memory: dict, num_layers: int, set
     return min(fitting, key=cost)
 
 
-def attach(cost, setting, dim: int, profile):
-    """RecomputeCost `cost` planning activation_offload `setting` for a model of width `dim` (bf16 block inputs), its
-    "auto" timed by `profile` (a CostProfile: a micro-batch's time with every block checkpointed)."""
-    def t_ms(tokens, samples):
-        return profile.micro_ms(samples, tokens / samples) if samples else 0.0
+def attach(cost, setting, dim: int, profile=None):
+    """RecomputeCost `cost` planning activation_offload `setting` ("off": unchanged) for a model of width `dim` (bf16
+    block inputs), its "auto" timed by `profile` (a CostProfile: a micro-batch's time with every block checkpointed;
+    None: no time model, the fewest blocks that fit)."""
+    if setting == "off":
+        return cost.set_offload(None)
+    in_bpt, fracs = input_bytes_per_token(dim), (cost.recompute_frac, cost.attention_frac, cost.ffn_frac)
 
-    return cost.set_offload(setting, input_bytes_per_token(dim), t_ms)
+    def planner(tokens, samples):
+        t_ms = profile.micro_ms(samples, tokens / samples) if profile and samples and setting == "auto" else None
+        return offload_blocks(tokens, samples, cost.memory, cost.L, setting, in_bpt, cost.policy, t_ms, fracs)
+
+    return cost.set_offload(planner)

@@ -31,8 +31,8 @@ _SCHEMA = {
     "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed", "floor", "floor_q", "recompute_frac",
                 "attention_recompute_frac", "ffn_recompute_frac"},
     "memory": {"budget_tokens", "sample_tokens", "fixed_bytes", "bytes_per_token", "bytes_per_sample",
-               "capacity_bytes", "safety", "block_bytes_per_token", "attention_bytes_per_token",
-               "block_bytes_per_sample", "ffn_bytes_per_token"},
+               "capacity_bytes", "safety", "host_link_bytes_per_s", "block_bytes_per_token",
+               "attention_bytes_per_token", "block_bytes_per_sample", "ffn_bytes_per_token"},
     "dual": {"p", "m_comp"},
     "meta": None,  # free-form provenance: model, device, versions, date, estimated
     "fit": None,   # free-form fit report written by `calibrate`
