@@ -121,3 +121,33 @@ def test_bad_flag_and_key_are_named(tmp_path, capsys, value):
     good = AdaptiveLoadConfig.from_dict({"profile": "p.yaml", "activation_offload": 4}, "run.json")
     assert good.activation_offload == 4
     assert AdaptiveLoadConfig.from_dict({"profile": "p.yaml"}, "run.json").activation_offload == "off"
+
+
+def test_the_trainer_config_checks_the_checkpointing(tmp_path):
+    """read_config: --activation-offload over the JSON's key; auto needs --checkpoint-blocks auto, any offload needs
+    checkpointed blocks; each refusal names the file, the key and the flag."""
+    import json
+    import os
+    from types import SimpleNamespace
+
+    from ds_adaptiveload.train.setup import read_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ds = json.load(open(os.path.join(root, "configs", "ds_tiny_cpu.json")))
+    ds["adaptive_load"]["activation_offload"] = 2
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    args = SimpleNamespace(deepspeed_config=str(tmp_path / "ds.json"), model_config="configs/wan_tiny.yaml",
+                           fault=None, checkpoint_blocks=True, checkpoint_policy="full", compile_blocks=False,
+                           compile_cache=None, resume=None, activation_offload=None)
+    assert read_config(args, 1, 0).al.activation_offload == 2
+    args.activation_offload = "auto"
+    with pytest.raises(UserError, match=r"ds.json: adaptive_load.activation_offload \"auto\" needs --checkpoint-blocks"):
+        read_config(args, 1, 0)
+    args.checkpoint_blocks = "auto"
+    assert read_config(args, 1, 0).al.activation_offload == "auto"
+    args.activation_offload, args.checkpoint_blocks = "3", False
+    with pytest.raises(UserError, match="adaptive_load.activation_offload needs --checkpoint-blocks$"):
+        read_config(args, 1, 0)
+    args.activation_offload = "x"
+    with pytest.raises(UserError, match="ds.json: --activation-offload must be"):
+        read_config(args, 1, 0)

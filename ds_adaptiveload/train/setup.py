@@ -26,9 +26,12 @@ def read_config(args, world, rank, device=None):
     ds_cfg, al = config.load_ds_config(args.deepspeed_config)
     al = config.lora_from_flags(args, al)  # --lora-rank and friends over adaptive_load.lora
     al = config.offload_from_flags(args, al, args.deepspeed_config)  # --activation-offload over the JSON's key
-    if al.activation_offload == "auto" and getattr(args, "checkpoint_blocks", None) != "auto":
+    blocks = getattr(args, "checkpoint_blocks", False)
+    if al.activation_offload == "auto" and blocks != "auto":
         raise UserError(f"{args.deepspeed_config}: adaptive_load.activation_offload \"auto\" needs "
                         f"--checkpoint-blocks auto (or give an integer number of blocks)")
+    if al.activation_offload != "off" and blocks is False:  # only a checkpointed block's input can move
+        raise UserError(f"{args.deepspeed_config}: adaptive_load.activation_offload needs --checkpoint-blocks")
     dims = sp.ParallelDims(world=world, sp=ds_cfg.get("sequence_parallel_size", 1), rank=rank)
     if world % dims.sp:
         raise UserError(f"{args.deepspeed_config}: sequence_parallel_size {dims.sp} does not divide "
@@ -45,7 +48,6 @@ def read_config(args, world, rank, device=None):
     check_compile_cache(args)
     changed = config.ds_batch_keys(ds_cfg, dims.dp)
     model_cfg = WanConfig.from_yaml(args.model_config)
-    blocks = getattr(args, "checkpoint_blocks", False)
     if type(blocks) is int and blocks > model_cfg.num_layers:
         raise UserError(f"--checkpoint-blocks {blocks}: more than the model's {model_cfg.num_layers} blocks "
                         f"({args.model_config} num_layers); give at most {model_cfg.num_layers}, or the flag alone "
