@@ -14,10 +14,23 @@ def init_distributed():
 
     accel = get_accelerator()
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+        for attempt in range(3):
+            try:
+                deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+                break
+            except dist.DistNetworkError as e:
+                # A port single_process_env picked can be taken before the store binds it (the kernel hands the same
+                # ephemeral port to another socket): pick again. A launcher's port is the user's: no retry.
+                if os.environ.get("MASTER_PORT") != _picked_port.get("port") or attempt == 2 \
+                        or "EADDRINUSE" not in str(e):
+                    raise
+                os.environ["MASTER_PORT"] = _picked_port["port"] = str(free_port())
         if accel.device_name() == "cpu":
             unlink_shm_buffer(dist)
     return accel, dist.get_rank(), dist.get_world_size()
+
+
+_picked_port = {"port": None}  # the MASTER_PORT single_process_env chose, which init_distributed may choose again
 
 
 def single_process_env() -> None:
@@ -29,7 +42,7 @@ def single_process_env() -> None:
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
+        os.environ["MASTER_PORT"] = _picked_port["port"] = str(free_port())
 
 
 def free_port() -> int:

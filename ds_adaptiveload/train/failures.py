@@ -153,7 +153,7 @@ def _watch_sigterm() -> None:
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or _dist().get_world_size() == 1:
         return
     # this group's store, size and rank: the thread may run on after the group is destroyed
     _seen.update(marked=set(), said=False, group=(_store(), _dist().get_world_size(), _rank()))
@@ -317,6 +317,8 @@ def _read_marks(store=None, world=None, me=None) -> tuple:
 
 def _sigtermed() -> set:
     """The other ranks that marked a SIGTERM (_mark_sigterm), read now or earlier by the watcher."""
+    if _dist() is None:  # no group: nothing the watcher read belongs to this run
+        return set()
     try:
         marked, _ = _read_marks()
     except Exception:  # the store is unreachable: rank 0 is gone
@@ -326,6 +328,8 @@ def _sigtermed() -> set:
 
 def _sigterm_said() -> bool:
     """Whether a rank already printed the SIGTERM line (read now, or earlier by the watcher)."""
+    if _dist() is None or _dist().get_world_size() == 1:  # no peer to print it twice (and no watcher's reads)
+        return False
     try:
         return _read_marks()[1] or _seen["said"]
     except Exception:
