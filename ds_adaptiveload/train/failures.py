@@ -293,14 +293,19 @@ def _ack_key(rank: int) -> str:
     return f"ds_adaptiveload/sigterm/ack/{rank}"
 
 
-def _mark_sigterm(store=None, me=None) -> None:
-    """Tell the other ranks (in the store) that this rank got SIGTERM, so that its exit is not taken for a crash."""
+def _set_flag(key: str, store=None) -> None:
+    """Set `key` in the store (default: the process group's); best effort, as rank 0, which serves it, may be gone."""
     store = store if store is not None else _store()
     try:
         if store is not None:
-            store.set(_sigterm_key(_rank() if me is None else me), "1")
-    except Exception:  # the store is served by rank 0, which may be gone
+            store.set(key, "1")
+    except Exception:
         pass
+
+
+def _mark_sigterm(store=None, me=None) -> None:
+    """Tell the other ranks (in the store) that this rank got SIGTERM, so that its exit is not taken for a crash."""
+    _set_flag(_sigterm_key(_rank() if me is None else me), store)
 
 
 def _read_marks(store=None, world=None, me=None) -> tuple:
@@ -481,12 +486,7 @@ def _lost_or_terminated(e, step, advice, terminated) -> int:
 def _say_sigterm() -> None:
     """Mark in the store that the SIGTERM line is printed: a peer that finds this rank gone later (it waited in a
     collective until this process ended) must not print it again."""
-    store = _store()
-    try:
-        if store is not None:
-            store.set(_SAID, "1")
-    except Exception:
-        pass
+    _set_flag(_SAID)
 
 
 def cause_line(e: BaseException, width: int = 300) -> str:
