@@ -1,5 +1,7 @@
 """pytest set-up: the cuda and slow markers (CUDA tests skip with a reason on a CPU), and a check that no test
 leaves DeepSpeed's CPU all-reduce buffers in /dev/shm (train/engine.unlink_shm_buffer)."""
+import os
+
 import pytest
 
 from tests.launcher import no_leaked_buffers
@@ -39,10 +41,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_shm_buffers():
     """Each launched CPU rank maps a 66 MB file in /dev/shm (RAM) that DeepSpeed never unlinks: 5.4 GB per suite run,
     until a later test ran out of memory. A test that leaves one of its own launches' files fails, and the files are
-    removed anyway (tests/launcher.no_leaked_buffers: by master port, so other jobs' files do not count)."""
+    removed anyway (tests/launcher.no_leaked_buffers: by master port, so other jobs' files do not count). The launcher
+    variables are restored after each test."""
+    saved = {k: os.environ.get(k) for k in LAUNCHER_VARS}
     with no_leaked_buffers():
         yield
+    # An in-process group (train/engine.single_process_env) sets these and keeps its store listening on MASTER_PORT:
+    # left in os.environ, a later test's child process inherited that port and failed to bind it (EADDRINUSE).
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
