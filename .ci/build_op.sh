@@ -48,6 +48,8 @@ echo "extension: $SO"
 test -f "$SITE/ds_adaptiveload/ops/csrc/ln_modulate.cpp" || { echo "FAIL: sources not shipped as package data"; exit 1; }
 syms=$(nm -D --defined-only "$SO")  # not piped into grep -q: with pipefail, nm's SIGPIPE would fail the check
 grep -q ' PyInit_ln_modulate_op$' <<<"$syms" || { echo "FAIL: no PyInit_ln_modulate_op"; exit 1; }
+# The kernel-choice setters are bench-only (ops/builder.TUNING_ENV): the shipped module must not define them.
+! grep -q '_set_tuning' <<<"$(strings "$SO")" || { echo "FAIL: the shipped module has the bench-only _set_tuning"; exit 1; }
 # Device code for the requested targets is embedded (cuobjdump may be missing: then skip that check).
 if command -v cuobjdump >/dev/null; then
   archs=$(cuobjdump --list-elf "$SO" | grep -o 'sm_[0-9a-z]*' | sort -u | tr '\n' ' ' || true)

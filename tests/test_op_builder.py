@@ -22,11 +22,28 @@ def arch_env(monkeypatch):
     os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
 
 
-def test_declarative_names():
+def test_declarative_names(monkeypatch):
+    monkeypatch.delenv(bmod.TUNING_ENV, raising=False)  # test_ln_modulate's import of bench/kernel/ln_tuning sets it
     b = LNModulateBuilder()
     assert isinstance(b, CUDAOpBuilder)
     assert b.BUILD_VAR == "DS_BUILD_LN_MODULATE" and b.NAME == "ln_modulate" == b.name
     assert b.absolute_name() == "ds_adaptiveload.ops.ln_modulate_op"
+
+
+def test_kernel_choice_setters_only_in_the_bench_build(monkeypatch, arch_env):
+    """Users' builds lack the op's tuning setters (issue: the runtime switches leave the shipped module); the bench
+    build adds them under another module name, so neither build is loaded for the other."""
+    monkeypatch.delenv(bmod.TUNING_ENV, raising=False)
+    user = LNModulateBuilder()
+    assert "-DLNMOD_BENCH_TUNING" not in user.cxx_args() + user.nvcc_args()
+    monkeypatch.setenv(bmod.TUNING_ENV, "1")
+    bench = LNModulateBuilder()
+    assert bench.name == "ln_modulate_tuning" and bench.absolute_name() == "ds_adaptiveload.ops.ln_modulate_tuning_op"
+    assert "-DLNMOD_BENCH_TUNING" in bench.cxx_args() and "-DLNMOD_BENCH_TUNING" in bench.nvcc_args()
+    src = (Path(bmod.csrc_dir()) / "ln_modulate.cpp").read_text()
+    guarded = src.split("#ifdef LNMOD_BENCH_TUNING", 1)[1].split("#endif", 1)[0]
+    assert all(f'm.def("{n}"' in guarded for n in ("_set_tuning", "_get_tuning", "_fast_tiles"))
+    assert src.count('m.def("_set_tuning"') == 1
 
 
 def test_sources_are_absolute_and_exist():

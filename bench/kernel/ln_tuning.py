@@ -1,6 +1,8 @@
 """Benchmark-only kernel choices of the fused LayerNorm-Modulate op, for A-B comparison in tests and bench/kernel.
 
-Not part of the installed package: the op's defaults are what users run. The choices are process-wide state of the
+Not part of the installed package: the op's defaults are what users run, and its setters exist only in the bench
+build (ds_adaptiveload/ops/builder.TUNING_ENV=1), which importing this module selects for the process; the op must
+not have been loaded before. The choices are process-wide state of the
 compiled module, so set them through `tuned(...)`, which restores the previous choices on exit. Per direction
 (forward, backward): variant 0 = default (compile-time tiles where they apply, else the general kernels),
 1 = the general kernels only, 2 = the 2026-11-29 baseline kernels; tile = an index into fast_tiles() (-1: the
@@ -13,7 +15,12 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import os
+
+from ds_adaptiveload.ops.builder import TUNING_ENV
 from ds_adaptiveload.ops.layernorm_modulate import load_op, op_error
+
+os.environ[TUNING_ENV] = "1"
 
 BATCH_PATHS = {"auto": 0, "grid": 1, "flat": 2}
 DEFAULTS = {"variant": (0, 0), "tile": (-1, -1), "stages": (-1, -1), "batch_path": "auto", "waves": 0}
@@ -23,6 +30,9 @@ def _op():
     op = load_op()
     if op is None:
         raise RuntimeError(f"ln_modulate tuning: the CUDA op did not load ({op_error()})")
+    if not hasattr(op, "_set_tuning"):
+        raise RuntimeError(f"ln_modulate tuning: the op in this process was built without its setters; import "
+                           f"ln_tuning (or set {TUNING_ENV}=1) before the op first loads")
     return op
 
 

@@ -56,15 +56,28 @@ def gencode_flags(archs: list[tuple[int, int, str, bool]]) -> list[str]:
     return flags
 
 
+# Bench-only build flag: DS_ADAPTIVELOAD_OP_TUNING=1 builds the op (JIT, under another name, so neither build is
+# taken for the other) with its kernel-choice setters compiled in (bench/kernel/ln_tuning.py). Users' builds lack them.
+TUNING_ENV = "DS_ADAPTIVELOAD_OP_TUNING"
+
+
+def tuning_build() -> bool:
+    return os.environ.get(TUNING_ENV, "") == "1"
+
+
 class LNModulateBuilder(CUDAOpBuilder):
     BUILD_VAR = "DS_BUILD_LN_MODULATE"
     NAME = "ln_modulate"
 
     def __init__(self):
-        super().__init__(name=self.NAME)
+        self.tuning = tuning_build()
+        super().__init__(name=self.NAME + ("_tuning" if self.tuning else ""))
 
     def absolute_name(self):
-        return f"ds_adaptiveload.ops.{self.NAME}_op"
+        return f"ds_adaptiveload.ops.{self.name}_op"
+
+    def _flag(self):
+        return ["-DLNMOD_BENCH_TUNING"] if self.tuning else []
 
     def sources(self):
         d = csrc_dir()
@@ -75,10 +88,10 @@ class LNModulateBuilder(CUDAOpBuilder):
         return [str(csrc_dir())]
 
     def cxx_args(self):
-        return super().cxx_args() + self.version_dependent_macros()
+        return super().cxx_args() + self.version_dependent_macros() + self._flag()
 
     def nvcc_args(self):
-        return ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"] + self.compute_capability_args()
+        return ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"] + self.compute_capability_args() + self._flag()
 
     # ---- overrides of DeepSpeed's base behaviour -------------------------------------------------
 

@@ -183,7 +183,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused LayerNorm-Modulate (ds_adaptiveload)";
   m.def("forward", &forward, "y = LN(x)[*w+b]*(1+scale)+shift");
   m.def("backward", &backward, "gradients of forward");
-  // Benchmark-only (ds_adaptiveload/ops/_tuning.py is the one caller): kernel choices for A-B comparison.
+#ifdef LNMOD_BENCH_TUNING
+  // Benchmark-only, compiled in only with the bench build flag (bench/kernel/ln_tuning.py is the one caller):
+  // kernel choices for A-B comparison. The shipped module keeps g_tuning at its defaults.
   m.def("_set_tuning", [](std::vector<int64_t> variant, std::vector<int64_t> tile, std::vector<int64_t> stages,
                           int64_t batch_path, int64_t waves) {
     TORCH_CHECK(variant.size() == 2 && tile.size() == 2 && stages.size() == 2, "_set_tuning: (fwd, bwd) pairs");
@@ -209,6 +211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("_fast_tiles", [](bool backward) { return lnmod::fast_tiles(backward); },
         "the compile-time tiles (D, vpt, wpr, rows ahead) of the forward or the backward, the default per D first");
+#endif
   // The torch this module was compiled against: a prebuilt module is only used with the same torch.
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
 }
