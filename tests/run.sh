@@ -37,6 +37,7 @@ source launch/env.sh test
 # loading the op takes; a job killed while holding it leaves the lock, and every later load waits for good
 # (seen 2026-12-06: runs of every checkout on the machine hung at start-up). The suite keeps its own folder.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
+python tests/warm_ops.py
 BUSY=()
 stop_busy() { for pid in ${BUSY[@]+"${BUSY[@]}"}; do kill "$pid" 2>/dev/null || true; done; }
 trap stop_busy EXIT
