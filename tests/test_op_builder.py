@@ -14,6 +14,13 @@ from ds_adaptiveload.ops import builder as bmod  # noqa: E402
 from ds_adaptiveload.ops.builder import LNModulateBuilder, gencode_flags, parse_arch_list  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def user_build(monkeypatch):
+    """The users' build of the op in every test here: importing bench/kernel/ln_tuning (test_ln_modulate.py does, at
+    collection) selects the bench build for the whole process."""
+    monkeypatch.delenv(bmod.TUNING_ENV, raising=False)
+
+
 @pytest.fixture
 def arch_env(monkeypatch):
     """Restore TORCH_CUDA_ARCH_LIST (compute_capability_args writes it, as DeepSpeed's does)."""
@@ -22,8 +29,7 @@ def arch_env(monkeypatch):
     os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
 
 
-def test_declarative_names(monkeypatch):
-    monkeypatch.delenv(bmod.TUNING_ENV, raising=False)  # test_ln_modulate's import of bench/kernel/ln_tuning sets it
+def test_declarative_names():
     b = LNModulateBuilder()
     assert isinstance(b, CUDAOpBuilder)
     assert b.BUILD_VAR == "DS_BUILD_LN_MODULATE" and b.NAME == "ln_modulate" == b.name
@@ -33,7 +39,6 @@ def test_declarative_names(monkeypatch):
 def test_kernel_choice_setters_only_in_the_bench_build(monkeypatch, arch_env):
     """Users' builds lack the op's tuning setters (issue: the runtime switches leave the shipped module); the bench
     build adds them under another module name, so neither build is loaded for the other."""
-    monkeypatch.delenv(bmod.TUNING_ENV, raising=False)
     user = LNModulateBuilder()
     assert "-DLNMOD_BENCH_TUNING" not in user.cxx_args() + user.nvcc_args()
     monkeypatch.setenv(bmod.TUNING_ENV, "1")
