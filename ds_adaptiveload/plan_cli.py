@@ -197,13 +197,9 @@ def plan_checkpoints(plan, samples, geometry, cfg, recompute):
 
 def with_offload(recompute, setting, profile, source):
     """recompute planning --activation-offload `setting` (schedule/offload.attach), for the profile's model width."""
-    from ds_adaptiveload.schedule.offload import attach
+    from ds_adaptiveload.schedule.offload import attach, model_dim
 
-    model = profile.meta.get("model")
-    dim = model.get("dim") if isinstance(model, dict) else None
-    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
-        raise UserError(f"{source}: --activation-offload needs the profile's meta.model.dim (the model's width)")
-    return attach(recompute, setting, dim, profile)
+    return attach(recompute, setting, model_dim(profile, source), profile)
 
 
 def block_range(checkpoints, at: int = 0):

@@ -64,6 +64,36 @@ def fits(tokens: int, samples: int, memory: dict, num_layers: int, plan: tuple, 
     return peak <= profile_number(memory, "capacity_bytes") * profile_number(memory, "safety", DEFAULT_SAFETY)
 
 
+def host_link(memory: dict) -> float:
+    """memory.host_link_bytes_per_s, else DEFAULT_HOST_LINK_BYTES_PER_S (module docstring)."""
+    host_bps = profile_number(memory, "host_link_bytes_per_s", DEFAULT_HOST_LINK_BYTES_PER_S)
+    if not host_bps:
+        raise UserError("profile: memory.host_link_bytes_per_s must be > 0")
+    return host_bps
+
+
+def model_dim(profile, source: str = "profile") -> int:
+    """The profile's meta.model.dim: the width whose bf16 values a block input holds per token."""
+    model = profile.meta.get("model")
+    dim = model.get("dim") if isinstance(model, dict) else None
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+        raise UserError(f"{source}: activation_offload (--activation-offload) needs the profile's meta.model.dim "
+                        f"(the model's width)")
+    return dim
+
+
+def exposed_time(memory: dict, num_layers: int, recompute_frac: float, in_bpt: float):
+    """(tokens, n, t_ms) -> offload_ms of n offloaded blocks of a micro-batch of `tokens` (per GPU) whose time with
+    every block checkpointed is t_ms: one block's forward is recompute_frac * t_ms / num_layers (0 where the profile
+    has no recompute_frac: every copy counted whole, an upper bound)."""
+    host_bps = host_link(memory)
+
+    def exposed(tokens, n, t_ms):
+        return offload_ms(tokens, n, (recompute_frac or 0.0) * t_ms / num_layers, in_bpt, host_bps) if n else 0.0
+
+    return exposed
+
+
 def offload_ms(tokens: int, n: int, block_fwd_ms: float, in_bpt: float, host_bps: float) -> float:
     """The exposed host-link time of n offloaded blocks (module docstring)."""
     copy_ms = tokens * in_bpt / host_bps * 1e3
@@ -81,9 +111,7 @@ def offload_blocks(tokens: int, samples: int, memory: dict, num_layers: int, set
         return (*checkpoint_plan(tokens, samples, memory, num_layers, policy), 0)
     if setting != "auto":
         return _consistent(tokens, samples, memory, num_layers, policy, setting, in_bpt)
-    host_bps = profile_number(memory, "host_link_bytes_per_s", DEFAULT_HOST_LINK_BYTES_PER_S)
-    if not host_bps:
-        raise UserError("profile: memory.host_link_bytes_per_s must be > 0")
+    host_bps = host_link(memory)
     rf, af, ff = fracs
     plans, seen = [], set()
     for n in range(num_layers + 1):
@@ -117,4 +145,20 @@ def attach(cost, setting, dim: int, profile=None):
         t_ms = profile.micro_ms(samples, tokens / samples) if profile and samples and setting == "auto" else None
         return offload_blocks(tokens, samples, cost.memory, cost.L, setting, in_bpt, cost.policy, t_ms, fracs)
 
-    return cost.set_offload(planner)
+    return cost.set_offload(planner, exposed_time(cost.memory, cost.L, cost.recompute_frac, in_bpt))
+
+
+def for_plan(cost, profile, setting):
+    """(cost, fixed): how the planner costs activation_offload `setting` (not "off"). With a RecomputeCost `cost`
+    (--checkpoint-blocks auto): cost planning the offload (attach), fixed None. Without (a fixed checkpoint count,
+    timed as every block checkpointed): fixed(tokens, t_ms), the exposed copy time of min(N, L) blocks for an
+    integer N (None for "auto", which needs auto checkpointing, or without meta.model.num_layers)."""
+    dim = model_dim(profile)
+    if cost is not None:
+        return attach(cost, setting, dim, profile), None
+    model = profile.meta.get("model")
+    L = model.get("num_layers") if isinstance(model, dict) else None
+    if setting == "auto" or not isinstance(L, int) or isinstance(L, bool) or L < 1:
+        return None, None
+    exposed, n = exposed_time(profile.memory, L, profile.recompute_frac, input_bytes_per_token(dim)), min(setting, L)
+    return None, lambda tokens, t_ms: exposed(tokens, n, t_ms)
