@@ -300,3 +300,23 @@ class RecomputeCost:
             return out
         plan = self.plan(tokens, samples) if ks is None else ks
         return out + self.exposed(tokens, plan[3] if len(plan) > 3 else 0, t_ms)
+
+
+def plan_checkpoints(plan, samples, geometry, cfg, recompute):
+    """{(step, rank, micro): (k, k_full, k_ffn)}: the checkpoint counts the trainer runs each micro-batch at under
+    --checkpoint auto or auto-step, from the same RecomputeCost.step_checkpoints as the loader; None without
+    `recompute` (checkpoint all, or a profile without the memory model). The plan stores no counts: they are a
+    function of the micro-batch and the profile, derived where they are used."""
+    if recompute is None:
+        return None
+
+    def tokens(mb):
+        return [geometry.tokens(samples[i].frames, samples[i].height, samples[i].width) for i in mb]
+
+    out = {}
+    for s, step in enumerate(plan.steps):
+        every = [tokens(mb) for mbs in step for mb in mbs]
+        for r, mbs in enumerate(step):
+            ks = recompute.step_checkpoints(cfg.checkpoint, cfg.sp, [tokens(mb) for mb in mbs], every)
+            out.update(((s, r, m), list(k)) for m, k in enumerate(ks))
+    return out

@@ -14,10 +14,19 @@ recomputing a fully checkpointed block costs (time_ms.recompute_frac * t / L, t 
 block checkpointed). Recompute costs t * recompute_factor(k, ...) (schedule/memory.py). "auto" takes the n with the
 least predicted time among those that fit, the fewest on a tie (offload is off where it buys nothing).
 
+Pinned host memory: each offloaded input gets its own pinned buffer, which CUDA's caching host allocator (torch's
+CachingHostAllocator) rounds up to a power of two and keeps when freed, for a later buffer of that size; a micro-batch's
+buffers are freed when the next forward begins (model/offload.py), so nothing is double-buffered. A micro-batch holds
+n * pinned_buffer_bytes; over an epoch a rank holds, per buffer size, the most buffers of that size one of its
+micro-batches takes (pinned_host_bytes). Where the profile gives memory.host_bytes_per_rank, "auto" offloads no more
+than one micro-batch's buffers fit in it and an integer that does not fit is an error.
+
 host_link_bytes_per_s (profile memory.host_link_bytes_per_s, else DEFAULT_HOST_LINK_BYTES_PER_S): an H100 SXM's
 PCIe Gen5 x16 link moves 64 GB/s per direction on paper; pinned device-to-host copies reach about half of it beside
 training traffic, so the default is 25e9, a chosen value, not measured here.
 """
+import math
+
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.memory import (DEFAULT_SAFETY, checkpoint_plan, predicted_peak_bytes, profile_number,
                                              recompute_factor)
@@ -38,6 +47,51 @@ def parse_setting(value, source: str):
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return "off" if value == 0 else value
     raise UserError(f'{source}: must be "off", "auto" or an integer >= 0, got {value!r}')
+
+
+def pinned_buffer_bytes(tokens: int, in_bpt: float) -> int:
+    """One offloaded block input's pinned host buffer: tokens x in_bpt bytes, rounded up to a power of two."""
+    size = max(1, math.ceil(tokens * in_bpt))
+    return 1 << (size - 1).bit_length()
+
+
+def host_fits(memory: dict, tokens: int, n: int, in_bpt: float) -> bool:
+    """Whether n offloaded inputs of a micro-batch of `tokens` fit memory.host_bytes_per_rank (True without one)."""
+    host = memory.get("host_bytes_per_rank")
+    return host is None or n * pinned_buffer_bytes(tokens, in_bpt) <= host
+
+
+def check_host(memory: dict, tokens: int, n: int, in_bpt: float, setting) -> None:
+    """An integer activation_offload whose n buffers do not fit memory.host_bytes_per_rank: a UserError naming both."""
+    if host_fits(memory, tokens, n, in_bpt):
+        return
+    buf, host = pinned_buffer_bytes(tokens, in_bpt), memory["host_bytes_per_rank"]
+    raise UserError(f"adaptive_load.activation_offload (--activation-offload) {setting}: a micro-batch of {tokens} "
+                    f"tokens per GPU offloads {n} block inputs, {n * buf / 2**30:.2f} GiB of pinned host memory, over "
+                    f"the profile's memory.host_bytes_per_rank ({host / 2**30:.2f} GiB); give at most "
+                    f"{int(host // buf)}, or auto with --checkpoint-blocks auto")
+
+
+def pinned_host_bytes(micro_batches, in_bpt: float) -> int:
+    """The pinned host memory a rank's offload holds over its micro-batches ((tokens per GPU, blocks offloaded)
+    each): per buffer size, the most buffers of that size one micro-batch takes (module docstring)."""
+    most = {}
+    for tokens, n in micro_batches:
+        if n:
+            size = pinned_buffer_bytes(tokens, in_bpt)
+            most[size] = max(most.get(size, 0), n)
+    return sum(size * n for size, n in most.items())
+
+
+def plan_pinned_bytes(plan, offloaded, in_bpt: float) -> int:
+    """pinned_host_bytes of the rank that holds the most over `plan`'s epoch; offloaded(step, rank, micro): the
+    blocks that micro-batch offloads."""
+    from ds_adaptiveload.schedule.geometry import per_gpu_tokens
+
+    sp = plan.config.sp
+    return max((pinned_host_bytes(((sum(per_gpu_tokens(plan.tokens[i], sp) for i in mb), offloaded(s, r, m))
+                                   for s, step in enumerate(plan.steps) for m, mb in enumerate(step[r])), in_bpt)
+                for r in range(plan.config.dp_size)), default=0)
 
 
 def _freed(memory: dict, n: int, in_bpt: float) -> dict:
@@ -110,7 +164,9 @@ def offload_blocks(tokens: int, samples: int, memory: dict, num_layers: int, set
     if setting == "off":
         return (*checkpoint_plan(tokens, samples, memory, num_layers, policy), 0)
     if setting != "auto":
-        return _consistent(tokens, samples, memory, num_layers, policy, setting, in_bpt)
+        plan = _consistent(tokens, samples, memory, num_layers, policy, setting, in_bpt)
+        check_host(memory, tokens, plan[3], in_bpt, setting)
+        return plan
     host_bps = host_link(memory)
     rf, af, ff = fracs
     plans, seen = [], set()
@@ -119,8 +175,9 @@ def offload_blocks(tokens: int, samples: int, memory: dict, num_layers: int, set
         if plan not in seen:
             seen.add(plan)
             plans.append(plan)
+    plans = [p for p in plans if host_fits(memory, tokens, p[3], in_bpt)]  # n = 0 always does
     fitting = [p for p in plans if fits(tokens, samples, memory, num_layers, p, in_bpt)]
-    if not fitting:  # nothing fits: the most offload leaves the least on the device
+    if not fitting:  # nothing fits: the most offload the host holds leaves the least on the device
         return max(plans, key=lambda p: p[3])
     if not t_ms or not rf:
         return min(fitting, key=lambda p: p[3])
@@ -160,5 +217,11 @@ def for_plan(cost, profile, setting):
     L = model.get("num_layers") if isinstance(model, dict) else None
     if setting == "auto" or not isinstance(L, int) or isinstance(L, bool) or L < 1:
         return None, None
-    exposed, n = exposed_time(profile.memory, L, profile.recompute_frac, input_bytes_per_token(dim)), min(setting, L)
-    return None, lambda tokens, t_ms: exposed(tokens, n, t_ms)
+    in_bpt, n = input_bytes_per_token(dim), min(setting, L)
+    exposed = exposed_time(profile.memory, L, profile.recompute_frac, in_bpt)
+
+    def fixed(tokens, t_ms):
+        check_host(profile.memory, tokens, n, in_bpt, setting)
+        return exposed(tokens, n, t_ms)
+
+    return None, fixed

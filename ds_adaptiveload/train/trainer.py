@@ -11,7 +11,8 @@ import time
 from types import SimpleNamespace
 
 from ds_adaptiveload.train import failures
-from ds_adaptiveload.train.setup import end_loop, prepare_data, read_config, write_summary, write_synthetic
+from ds_adaptiveload.train.setup import (end_loop, offload_line, prepare_data, read_config, write_summary,
+                                         write_synthetic)
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,10 @@ class Trainer:
         self.lr_scale = self.install_lr_scaling()
         self.divisor = sp.grad_divisor(self.engine, self.dims)  # what DeepSpeed divides summed gradients by
         self.loader = self.make_loader(self.dataset)
+        line = failures.agreed(offload_line, self.al, args.checkpoint_blocks, self.model_cfg, self.profile,
+                               self.sampler, self.loader.recompute())  # an offload over the host's key: exit 2
+        if line and self.rank == 0:
+            logger.log(*line)
         self.dtype = eng.compute_dtype(self.engine)
         self.zero3 = self.engine.zero_optimization_stage() == 3
 
