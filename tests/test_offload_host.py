@@ -104,8 +104,8 @@ def test_the_start_up_line(tmp_path, monkeypatch):
     host's ranks; a warning where the host cannot hold it."""
     monkeypatch.setenv("LOCAL_SIZE", "2")
     level, text = _line(tmp_path, 4 * MB, 10)
-    assert level == logging.INFO and "3 blocks" in text and f"{3 * MB / 2**30:.3f} GiB" in text
-    assert "memory.host_bytes_per_rank: 0.0 GiB" in text
+    assert level == logging.INFO and "3 blocks" in text and "predicted 24.0 MiB of it per rank" in text
+    assert "(memory.host_bytes_per_rank: 32.0 MiB)" in text
     level, text = _line(tmp_path, None, 2 * 2**20)  # 2 GiB over 2 ranks
     assert level == logging.INFO and "MemAvailable / LOCAL_SIZE: 1.0 GiB" in text
     level, text = _line(tmp_path, None, 1000)

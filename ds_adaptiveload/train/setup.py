@@ -345,8 +345,8 @@ def offload_line(al, checkpoint_blocks, model_cfg, profile, sampler, recompute, 
         host = host_available(meminfo)
         where = "MemAvailable / LOCAL_SIZE"
     text = (f"[train_wan] activation offload: {blocks} blocks keep their input in pinned host memory, predicted "
-            f"{pinned / 2**30:.3f} GiB of it per rank")
-    text += f" ({where}: {host / 2**30:.1f} GiB)" if host is not None else ""
+            f"{_size(pinned)} of it per rank")
+    text += f" ({where}: {_size(host)})" if host is not None else ""
     if host is not None and pinned > host:
         return logging.WARNING, (f"{text}: warning: more than the host holds; lower --activation-offload or set "
                                  f"the profile's memory.host_bytes_per_rank for auto to plan within it")
@@ -361,3 +361,8 @@ def host_available(meminfo="/proc/meminfo"):
     except (OSError, StopIteration, ValueError, IndexError):
         return None
     return kb * 1024 // max(1, int(os.environ.get("LOCAL_SIZE", "1") or 1))
+
+
+def _size(nbytes) -> str:
+    """Bytes as GiB from 1 GiB up, else MiB."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
