@@ -21,13 +21,15 @@ n * pinned_buffer_bytes; over an epoch a rank holds, per buffer size, the most b
 micro-batches takes (pinned_host_bytes). Where the profile gives memory.host_bytes_per_rank, "auto" offloads no more
 than one micro-batch's buffers fit in it and an integer that does not fit is an error.
 
-host_link_bytes_per_s (profile memory.host_link_bytes_per_s, else DEFAULT_HOST_LINK_BYTES_PER_S): an H100 SXM's
+host_link_bytes_per_s (profile memory.host_link_bytes_per_s, which calibrate measures on CUDA: calibrate/host_link.py;
+else DEFAULT_HOST_LINK_BYTES_PER_S): an H100 SXM's
 PCIe Gen5 x16 link moves 64 GB/s per direction on paper; pinned device-to-host copies reach about half of it beside
 training traffic, so the default is 25e9, a chosen value, not measured here.
 """
 import math
 
 from ds_adaptiveload.errors import UserError
+from ds_adaptiveload.schedule.geometry import per_gpu_tokens
 from ds_adaptiveload.schedule.memory import (DEFAULT_SAFETY, checkpoint_plan, predicted_peak_bytes, profile_number,
                                              recompute_factor)
 
@@ -86,8 +88,6 @@ def pinned_host_bytes(micro_batches, in_bpt: float) -> int:
 def plan_pinned_bytes(plan, offloaded, in_bpt: float) -> int:
     """pinned_host_bytes of the rank that holds the most over `plan`'s epoch; offloaded(step, rank, micro): the
     blocks that micro-batch offloads."""
-    from ds_adaptiveload.schedule.geometry import per_gpu_tokens
-
     sp = plan.config.sp
     return max((pinned_host_bytes(((sum(per_gpu_tokens(plan.tokens[i], sp) for i in mb), offloaded(s, r, m))
                                    for s, step in enumerate(plan.steps) for m, mb in enumerate(step[r])), in_bpt)

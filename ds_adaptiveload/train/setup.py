@@ -354,13 +354,15 @@ def offload_line(al, checkpoint_blocks, model_cfg, profile, sampler, recompute, 
 
 
 def host_available(meminfo="/proc/meminfo"):
-    """This host's MemAvailable in bytes divided by its ranks (LOCAL_SIZE, default 1), or None where unreadable."""
+    """This host's MemAvailable in bytes divided by its ranks (LOCAL_SIZE or LOCAL_WORLD_SIZE, default 1), or None
+    where unreadable."""
     try:
         with open(meminfo) as f:
             kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
-    return kb * 1024 // max(1, int(os.environ.get("LOCAL_SIZE", "1") or 1))
+    ranks = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"  # deepspeed's, torchrun's
+    return kb * 1024 // max(1, int(ranks))
 
 
 def _size(nbytes) -> str:
