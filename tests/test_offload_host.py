@@ -112,3 +112,22 @@ def test_the_start_up_line(tmp_path, monkeypatch):
     assert level == logging.WARNING and "more than the host holds" in text
     assert "2 blocks" in _line(tmp_path, None, 10**8, blocks=2)[1]  # only the checkpointed blocks offload
     assert _line(tmp_path, None, 10, setting="off") is None
+
+
+def test_the_start_up_line_under_auto_checkpointing(tmp_path):
+    """--checkpoint-blocks auto: the counts are the loader's (its RecomputeCost), 4 of 7 checkpointed blocks here."""
+    from ds_adaptiveload.schedule.memory import RecomputeCost
+    from ds_adaptiveload.schedule.offload import attach
+    from ds_adaptiveload.schedule.planner import PlanConfig
+    from ds_adaptiveload.schedule.sampler import AdaptiveSampler
+    from ds_adaptiveload.train.setup import offload_line
+
+    prof = _profile(1e8)
+    cfg = PlanConfig("equal-tokens", world_size=2, checkpoint="auto", activation_offload=4)
+    sampler = AdaptiveSampler(_samples(2), prof, cfg, 0)
+    recompute = attach(RecomputeCost.of(prof), 4, 500, prof)
+    level, text = offload_line(SimpleNamespace(activation_offload=4), "auto", SimpleNamespace(dim=500, num_layers=L),
+                               prof, sampler, recompute, str(tmp_path / "no-meminfo"))
+    assert level == logging.INFO
+    assert text == ("[train_wan] activation offload: 4-4 blocks per micro-batch keep their input in pinned host "
+                    "memory, predicted 32.0 MiB of it per rank")  # no host figure: no key, no /proc/meminfo read

@@ -336,15 +336,15 @@ def offload_line(al, checkpoint_blocks, model_cfg, profile, sampler, recompute, 
     if recompute is not None:
         ckpts = plan_checkpoints(plan, sampler.samples, profile.geometry, sampler.cfg, recompute)
         pinned = plan_pinned_bytes(plan, lambda s, r, m: ckpts[s, r, m][3], in_bpt)
-        blocks = f"{min(c[3] for c in ckpts.values())}-{max(c[3] for c in ckpts.values())} per micro-batch"
+        blocks = f"{min(c[3] for c in ckpts.values())}-{max(c[3] for c in ckpts.values())} blocks per micro-batch"
     else:
         n = min(setting, model_cfg.num_layers if checkpoint_blocks is True else int(checkpoint_blocks))
-        pinned, blocks = plan_pinned_bytes(plan, lambda s, r, m: n, in_bpt), str(n)
+        pinned, blocks = plan_pinned_bytes(plan, lambda s, r, m: n, in_bpt), f"{n} blocks"
     host, where = profile.memory.get("host_bytes_per_rank"), "memory.host_bytes_per_rank"
     if host is None:
         host = host_available(meminfo)
         where = "MemAvailable / LOCAL_SIZE"
-    text = (f"[train_wan] activation offload: {blocks} blocks keep their input in pinned host memory, predicted "
+    text = (f"[train_wan] activation offload: {blocks} keep their input in pinned host memory, predicted "
             f"{_size(pinned)} of it per rank")
     text += f" ({where}: {_size(host)})" if host is not None else ""
     if host is not None and pinned > host:
