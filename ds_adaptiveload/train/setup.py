@@ -368,3 +368,20 @@ def host_available(meminfo="/proc/meminfo"):
 def _size(nbytes) -> str:
     """Bytes as GiB from 1 GiB up, else MiB."""
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def offload_stats(module, al) -> list:
+    """[(blocks, bytes)] the micro-batch just run moved to host memory (model/offload.py stats) under
+    adaptive_load.activation_offload; [] when it is off."""
+    off = getattr(module, "_offload", None)
+    if off is None or al.activation_offload in ("off", 0):
+        return []
+    stats = off.stats()
+    return [(stats["tensors"], stats["bytes"])]
+
+
+def offload_fields(offloaded) -> dict:
+    """The step log's offload_blocks (per micro-batch) and offload_mib (over the step) of offload_stats' pairs."""
+    if not offloaded:
+        return {}
+    return {"offload_blocks": [n for n, _ in offloaded], "offload_mib": round(sum(b for _, b in offloaded) / 2**20, 4)}

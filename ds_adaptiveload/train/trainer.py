@@ -11,8 +11,8 @@ import time
 from types import SimpleNamespace
 
 from ds_adaptiveload.train import failures
-from ds_adaptiveload.train.setup import (end_loop, offload_line, prepare_data, read_config, write_summary,
-                                         write_synthetic)
+from ds_adaptiveload.train.setup import (end_loop, offload_fields, offload_line, offload_stats, prepare_data,
+                                         read_config, write_summary, write_synthetic)
 
 logger = logging.getLogger(__name__)
 
@@ -458,14 +458,6 @@ class Trainer:
         peak /= 2**30
         self._pred_peak_gib = max(self._pred_peak_gib, peak)
 
-    def note_offload(self) -> None:
-        """adaptive_load.activation_offload: the block inputs the micro-batch moved to host memory (model/offload.py
-        stats), for the step log's offload_blocks (per micro-batch) and offload_mib."""
-        off = getattr(self.engine.module, "_offload", None)
-        if off is not None and self.al.activation_offload not in ("off", 0):
-            stats = off.stats()
-            self._offloaded = [*self._offloaded, (stats["tensors"], stats["bytes"])]
-
     def run_micro_batches(self, step: int, mbs: list) -> SimpleNamespace:
         """Every micro-batch of the step. An OOM is caught and agreed later: this rank runs zero-weight
         stand-ins for the rest of the step, so its collectives still match its peers'."""
@@ -482,7 +474,7 @@ class Trainer:
                 try:
                     self.fault.before_forward(step + 1, g)
                     per_sample = self.forward_backward(mb)
-                    self.note_offload()
+                    self._offloaded = [*self._offloaded, *offload_stats(self.engine.module, self.al)]
                 except self.oom_error as e:  # agreed after the step's micro-batches (error or skip)
                     run.oom.append(failures.oom_message(step + 1, self.rank, g, batch, self.samples, self.manifest,
                                                         self.profile, self.dims.sp, e))
@@ -592,10 +584,8 @@ class Trainer:
             rec["pred_mem_gib"], self._pred_peak_gib = self._pred_peak_gib, 0.0
         if self._step_ks:  # [k, k_full] per micro-batch (k_full: blocks of those k recomputed whole)
             rec["ckpt_k"], self._step_ks = self._step_ks, ()
-        if self._offloaded:  # block inputs moved to host memory per micro-batch, and their MiB over the step
-            rec["offload_blocks"] = [n for n, _ in self._offloaded]
-            rec["offload_mib"] = round(sum(b for _, b in self._offloaded) / 2**20, 4)
-            self._offloaded = ()
+        rec.update(offload_fields(self._offloaded))  # the block inputs moved to host memory
+        self._offloaded = ()
         if getattr(self.args, "compile_blocks", False):  # graphs so far: a step that compiled shows a rise
             from ds_adaptiveload.model.compile import compile_stats
 
