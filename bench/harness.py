@@ -191,7 +191,7 @@ KEY = ("experiment", "variant", "metric", "hardware")
 STATUSES = ("ok", "crash", "oom", "predicted", "not-measured")
 # docs/results.md shows the sections in this order, after its headline, predicted and not-yet-measured tables.
 SECTIONS = ("headline", "training", "packing", "kernel", "calibration", "scheduler", "replay", "data")
-UNITS = ("%", "x", "s", "ms", "us", "GiB", "tokens/s", "samples/s", "files/s", "clips/s", "TFLOP/s")
+UNITS = ("%", "x", "s", "ms", "us", "GiB", "tokens/s", "samples/s", "files/s", "clips/s", "TFLOP/s", "GB/s")
 LOWER_IS_BETTER_UNITS = ("s", "ms", "us", "GiB")
 PREDICTED = " (predicted)"  # a predicted row's metric ends so: it pairs with the measured row of the same metric
 RAW_DIR = "bench/results/"

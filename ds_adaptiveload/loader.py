@@ -168,6 +168,14 @@ class AdaptiveLoader:
             return None
         if tokens is None:
             tokens = [self._tokens(mb) for mb in ps.micro_batches]
+        cfg = self.sampler.cfg
+        every = (self._tokens(mb) for mbs in ps.all_micro_batches for mb in mbs)  # read under auto-step only
+        return self.recompute().step_checkpoints(cfg.checkpoint, cfg.sp, tokens, every)
+
+    def recompute(self):
+        """The RecomputeCost the counts come from (None without memory_model), built once."""
+        if self.memory_model is None:
+            return None
         from ds_adaptiveload.schedule.memory import RecomputeCost
 
         cfg = self.sampler.cfg
@@ -182,8 +190,7 @@ class AdaptiveLoader:
                 self._recompute = attach(RecomputeCost(memory, num_layers, prof.recompute_frac,
                                                        prof.attention_recompute_frac, cfg.checkpoint_policy,
                                                        prof.ffn_recompute_frac), *self.offload, prof)
-        every = (self._tokens(mb) for mbs in ps.all_micro_batches for mb in mbs)  # read under auto-step only
-        return self._recompute.step_checkpoints(cfg.checkpoint, cfg.sp, tokens, every)
+        return self._recompute
 
     def state_dict(self) -> dict:
         """Points at the step after the last one handed out (not at what the DataLoader prefetched)."""

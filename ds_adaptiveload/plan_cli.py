@@ -7,6 +7,7 @@ import time
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.flags import non_negative_int, positive_int
+from ds_adaptiveload.schedule.memory import plan_checkpoints  # noqa: F401 (plan_cli.plan_checkpoints: tests)
 from ds_adaptiveload.train.config import AdaptiveLoadConfig, add_flag, check_grad_accum, flag_name, offload_arg
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ def run(args):
                "capacity_bytes": profile.memory.get("capacity_bytes"), "checkpoint_blocks": block_range(ckpts)}
     if al.activation_offload != "off":  # the fewest and most blocks offloaded, beside the checkpointed ones
         summary["offload_blocks"] = block_range(ckpts, 3)
+        summary.update(pinned_host_bytes=pinned_bytes(plan, ckpts, al.activation_offload, profile, source),
+                       host_bytes_per_rank=profile.memory.get("host_bytes_per_rank"))
     if plan.skipped:
         ids = ", ".join(samples[i].id for i in plan.skipped[:5])
         logger.warning(f"skipped {len(plan.skipped)} oversize sample(s) (over {profile.budget_tokens} tokens per GPU): "
@@ -175,35 +178,26 @@ def write_dump(path, plan, samples, checkpoints=None):
         f.writelines(dump_lines(plan, samples, checkpoints))
 
 
-def plan_checkpoints(plan, samples, geometry, cfg, recompute):
-    """{(step, rank, micro): (k, k_full, k_ffn)}: the checkpoint counts the trainer runs each micro-batch at under
-    --checkpoint auto or auto-step, from the same RecomputeCost.step_checkpoints as the loader; None without
-    `recompute` (checkpoint all, or a profile without the memory model). The plan stores no counts: they are a
-    function of the micro-batch and the profile, derived where they are used."""
-    if recompute is None:
-        return None
-
-    def tokens(mb):
-        return [geometry.tokens(samples[i].frames, samples[i].height, samples[i].width) for i in mb]
-
-    out = {}
-    for s, step in enumerate(plan.steps):
-        every = [tokens(mb) for mbs in step for mb in mbs]
-        for r, mbs in enumerate(step):
-            ks = recompute.step_checkpoints(cfg.checkpoint, cfg.sp, [tokens(mb) for mb in mbs], every)
-            out.update(((s, r, m), list(k)) for m, k in enumerate(ks))
-    return out
-
-
 def with_offload(recompute, setting, profile, source):
     """recompute planning --activation-offload `setting` (schedule/offload.attach), for the profile's model width."""
-    from ds_adaptiveload.schedule.offload import attach
+    from ds_adaptiveload.schedule.offload import attach, model_dim
 
-    model = profile.meta.get("model")
-    dim = model.get("dim") if isinstance(model, dict) else None
-    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
-        raise UserError(f"{source}: --activation-offload needs the profile's meta.model.dim (the model's width)")
-    return attach(recompute, setting, dim, profile)
+    return attach(recompute, setting, model_dim(profile, source), profile)
+
+
+def pinned_bytes(plan, ckpts, setting, profile, source):
+    """--json's pinned_host_bytes: what the plan's offloaded block inputs hold of pinned host memory on the rank that
+    holds the most (schedule/offload.plan_pinned_bytes): the counts of `ckpts` under --checkpoint auto, else an
+    integer setting's on every block (checkpoint all)."""
+    from ds_adaptiveload.schedule.offload import input_bytes_per_token, model_dim, plan_pinned_bytes
+
+    in_bpt = input_bytes_per_token(model_dim(profile, source))
+    if ckpts:
+        return plan_pinned_bytes(plan, lambda s, r, m: ckpts[s, r, m][3] if len(ckpts[s, r, m]) > 3 else 0, in_bpt)
+    num_layers = (profile.meta.get("model") or {}).get("num_layers")
+    if setting == "auto" or not isinstance(num_layers, int):
+        return 0
+    return plan_pinned_bytes(plan, lambda s, r, m: min(setting, num_layers), in_bpt)
 
 
 def block_range(checkpoints, at: int = 0):

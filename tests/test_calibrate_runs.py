@@ -76,6 +76,8 @@ def test_cpu_measuring_loop_with_tiny_model(tmp_path):
     assert sum(r["role"] == "fit" and r["status"] == "ok" for r in rows) >= 4
     assert doc["fit"]["time_heldout"]["n"] >= 1
     assert "time_fit:" in proc.stdout and "time_heldout:" in proc.stdout
+    # no host link to time on the CPU: said, and the planner's default kept
+    assert doc["fit"]["host_link"].startswith("skipped") and "host_link_bytes_per_s" not in doc["memory"]
 
 
 

@@ -297,6 +297,7 @@ def test_layout_keys_are_the_plan_keys():
     assert al.layout_keys() == {"profile": "p.yaml", "policy": "packed", "seed": 0, "on_oversize": "error",
                                 "window": None, "fill": None, "replicate": None}
     assert al.model_copy(update={"pack_tokens": "auto"}).layout_keys()["pack_tokens"] == "auto"
+    assert al.model_copy(update={"activation_offload": 2}).layout_keys()["activation_offload"] == 2  # costed by it
 
 
 def test_every_field_has_a_docstring():

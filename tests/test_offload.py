@@ -1,5 +1,6 @@
 """Activation offload of checkpointed block inputs (model/offload.py): the same gradients as without it, the inputs'
 bytes moved, only checkpointed blocks' inputs, and (on CUDA) less device memory at the peak."""
+import math
 import os
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from ds_adaptiveload.model import WanConfig, WanModel
 from ds_adaptiveload.model.offload import BlockInputOffload
 from ds_adaptiveload.train import flow
+from tests.launcher import needs_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = WanConfig.from_yaml(os.path.join(ROOT, "configs", "wan_tiny.yaml"))
@@ -123,3 +125,25 @@ def test_set_checkpointing_carries_the_offload_count():
     assert (model.checkpoint_blocks, model.offload_blocks) == (2, 1)
     model.set_checkpointing(1, policy="full")
     assert model.offload_blocks == 1
+
+
+@needs_launcher
+def test_two_rank_cpu_run_offloads_two_blocks(tmp_path):
+    """`--checkpoint-blocks --activation-offload 2` through the deepspeed launcher, 2 CPU ranks, ZeRO-3, the tiny
+    model: it trains 2 steps with a finite loss, the start-up line names the offload, and each step's log counts
+    the block inputs moved. On the CPU the offload is a plain copy to host memory (no pinned memory, no side
+    stream): the hooks, the counts and the copies back are what run; the overlap is CUDA's (test above)."""
+    from tests.test_train import check, launch, steps, test_config
+
+    out = tmp_path / "run"
+    proc = launch(out, "--synthetic", "--synthetic-num", "16", "--max-steps", "2", "--checkpoint-blocks",
+                  "--activation-offload", "2", config=test_config(tmp_path))
+    check(proc)
+    assert "activation offload: 2 blocks keep their input in pinned host memory" in proc.stdout + proc.stderr
+    for rank in (0, 1):
+        log = steps(out, rank)
+        assert [r["step"] for r in log] == [1, 2]
+        for rec in log:
+            assert math.isfinite(rec["loss"])
+            assert rec["offload_blocks"] == [TINY.num_layers] * 2  # G = 2 micro-batches, both blocks each
+            assert rec["offload_mib"] > 0

@@ -26,7 +26,8 @@ choices.
 
 Modules: cli (the command), grid (points and their measuring order), fit (time and memory fits, budget),
 probe (budget probes), packs (the packed validation), report (predictions beside measurements), estimate
-(--estimate, the sp conversion), result (the CostProfile written), measure (`Calibration`: the measured run),
+(--estimate, the sp conversion), result (the CostProfile written), host_link (pinned host <-> device copy
+bandwidth, CUDA only), measure (`Calibration`: the measured run),
 engine (DeepSpeed glue: engine, micro-step, OOM recovery). All but measure and engine are pure (no torch),
 so they are tested on synthetic timings (tests/test_calibrate.py, tests/test_calibrate_packed.py). The names below are re-exported for tests and bench scripts.
 """

@@ -14,6 +14,7 @@ from ds_adaptiveload.calibrate.estimate import sp_terms
 from ds_adaptiveload.calibrate.fit import (ZERO_BYTES_PER_PARAM, ZERO_SHARDED_BYTES, budget_tokens, fit_memory,
                                            fit_time, train_fixed_bytes)
 from ds_adaptiveload.calibrate.grid import grid_points, measure_point, parse_batches, time_schedule
+from ds_adaptiveload.calibrate.host_link import host_link_fields
 from ds_adaptiveload.calibrate.packs import (PACK_GRID_FRAC, PACK_HEADROOM, PACK_RESERVE_FRAC, PACK_RESERVE_S,
                                              build_packs, measure_packs, pack_rows, pack_seconds, packed_summary)
 from ds_adaptiveload.calibrate.probe import (PROBE_ANCHOR_S, PROBE_RESERVE_S, PROBE_RETRY_S, budget_after_oom,
@@ -70,6 +71,7 @@ class Calibration:
         self.pack_reserve = min(PACK_RESERVE_S, PACK_RESERVE_FRAC * self.deadline) if args.packs else 0.0
         self.packs = []
         self.blocks = None  # measure_open_blocks' fields for the profile
+        self.host_link = None  # host_link_fields' for the profile
 
     def run(self):
         """Grid, fits, budget probes, packed validation: the profile on rank 0 (printed, --json written), None
@@ -79,6 +81,7 @@ class Calibration:
         if self.mem and self.capacity and self.args.probe_budget:
             budget = self.probe_budget(budget)
         self.blocks = self.measure_open_blocks()
+        self.host_link = host_link_fields(self.device)  # no collective: each rank its own link, rank 0's written
         rows, prof = self.profile(budget)
         prof.fit["packed"] = self.validate_packs(prof)  # every rank: the packs' steps are collective
         prof.fit["elapsed_s"] = round(time.monotonic() - self.t_start, 1)
@@ -261,7 +264,7 @@ class Calibration:
         prof = build_profile(self.geometry, (fixed, per_token, per_token_sq, floor), self.step_fixed, self.mem_doc,
                              self.capacity, args.safety, budget, self.meta, fit,
                              dual_range=(min(self.sizes), max(self.sizes)), dual_sizes=self.sizes,
-                             pin_dual=args.pin_dual, blocks=self.blocks)
+                             pin_dual=args.pin_dual, blocks=self.blocks, host_link=self.host_link)
         return rows, prof
 
     def validate_packs(self, prof):

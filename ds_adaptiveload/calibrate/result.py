@@ -14,12 +14,13 @@ from ds_adaptiveload.train.config import zero_stage
 
 
 def build_profile(geometry, coef, step_fixed, mem, capacity, safety, budget, meta, fit, dual_range=None,
-                  dual_sizes=None, pin_dual=False, blocks=None) -> CostProfile:
+                  dual_sizes=None, pin_dual=False, blocks=None, host_link=None) -> CostProfile:
     """The profile of fitted terms: coef = (fixed, per_token, per_token_sq[, floor]) in ms, mem = (fixed_bytes,
     bytes_per_token[, bytes_per_sample]) of the training run or None, budget in tokens, meta and fit as
     written. With dual_range (s_lo, s_hi) the dual fitted there is reported under fit.dual (its error at
     dual_sizes), and written into `dual:` with pin_dual. blocks: calibrate/blocks.derive's open-block fields
-    (memory and time_ms.recompute_frac), their runs reported under fit.open_blocks."""
+    (memory and time_ms.recompute_frac), their runs reported under fit.open_blocks. host_link:
+    calibrate/host_link.host_link_fields' memory.host_link_bytes_per_s, its medians under fit.host_link."""
     floor = _r(coef[3]) if len(coef) > 3 and coef[3] else 0.0
     memory = {"budget_tokens": int(budget), "safety": safety}  # the memory section, in the order written
     if mem:
@@ -31,6 +32,9 @@ def build_profile(geometry, coef, step_fixed, mem, capacity, safety, budget, met
     if blocks:
         memory.update(blocks["memory"])
         fit = {**fit, "open_blocks": blocks["points"]}
+    if host_link:
+        memory.update(host_link["memory"])
+        fit = {**fit, "host_link": host_link["fit"]}
     prof = CostProfile(fixed_ms=_r(coef[0]), per_token_ms=_r(coef[1]), per_token_sq_ms=_r(coef[2]),
                        step_fixed_ms=_r(step_fixed), floor_ms=floor, floor_q=TIME_FLOOR_Q if floor else math.inf,
                        budget_tokens=int(budget), sample_tokens=memory.get("sample_tokens", 0.0),

@@ -207,6 +207,7 @@ class RecomputeCost:
         self.memory, self.L, self.policy = memory, num_layers, policy
         self.recompute_frac, self.attention_frac, self.ffn_frac = recompute_frac, attention_frac, ffn_frac
         self.offload = None  # set_offload: (tokens, samples) -> (k, k_full, k_ffn, offloaded blocks)
+        self.exposed = None  # set_offload: (tokens, n, t_ms) -> host-copy ms that n offloaded blocks do not hide
         recompute_factor(num_layers, num_layers, recompute_frac, 0, attention_frac, num_layers, ffn_frac)  # validates
         self._cache = {}
 
@@ -220,10 +221,11 @@ class RecomputeCost:
         return cls(mem, L, profile.recompute_frac, profile.attention_recompute_frac, policy,
                    profile.ffn_recompute_frac)
 
-    def set_offload(self, planner) -> "RecomputeCost":
+    def set_offload(self, planner, exposed=None) -> "RecomputeCost":
         """adaptive_load.activation_offload under --checkpoint-blocks auto (schedule/offload.attach): plan() then gives
-        planner(tokens, samples), (k, k_full, k_ffn, n) with n of the checkpointed blocks offloaded; None: as before."""
-        self.offload = planner
+        planner(tokens, samples), (k, k_full, k_ffn, n) with n of the checkpointed blocks offloaded, and ms() adds
+        exposed(tokens, n, t_ms), the host-copy time they do not hide; None: as before."""
+        self.offload, self.exposed = planner, exposed
         self._cache = {}
         return self
 
@@ -249,12 +251,17 @@ class RecomputeCost:
         if mode == "all":
             return None
         if mode == "auto-step":
-            all_mbs = list(all_mbs)
-            k = self.step_k(all_mbs)
-            if self.offload is not None:  # the most any micro-batch offloads: more offload only lowers a peak
-                return [(k, k, 0, min(k, max(self.plan(t, n)[3] for t, n in all_mbs)))] * len(rank_mbs)
-            return [(k, k, 0)] * len(rank_mbs)
+            return [self.step_plan(all_mbs)] * len(rank_mbs)
         return [self.plan(t, n) for t, n in rank_mbs]
+
+    def step_plan(self, micro_batches) -> tuple:
+        """auto-step: the (k, k, 0) every micro-batch of the step runs at (step_k), recomputed whole; with set_offload
+        (k, k, 0, n), n the most blocks any of them offloads (more offload only lowers a peak)."""
+        all_mbs = list(micro_batches)
+        k = self.step_k(all_mbs)
+        if self.offload is not None:
+            return k, k, 0, min(k, max(self.plan(t, n)[3] for t, n in all_mbs))
+        return k, k, 0
 
     def step_checkpoints(self, mode: str, sp: int, rank_tokens: list, all_tokens=()) -> list:
         """step_plans of a rank's micro-batches given as their samples' full-sequence tokens, split over `sp` GPUs:
@@ -275,10 +282,41 @@ class RecomputeCost:
         return self.plan(tokens, samples)[2]
 
     def factor(self, tokens: int, samples: int, ks: tuple = None) -> float:
-        """recompute_factor at ks (default: this micro-batch's own, its FFN-keeping blocks included)."""
+        """recompute_factor at ks ((k, k_full) or a plan (k, k_full, k_ffn[, n]); default: this micro-batch's own,
+        its FFN-keeping blocks included)."""
+        ks = None if ks is None else (*ks, 0)[:3]
         key = ("factor", tokens, samples) if ks is None else ("at", *ks)
         if key not in self._cache:
-            k, k_full, k_ffn = self.plan(tokens, samples)[:3] if ks is None else (*ks, 0)
+            k, k_full, k_ffn = self.plan(tokens, samples)[:3] if ks is None else ks
             self._cache[key] = recompute_factor(k, self.L, self.recompute_frac, k_full, self.attention_frac, k_ffn,
                                                 self.ffn_frac)
         return self._cache[key]
+
+    def ms(self, t_ms: float, tokens: int, samples: int, ks: tuple = None) -> float:
+        """Predicted ms of a micro-batch whose time with every block checkpointed is t_ms, at ks (factor's; default
+        its own plan): t_ms * factor, plus with set_offload the host-copy time its offloaded blocks do not hide."""
+        out = t_ms * self.factor(tokens, samples, ks)
+        if self.exposed is None:
+            return out
+        plan = self.plan(tokens, samples) if ks is None else ks
+        return out + self.exposed(tokens, plan[3] if len(plan) > 3 else 0, t_ms)
+
+
+def plan_checkpoints(plan, samples, geometry, cfg, recompute):
+    """{(step, rank, micro): (k, k_full, k_ffn)}: the checkpoint counts the trainer runs each micro-batch at under
+    --checkpoint auto or auto-step, from the same RecomputeCost.step_checkpoints as the loader; None without
+    `recompute` (checkpoint all, or a profile without the memory model). The plan stores no counts: they are a
+    function of the micro-batch and the profile, derived where they are used."""
+    if recompute is None:
+        return None
+
+    def tokens(mb):
+        return [geometry.tokens(samples[i].frames, samples[i].height, samples[i].width) for i in mb]
+
+    out = {}
+    for s, step in enumerate(plan.steps):
+        every = [tokens(mb) for mbs in step for mb in mbs]
+        for r, mbs in enumerate(step):
+            ks = recompute.step_checkpoints(cfg.checkpoint, cfg.sp, [tokens(mb) for mb in mbs], every)
+            out.update(((s, r, m), list(k)) for m, k in enumerate(ks))
+    return out

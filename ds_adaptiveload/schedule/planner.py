@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.schedule.bound import lower_bound
 from ds_adaptiveload.schedule.geometry import per_gpu_tokens
+from ds_adaptiveload.schedule.offload import parse_setting
 from ds_adaptiveload.schedule.policies import POLICIES, REGISTRY, Policy  # noqa: F401 (planner.POLICIES: the names)
 from ds_adaptiveload.schedule.policies.baselines import BASELINES
 from ds_adaptiveload.schedule.policies.common import CLASS_BOUNDS, fill_slots, lpt_micro_batches, token_class
@@ -79,6 +80,11 @@ class PlanConfig:
     budget; a sample over it runs alone) | "auto" (the cap with the least predicted time per token, packed.pack_cap:
     with checkpoint auto, smaller micro-batches leave blocks open and skip their recompute)."""
 
+    activation_offload: object = "off"
+    """off | auto | an int n >= 0 (adaptive_load.activation_offload; 0 is off): micro-batches are costed with the
+    recompute that offloading checkpointed blocks' inputs saves and the host-copy time it does not hide
+    (schedule/offload.py); "auto" needs checkpoint auto or auto-step."""
+
     def __post_init__(self):
         def positive(name):
             v = getattr(self, name)
@@ -105,6 +111,7 @@ class PlanConfig:
         if self.checkpoint_policy not in ("full", "attention"):
             raise UserError(f"checkpoint-policy must be full or attention, got {self.checkpoint_policy!r}")
         check_pack_tokens(self.pack_tokens, "pack-tokens")
+        self.activation_offload = parse_setting(self.activation_offload, "activation-offload")
         if self.pack_tokens is not None and self.policy != "packed":
             raise UserError(f"pack-tokens applies to the packed policy only (policy is {self.policy!r})")
 

@@ -31,7 +31,7 @@ _SCHEMA = {
     "time_ms": {"fixed", "per_token", "per_token_sq", "step_fixed", "floor", "floor_q", "recompute_frac",
                 "attention_recompute_frac", "ffn_recompute_frac"},
     "memory": {"budget_tokens", "sample_tokens", "fixed_bytes", "bytes_per_token", "bytes_per_sample",
-               "capacity_bytes", "safety", "host_link_bytes_per_s", "block_bytes_per_token",
+               "capacity_bytes", "safety", "host_link_bytes_per_s", "host_bytes_per_rank", "block_bytes_per_token",
                "attention_bytes_per_token", "block_bytes_per_sample", "ffn_bytes_per_token"},
     "dual": {"p", "m_comp"},
     "meta": None,  # free-form provenance: model, device, versions, date, estimated
@@ -44,9 +44,11 @@ KEYS = {"fixed_ms": "time_ms.fixed", "per_token_ms": "time_ms.per_token", "per_t
         "step_fixed_ms": "time_ms.step_fixed", "floor_ms": "time_ms.floor", "sample_tokens": "memory.sample_tokens"}
 # memory keys beyond the budget that the trainer and calibrate read as numbers.
 # block_bytes_per_token / attention_bytes_per_token / block_bytes_per_sample / ffn_bytes_per_token:
-# --checkpoint-blocks auto (schedule/memory.py).
+# --checkpoint-blocks auto (schedule/memory.py). host_link_bytes_per_s / host_bytes_per_rank: activation offload
+# (schedule/offload.py).
 MEMORY_NUMBERS = ("fixed_bytes", "bytes_per_token", "bytes_per_sample", "capacity_bytes", "safety",
-                  "block_bytes_per_token", "attention_bytes_per_token", "block_bytes_per_sample", "ffn_bytes_per_token")
+                  "block_bytes_per_token", "attention_bytes_per_token", "block_bytes_per_sample", "ffn_bytes_per_token",
+                  "host_link_bytes_per_s", "host_bytes_per_rank")
 
 
 def _is_number(v) -> bool:

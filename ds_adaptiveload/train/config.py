@@ -144,12 +144,13 @@ class AdaptiveLoadConfig(BaseModel):
     guidance; Wan and most video trainers use 0.1). The choice is seeded by (seed, epoch, sample id): the same on
     resume and at any world size. Needs empty_prompt.safetensors beside the manifest, which `encode` writes."""
     activation_offload: Union[Literal["off", "auto"], Annotated[int, Field(ge=0, strict=True)]] = setting(
-        "off", must='"off", "auto" or an integer >= 0')
+        "off", must='"off", "auto" or an integer >= 0', plan=True)
     """Keep the inputs of checkpointed blocks in pinned host memory instead of device memory from forward to
     backward, copied on a side stream that overlaps compute (model/offload.py). "off"; an integer n: the first n
     checkpointed blocks; "auto" (needs --checkpoint-blocks auto): per micro-batch, the number with the least
     predicted time that fits, weighing the host link (profile memory.host_link_bytes_per_s, default 25e9 B/s)
-    against the recompute the freed memory saves (schedule/offload.py)."""
+    against the recompute the freed memory saves (schedule/offload.py). The planner costs every micro-batch with
+    it: the recompute it saves and the host-copy time it does not hide."""
     ema_decay: Optional[float] = setting(None, must="a number in [0, 1) or null", ge=0.0, lt=1.0)
     """Keep an exponential moving average of the weights, ema = d * ema + (1 - d) * w after every applied update
     (e.g. 0.999), in fp32, partitioned like the weights under ZeRO-3; saved in checkpoints, exported with
@@ -191,15 +192,18 @@ class AdaptiveLoadConfig(BaseModel):
         return PlanConfig(policy=self.policy, world_size=world_size, sp=sp, grad_accum=grad_accum, seed=self.seed,
                           on_oversize=self.on_oversize, window=self.window, fill=self.fill, replicate=self.replicate,
                           pack_tokens=self.pack_tokens, lockstep=zero_stage >= 2 if lockstep is None else lockstep,
-                          **checkpoint)
+                          activation_offload=self.activation_offload, **checkpoint)
 
     def layout_keys(self) -> dict:
         """The keys that shape the plan (setting(plan=True)), as a checkpoint's layout stores them: a resume must
         keep them; the others (failure policies, loss weighting, LR scaling, ...) may change between launches.
-        pack_tokens null is left out, as before the key existed, so older checkpoints resume."""
+        pack_tokens null and activation_offload "off" are left out, as before those keys shaped the plan, so older
+        checkpoints resume."""
         keys = {k: getattr(self, k) for k, f in type(self).model_fields.items() if f.json_schema_extra["plan"]}
         if keys.get("pack_tokens") is None:
             keys.pop("pack_tokens", None)
+        if keys.get("activation_offload") in ("off", 0):
+            keys.pop("activation_offload", None)
         return keys
 
     def resolve_profile(self, json_path) -> str:

@@ -317,3 +317,71 @@ def write_summary(out_dir, start, end, bad_upfront, skipped) -> None:
         logger.warning(f"[train_wan] summary: {len(bad_upfront)} sample(s) left out of the plan, "
                        f"{len(skipped)} step(s) skipped {reasons} ({sum(len(e['ids']) for e in skipped)} samples not "
                        f"trained); see {os.path.join(out_dir, 'skipped.json')}")
+
+
+def offload_line(al, checkpoint_blocks, model_cfg, profile, sampler, recompute, meminfo="/proc/meminfo"):
+    """The start-up line of adaptive_load.activation_offload, (logging level, text), or None when it is off: how many
+    blocks offload and the pinned host memory the plan's offloaded inputs hold on the rank that holds the most
+    (schedule/offload.plan_pinned_bytes), against the profile's memory.host_bytes_per_rank, else this host's
+    MemAvailable divided by its ranks (LOCAL_SIZE, set by the DeepSpeed launcher); a warning where it does not fit.
+    The plan reads only the profile's key: every rank plans alike, whatever its host has free. recompute: the
+    loader's RecomputeCost under --checkpoint-blocks auto (its counts), else None (a fixed count)."""
+    from ds_adaptiveload.schedule.memory import plan_checkpoints
+    from ds_adaptiveload.schedule.offload import input_bytes_per_token, plan_pinned_bytes
+
+    setting = al.activation_offload
+    if setting in ("off", 0):
+        return None
+    plan, in_bpt = sampler.plan, input_bytes_per_token(model_cfg.dim)
+    if recompute is not None:
+        ckpts = plan_checkpoints(plan, sampler.samples, profile.geometry, sampler.cfg, recompute)
+        pinned = plan_pinned_bytes(plan, lambda s, r, m: ckpts[s, r, m][3], in_bpt)
+        blocks = f"{min(c[3] for c in ckpts.values())}-{max(c[3] for c in ckpts.values())} blocks per micro-batch"
+    else:
+        n = min(setting, model_cfg.num_layers if checkpoint_blocks is True else int(checkpoint_blocks))
+        pinned, blocks = plan_pinned_bytes(plan, lambda s, r, m: n, in_bpt), f"{n} blocks"
+    host, where = profile.memory.get("host_bytes_per_rank"), "memory.host_bytes_per_rank"
+    if host is None:
+        host = host_available(meminfo)
+        where = "MemAvailable / LOCAL_SIZE"
+    text = (f"[train_wan] activation offload: {blocks} keep their input in pinned host memory, predicted "
+            f"{_size(pinned)} of it per rank")
+    text += f" ({where}: {_size(host)})" if host is not None else ""
+    if host is not None and pinned > host:
+        return logging.WARNING, (f"{text}: warning: more than the host holds; lower --activation-offload or set "
+                                 f"the profile's memory.host_bytes_per_rank for auto to plan within it")
+    return logging.INFO, text
+
+
+def host_available(meminfo="/proc/meminfo"):
+    """This host's MemAvailable in bytes divided by its ranks (LOCAL_SIZE or LOCAL_WORLD_SIZE, default 1), or None
+    where unreadable."""
+    try:
+        with open(meminfo) as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    ranks = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"  # deepspeed's, torchrun's
+    return kb * 1024 // max(1, int(ranks))
+
+
+def _size(nbytes) -> str:
+    """Bytes as GiB from 1 GiB up, else MiB."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def offload_stats(module, al) -> list:
+    """[(blocks, bytes)] the micro-batch just run moved to host memory (model/offload.py stats) under
+    adaptive_load.activation_offload; [] when it is off."""
+    off = getattr(module, "_offload", None)
+    if off is None or al.activation_offload in ("off", 0):
+        return []
+    stats = off.stats()
+    return [(stats["tensors"], stats["bytes"])]
+
+
+def offload_fields(offloaded) -> dict:
+    """The step log's offload_blocks (per micro-batch) and offload_mib (over the step) of offload_stats' pairs."""
+    if not offloaded:
+        return {}
+    return {"offload_blocks": [n for n, _ in offloaded], "offload_mib": round(sum(b for _, b in offloaded) / 2**20, 4)}

@@ -11,7 +11,8 @@ import time
 from types import SimpleNamespace
 
 from ds_adaptiveload.train import failures
-from ds_adaptiveload.train.setup import end_loop, prepare_data, read_config, write_summary, write_synthetic
+from ds_adaptiveload.train.setup import (end_loop, offload_fields, offload_line, offload_stats, prepare_data,
+                                         read_config, write_summary, write_synthetic)
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,7 @@ class Trainer:
     _saved_graphs = 0  # block graphs in the last --compile-cache write
     _pred_peak_gib = 0.0  # the memory model's largest micro-batch peak in the current step
     _step_ks = ()  # [k, k_full(, k_ffn)] of the current step's micro-batches so far (--checkpoint-blocks auto)
+    _offloaded = ()  # (blocks, bytes) each of the current step's micro-batches moved to host memory so far
     plan_step = None  # the last Step read (loader.Step): its plan decisions, what the step log records
     log_error = None  # this rank's failed step-log write, until agreed
 
@@ -125,6 +127,10 @@ class Trainer:
         self.lr_scale = self.install_lr_scaling()
         self.divisor = sp.grad_divisor(self.engine, self.dims)  # what DeepSpeed divides summed gradients by
         self.loader = self.make_loader(self.dataset)
+        line = failures.agreed(offload_line, self.al, args.checkpoint_blocks, self.model_cfg, self.profile,
+                               self.sampler, self.loader.recompute())  # an offload over the host's key: exit 2
+        if line and self.rank == 0:
+            logger.log(*line)
         self.dtype = eng.compute_dtype(self.engine)
         self.zero3 = self.engine.zero_optimization_stage() == 3
 
@@ -468,6 +474,7 @@ class Trainer:
                 try:
                     self.fault.before_forward(step + 1, g)
                     per_sample = self.forward_backward(mb)
+                    self._offloaded = [*self._offloaded, *offload_stats(self.engine.module, self.al)]
                 except self.oom_error as e:  # agreed after the step's micro-batches (error or skip)
                     run.oom.append(failures.oom_message(step + 1, self.rank, g, batch, self.samples, self.manifest,
                                                         self.profile, self.dims.sp, e))
@@ -577,6 +584,8 @@ class Trainer:
             rec["pred_mem_gib"], self._pred_peak_gib = self._pred_peak_gib, 0.0
         if self._step_ks:  # [k, k_full] per micro-batch (k_full: blocks of those k recomputed whole)
             rec["ckpt_k"], self._step_ks = self._step_ks, ()
+        rec.update(offload_fields(self._offloaded))  # the block inputs moved to host memory
+        self._offloaded = ()
         if getattr(self.args, "compile_blocks", False):  # graphs so far: a step that compiled shows a rise
             from ds_adaptiveload.model.compile import compile_stats
 

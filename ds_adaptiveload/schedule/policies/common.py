@@ -8,6 +8,7 @@ import heapq
 from dataclasses import dataclass
 
 from ds_adaptiveload.schedule.memory import RecomputeCost
+from ds_adaptiveload.schedule.offload import for_plan
 
 # Step-composition classes for mix_tv, by full-sequence tokens: images and short clips, mid clips, long.
 CLASS_BOUNDS = (4096, 20000)
@@ -37,25 +38,28 @@ class Ctx:
         # --checkpoint-blocks auto: the recompute a micro-batch's open blocks skip (None: every block's, as profiled)
         self.recompute = (None if self.cfg.checkpoint == "all"
                           else RecomputeCost.of(self.profile, self.cfg.checkpoint_policy))
+        self.fixed_offload = None  # activation_offload under a fixed checkpoint count: (tokens, t_ms) -> copy ms
+        if self.cfg.activation_offload != "off":  # the recompute it saves and the copy time it does not hide
+            self.recompute, self.fixed_offload = for_plan(self.recompute, self.profile, self.cfg.activation_offload)
 
     def base_ms(self, mb):
         """The profile's time for micro-batch mb with every block checkpointed."""
         return self.profile.micro_ms(len(mb), self.gpu[mb[0]])
 
     def mb_ms(self, mb, ks=None):
-        """Predicted ms of micro-batch mb: base_ms less the recompute its checkpointing skips (at ks: (k, k_full)
-        set for the whole step, or its own)."""
+        """Predicted ms of micro-batch mb: base_ms less the recompute its checkpointing skips, plus the host-copy
+        time its offloaded blocks do not hide (at ks: the plan set for the whole step, or its own)."""
         t = self.base_ms(mb)
         if self.recompute is None:
-            return t
-        return t * self.recompute.factor(sum(map(self.gpu.__getitem__, mb)), len(mb), ks)
+            return t if self.fixed_offload is None else t + self.fixed_offload(sum(map(self.gpu.__getitem__, mb)), t)
+        return self.recompute.ms(t, sum(map(self.gpu.__getitem__, mb)), len(mb), ks)
 
     def step_ks(self, step):
-        """auto-step: the (k, k) every micro-batch of the step runs with, its largest over all ranks; else None."""
+        """auto-step: the plan (k, k, 0[, n]) every micro-batch of the step runs with (RecomputeCost.step_plan over
+        all ranks); else None."""
         if self.recompute is None or self.cfg.checkpoint != "auto-step":
             return None
-        k = self.recompute.step_k((sum(map(self.gpu.__getitem__, mb)), len(mb)) for mbs in step for mb in mbs)
-        return k, k
+        return self.recompute.step_plan((sum(map(self.gpu.__getitem__, mb)), len(mb)) for mbs in step for mb in mbs)
 
     def step_costs(self, step):
         """Predicted ms of every micro-batch of the step, costs[rank][g] (what a replay compares measured times with)."""
