@@ -160,15 +160,20 @@ def _watch_sigterm() -> None:
     if _seen.get("thread") is None:  # one per process, also where a process sets up several groups (tests)
         r, w = socket.socketpair()
         w.setblocking(False)
+        # Both ends live as long as the process: with the read end closed (the watcher done, its socket collected),
+        # the next signal's write to w failed and Python printed a traceback ("Exception ignored when trying to
+        # write to the signal wakeup fd"); the launcher forwards a group SIGTERM, so a rank gets it twice.
+        _seen["sockets"] = (r, w)
         signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-        _seen["thread"] = threading.Thread(target=_sigterm_watcher, args=(r, w), name="ds_adaptiveload-sigterm",
+        _seen["thread"] = threading.Thread(target=_sigterm_watcher, args=(r,), name="ds_adaptiveload-sigterm",
                                            daemon=True)
         _seen["thread"].start()
 
 
-def _sigterm_watcher(r, w, poll_s: float = 0.05, limit_s: float = 60.0) -> None:
-    """The watcher's loop: wait for a SIGTERM byte (other signals' bytes are skipped), then read the store until
-    every peer has marked and a rank has printed, or the store is gone. w: kept open here, as the fd's owner."""
+def _sigterm_watcher(r, poll_s: float = 0.05, limit_s: float = 60.0) -> None:
+    """The watcher's loop: wait for a SIGTERM byte (other signals' bytes are skipped), read the store until every
+    peer has marked and a rank has printed, or the store is gone; then drain the socket, so later signals' bytes
+    never fill it."""
     import signal
     import time
 
@@ -188,10 +193,12 @@ def _sigterm_watcher(r, w, poll_s: float = 0.05, limit_s: float = 60.0) -> None:
             _seen["said"] = _seen["said"] or said
             if _seen["said"] and len(_seen["marked"]) == world - 1:
                 store.set(_ack_key(me), "1")  # rank 0 may leave now (_outlive_peers)
-                return
+                break
         except Exception:  # the store is served by rank 0's process, which has left
-            return
+            break
         time.sleep(poll_s)
+    while r.recv(256):
+        pass
 
 
 def _store():
