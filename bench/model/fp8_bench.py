@@ -5,6 +5,8 @@ its own (a clean GPU and compile cache); raw JSON under --out and a staging resu
 
     python bench/model/fp8_bench.py --parts speed --budget-s 540 --out $OUT                  # bf16 and fp8, 3 shapes
     python bench/model/fp8_bench.py --parts numerics --steps 300 --budget-s 570 --out $OUT   # bf16 s0, bf16 s1, fp8 s0
+    python bench/model/fp8_bench.py --parts numerics-fp8-s0 --budget-s 570 --out $OUT        # one run per command: the
+                                                                   # verdict reads the other runs from the same --out
     python bench/model/fp8_bench.py --smoke --out /tmp/fp8-smoke                              # CPU: tiny model, no fp8
 
 speed: one micro-batch per step (flow-matching forward, backward, optimizer step; ZeRO-2, bf16), every block
@@ -335,6 +337,18 @@ def child_argv(name, args, budget) -> list:
     return argv + (["--smoke"] if args.smoke else [])
 
 
+def earlier_runs(out: str, have: set) -> list:
+    """The numerics runs an earlier command wrote to the same --out (one run per 10-minute command), for the
+    verdict: those this command did not run."""
+    rows = []
+    for name in GROUPS["numerics"]:
+        path = os.path.join(out, f"fp8-{name}.json")
+        if name not in have and os.path.isfile(path):
+            with open(path) as f:
+                rows.append(json.load(f))
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.part:  # child
@@ -356,7 +370,10 @@ def main(argv=None) -> int:
             f.write(proc.stdout + proc.stderr)
         rows.append(row or {"part": name, "fp8": PARTS[name]["fp8"], "status": "crash", "shapes": {},
                             "num_layers": args.num_layers, "error": " ".join(proc.stderr.strip().splitlines()[-1:])})
+        with open(os.path.join(args.out, f"fp8-{name}.json"), "w") as f:
+            json.dump(rows[-1], f)
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "losses"}), flush=True)
+    rows += earlier_runs(args.out, {r["part"] for r in rows})
     v = verdict({r["part"]: r for r in rows})
     if v is not None:
         print(f"fp8 held-out loss {'IS' if v[0] else 'is NOT'} within the bf16 seed spread: |fp8 s0 - bf16 s0| = "
