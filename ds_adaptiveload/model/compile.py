@@ -195,21 +195,22 @@ def fp8_region_fns(opts: CompileOptions) -> dict:
 
 def region_fns(mode: Optional[str] = None, backend: str = "inductor") -> tuple:
     """(BlockFns of compiled per-group steps, {module class: (method, compiled function)}: the norms' forwards, and
-    the fp8 layers' where a model was converted: fp8_region_fns), made once per (mode, backend, fp8 loaded)."""
-    import sys
-
-    key = (mode, backend, _FP8_LAYERS in sys.modules)
+    the fp8 layers' once a model was converted: fp8_region_fns), made once per (mode, backend); the fp8 entries are
+    added when they first exist, the others kept (the same compiled functions, so no graph compiles twice)."""
+    key = (mode, backend)
+    opts = CompileOptions(mode=mode, backend=backend)
     if key not in _REGIONS:
-        opts = CompileOptions(mode=mode, backend=backend)
         into = CompileOptions(mode=mode, backend=backend, inductor=INTO_OPTIONS)
         fns = BlockFns(rope_qk=compile_region(rope_qk, opts), rope_qk_into=compile_region(rope_qk_into, into),
                        rope_grad_into=compile_region(rope_grad_into, into),
                        gated_add=compile_region(gated_add, opts),
                        gated_add_into=compile_region(gated_add_into, into),
                        gated_dy_into=compile_region(gated_dy_into, into), gate_grad=compile_region(gate_grad, opts))
-        _REGIONS[key] = (fns,
-                         {RMSNorm: ("forward", compile_region(RMSNorm.forward, opts)),
-                          LayerNorm: ("forward", compile_region(LayerNorm.forward, opts)), **fp8_region_fns(opts)})
+        _REGIONS[key] = (fns, {RMSNorm: ("forward", compile_region(RMSNorm.forward, opts)),
+                               LayerNorm: ("forward", compile_region(LayerNorm.forward, opts))})
+    fns, methods = _REGIONS[key]
+    if len(methods) == 2:  # the norms only: add the fp8 layers' where they exist now
+        methods.update(fp8_region_fns(opts))
     return _REGIONS[key]
 
 
