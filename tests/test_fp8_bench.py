@@ -10,11 +10,12 @@ import fp8_bench  # noqa: E402
 
 
 def test_verdict_compares_fp8_with_the_bf16_seed_spread():
-    runs = {"numerics-bf16-s0": {"heldout": 1.00}, "numerics-bf16-s1": {"heldout": 1.02}}
+    runs = {"numerics-bf16-s0": {"heldout": 1.00, "steps": 300}, "numerics-bf16-s1": {"heldout": 1.02, "steps": 300}}
     assert fp8_bench.verdict(runs) is None  # no fp8 run yet
-    within, gap, spread = fp8_bench.verdict({**runs, "numerics-fp8-s0": {"heldout": 0.99}})
+    within, gap, spread = fp8_bench.verdict({**runs, "numerics-fp8-s0": {"heldout": 0.99, "steps": 300}})
     assert within and round(gap, 6) == 0.01 and round(spread, 6) == 0.02
-    assert not fp8_bench.verdict({**runs, "numerics-fp8-s0": {"heldout": 1.03}})[0]
+    assert not fp8_bench.verdict({**runs, "numerics-fp8-s0": {"heldout": 1.03, "steps": 300}})[0]
+    assert fp8_bench.verdict({**runs, "numerics-fp8-s0": {"heldout": 0.99, "steps": 200}}) is None  # cut short
 
 
 def test_smoke_parts_run_on_cpu_and_record_rows(tmp_path, monkeypatch):
