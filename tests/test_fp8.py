@@ -224,6 +224,23 @@ def test_compiled_regions_bind_the_fp8_layers_and_match_eager():
     assert not any({"forward", "project"} & set(m.__dict__) for m in layers.values())
 
 
+def test_the_trainer_converts_the_model_it_built(monkeypatch):
+    """Trainer.convert_fp8 (between the model's build and its compile): adaptive_load.fp8 linear converts the block
+    linears (emulated GEMMs here), off leaves the model alone."""
+    pytest.importorskip("torchao.float8")
+    from ds_adaptiveload.model import fp8
+    from ds_adaptiveload.train.trainer import Trainer
+
+    real = fp8.rowwise_config
+    monkeypatch.setattr(fp8, "rowwise_config", lambda emulate=False: real(emulate=True))
+    model = tiny_model()
+    Trainer.convert_fp8(SimpleNamespace(al=SimpleNamespace(fp8="off"), rank=0), model)
+    assert not any(type(m).__module__.startswith("torchao") for m in model.modules())
+    Trainer.convert_fp8(SimpleNamespace(al=SimpleNamespace(fp8="linear"), rank=0), model)
+    converted_names = [n for n, m in model.named_modules() if type(m).__name__.startswith("Float8")]
+    assert sorted(converted_names) == sorted(fp8_targets(tiny_model()))
+
+
 @pytest.mark.cuda
 def test_fp8_on_the_gpu_trains_a_step_in_bf16_with_compiled_regions():
     """On an 8.9+ GPU: real scaled GEMMs (torch._scaled_mm) inside compiled regions, a finite loss and gradients."""
