@@ -199,6 +199,21 @@ def test_fp8_forward_and_gradients_follow_the_bf16_math():
             assert rel_err(grads[n].grad, p.grad) < 0.15, (n, rel_err(grads[n].grad, p.grad))
 
 
+@pytest.mark.parametrize("policy", ["full", "attention"])
+def test_checkpointed_fp8_blocks_recompute_the_same_step(policy):
+    """Recompute in backward (every block checkpointed, whole or keeping the attention outputs) through torchao's
+    float8 autograd function gives the open blocks' outputs and gradients exactly."""
+    pytest.importorskip("torchao.float8")
+    model, _ = converted(tiny_model())
+    ckpt = copy.deepcopy(model)
+    ckpt.set_checkpointing(True, policy=policy)
+    xs, t, texts = packed_inputs()
+    for m in (model, ckpt):
+        m(xs, t, texts, flat=True).square().sum().backward()
+    for (n, p), q in zip(model.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=n)
+
+
 def test_compiled_regions_bind_the_fp8_layers_and_match_eager():
     """compile_regions gives each fp8 layer a compiled forward (Float8RowsLinear: its GEMM, after the eager merge of
     the parts); each kind run once against its eager self (the blocks' other regions are tests/test_compile_regions'),
