@@ -383,7 +383,8 @@ def main(argv=None) -> int:
               "the budget: fewer --steps or --num-layers)", flush=True)
     env = harness.environment(gpu=True)
     tag = "smoke" if args.smoke else env.get("device", "cpu").replace(" ", "-").lower()
-    raw = os.path.join(args.out, f"fp8-{env['date']}-{tag}.json")
+    kinds = "-".join(dict.fromkeys(PARTS[p]["kind"] for p in parts))  # speed and numerics runs: files of their own
+    raw = os.path.join(args.out, f"fp8-{kinds}-{env['date']}-{tag}.json")
     harness.write_results(raw, rows, meta={"args": vars(args)})
     csv = record_rows(rows, args, "bench/results/" + os.path.basename(raw), env)
     print(f"raw rows: {raw}; staging table: {csv}")
