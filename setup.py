@@ -51,12 +51,14 @@ setup(
                       "huggingface_hub"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "diffusers", "transformers", "tokenizers", "av", "matplotlib", "accelerate",
-                 "peft>=0.17"],
+                 "peft>=0.17", "torchao>=0.18"],
         # adaptive_load.lora / --lora-rank: LoRA adapters through peft (model/lora.py)
         "lora": ["peft>=0.17"],
         "dataset": ["av", "matplotlib"],
         # --attention fa4 (auto takes it on Hopper): FlashAttention-4, CuTe DSL kernels (model/attention.py)
         "fa4": ["flash-attn-4"],
+        # adaptive_load.fp8 / --fp8 linear: the blocks' linears in float8 through torchao's float8 training (model/fp8.py)
+        "fp8": ["torchao>=0.18"],
         # `encode`: Wan's VAE (diffusers AutoencoderKLWan) and umT5 (transformers UMT5EncoderModel)
         "encode": ["av", "diffusers>=0.33", "transformers>=4.45", "tokenizers"],
         # `sample`, --preview-every, and loading an `export` in diffusers (from_pretrained needs accelerate)

@@ -136,6 +136,7 @@ def _compute_arguments(p):
                    help="the self-attention kernels: torch SDPA (cuDNN on Hopper), FlashAttention-4 (fa4: the optional "
                         "flash-attn-4 package; 11-17%% faster on the H200, docs/results.md), or auto: fa4 on a "
                         "Hopper GPU where the package imports, else sdpa (model/attention.py)")
+    add_flag(p, "fp8", default=None)  # over the JSON's adaptive_load.fp8
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of --compile-blocks (aot_eager: traced, no code generation)")
     p.add_argument("--compile-cache", help="file of compiled artifacts: loaded at start if present, rewritten after "

@@ -181,6 +181,13 @@ STAGES = {
                            "self-attention kernels at the model's shapes: SDPA cuDNN / flash against FlashAttention-4"),
     "gemm_rows": Stage([py("bench/model/gemm_rows.py", "--out", "{out}")], 90,
                        "the block's GEMMs at a packed micro-batch's rows vs the separate ones' (cuBLAS, cuBLASLt)"),
+    "fp8_test": Stage([py(*PYTEST, "-m", "cuda", "tests/test_fp8.py")], 120,
+                      "--fp8 linear on the GPU: torchao float8 layers in compiled regions, one training step"),
+    "fp8_speed": Stage([py("bench/model/fp8_bench.py", "--parts", "speed", "--budget-s", "{inner}", "--out", "{out}")],
+                       560, "bf16 vs --fp8 linear: the 1.3B micro-step at 480p 81f, 720p 81f, 32 images", margin=40),
+    "fp8_numerics": Stage([py("bench/model/fp8_bench.py", "--parts", "numerics", "--budget-s", "{inner}", "--out",
+                              "{out}")], 570, "300 steps bf16 s0, bf16 s1, fp8 s0 and the held-out loss (one run "
+                                               "per call: --args fp8_numerics=\"--parts numerics-fp8-s0\")", margin=30),
     "mfu": Stage([py("bench/mfu.py")], 300, "model FLOPs utilisation", op=True, needs_file="bench/mfu.py"),
     "shipped": Stage([py("bench/e2e/shipped_configs.py", "--out", "{out}", "--budget-s", "{inner}")], 570,
                      "the README's command for the shipped ZeRO-2 and ZeRO-3 configs, profile auto, 20 steps each "

@@ -10,6 +10,7 @@ _EXPORTS = {
     "sdpa_attention": "ds_adaptiveload.model.wan",
     "fa4_attention": "ds_adaptiveload.model.attention",
     "resolve_attention": "ds_adaptiveload.model.attention",
+    "convert_fp8": "ds_adaptiveload.model.fp8",
     "load_wan_checkpoint": "ds_adaptiveload.model.checkpoint",
     "save_wan_checkpoint": "ds_adaptiveload.model.checkpoint",
 }

@@ -140,8 +140,9 @@ def compile_blocks(model: torch.nn.Module, dynamic: bool = True, fullgraph: bool
 def uncompile_blocks(model: torch.nn.Module) -> None:
     """Back to eager blocks, from compile_blocks or compile_regions (compiled code stays cached for later)."""
     for m in model.modules():
-        if isinstance(m, (WanBlock, RMSNorm, LayerNorm)):
+        if isinstance(m, WanBlock):
             m.__dict__.pop("forward", None)
+        _unbind_region(m)
         if isinstance(m, WanModel):
             m.set_block_fns(None)
 
@@ -173,20 +174,43 @@ def compile_region(fn, opts: CompileOptions):
     return run
 
 
+_FP8_LAYERS = "ds_adaptiveload.model.fp8_layers"
+_REGION_METHODS = ("forward", "project")  # what bind_regions binds on a module (project: Float8RowsLinear's GEMM)
+
+
+def fp8_region_fns(opts: CompileOptions) -> dict:
+    """{fp8 layer class: (method, compiled function)} once a model was converted to fp8 in this process (model/fp8.py
+    imports fp8_layers), else {}. torchao's rowwise casts (row amax, scale, cast to e4m3) are elementwise passes over
+    each GEMM's input; eager they are several kernels each, compiled inductor fuses them (with ffn.2's GELU), which
+    the fp8 GEMMs need to pay off. RowsLinear's list of parts is merged eagerly, then the same GEMM region runs."""
+    import sys
+
+    layers = sys.modules.get(_FP8_LAYERS)
+    if layers is None:
+        return {}
+    gemm = compile_region(layers.Float8Linear.forward, opts)
+    return {layers.Float8Linear: ("forward", gemm), layers.Float8RowsLinear: ("project", gemm),
+            layers.Float8GeluLinear: ("forward", compile_region(layers.Float8GeluLinear.forward, opts))}
+
+
 def region_fns(mode: Optional[str] = None, backend: str = "inductor") -> tuple:
-    """(BlockFns of compiled per-group steps, {norm class: compiled forward}), made once per (mode, backend)."""
+    """(BlockFns of compiled per-group steps, {module class: (method, compiled function)}: the norms' forwards, and
+    the fp8 layers' once a model was converted: fp8_region_fns), made once per (mode, backend); the fp8 entries are
+    added when they first exist, the others kept (the same compiled functions, so no graph compiles twice)."""
     key = (mode, backend)
+    opts = CompileOptions(mode=mode, backend=backend)
     if key not in _REGIONS:
-        opts = CompileOptions(mode=mode, backend=backend)
         into = CompileOptions(mode=mode, backend=backend, inductor=INTO_OPTIONS)
         fns = BlockFns(rope_qk=compile_region(rope_qk, opts), rope_qk_into=compile_region(rope_qk_into, into),
                        rope_grad_into=compile_region(rope_grad_into, into),
                        gated_add=compile_region(gated_add, opts),
                        gated_add_into=compile_region(gated_add_into, into),
                        gated_dy_into=compile_region(gated_dy_into, into), gate_grad=compile_region(gate_grad, opts))
-        _REGIONS[key] = (fns,
-                         {RMSNorm: compile_region(RMSNorm.forward, opts),
-                          LayerNorm: compile_region(LayerNorm.forward, opts)})
+        _REGIONS[key] = (fns, {RMSNorm: ("forward", compile_region(RMSNorm.forward, opts)),
+                               LayerNorm: ("forward", compile_region(LayerNorm.forward, opts))})
+    fns, methods = _REGIONS[key]
+    if len(methods) == 2:  # the norms only: add the fp8 layers' where they exist now
+        methods.update(fp8_region_fns(opts))
     return _REGIONS[key]
 
 
@@ -212,11 +236,18 @@ def bind_regions(wan: WanModel, regions: Optional[tuple]) -> None:
     (eager again). The blocks' own forwards are left alone."""
     wan.set_block_fns(regions[0] if regions else None)
     for m in wan.blocks.modules():
-        if type(m) in (RMSNorm, LayerNorm):
-            if regions:
-                m.forward = types.MethodType(regions[1][type(m)], m)
-            else:
-                m.__dict__.pop("forward", None)
+        if regions and type(m) in regions[1]:
+            method, fn = regions[1][type(m)]
+            setattr(m, method, types.MethodType(fn, m))
+        elif not regions:
+            _unbind_region(m)
+
+
+def _unbind_region(m: torch.nn.Module) -> None:
+    """A norm's or fp8 layer's compiled method taken back (its class's own runs again)."""
+    if isinstance(m, (RMSNorm, LayerNorm)) or type(m).__module__.startswith(("torchao.", _FP8_LAYERS)):
+        for method in _REGION_METHODS:
+            m.__dict__.pop(method, None)
 
 
 COMPILE_KINDS = ("auto", "block", "regions")

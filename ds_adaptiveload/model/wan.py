@@ -149,7 +149,9 @@ def save_attention_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_MATMULS = (torch.ops.aten.addmm.default, torch.ops.aten.mm.default, GELU_LINEAR_OP)
+# _scaled_mm: the float8 GEMMs of --fp8 linear (model/fp8.py), whose outputs are the projections' as addmm's are.
+_MATMULS = (torch.ops.aten.addmm.default, torch.ops.aten.mm.default, GELU_LINEAR_OP) + tuple(
+    getattr(torch.ops.aten, n).default for n in ("_scaled_mm",) if hasattr(torch.ops.aten, n))
 
 
 def save_attention_ffn_policy(ctx, op, *args, **kwargs):

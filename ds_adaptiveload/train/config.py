@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.fileio import read_json_object
+from ds_adaptiveload.model.fp8 import FP8_MODES
 from ds_adaptiveload.schedule.policies import POLICIES
 from ds_adaptiveload.train.lr_scaling import METHODS as LR_SCALING_METHODS
 
@@ -158,12 +159,25 @@ class AdaptiveLoadConfig(BaseModel):
     lora: Optional[LoraSettings] = setting(None, must="an object {rank, alpha, dropout, targets} or null")
     """LoRA fine-tuning (model/lora.py, docs/training.md): the base weights frozen in bf16 and out of the optimizer,
     adapters of rank `rank` on `targets` trained. null: every weight is trained."""
+    fp8: Literal[FP8_MODES] = setting("off")
+    """off | linear: linear runs every block's attention projections (q, k, v, o of both attentions) and FFN linears
+    as torchao float8 layers with rowwise scaling (model/fp8.py); embeddings, head, modulation and attention stay
+    bf16. Needs torchao (pip install 'torchao>=0.18') and a CUDA GPU of compute capability 8.9 or newer; not with
+    lora. Off by default until the 300-step numerics run shows its held-out loss within the bf16 seed spread."""
 
     @model_validator(mode="after")
     def _pack_tokens_for_packed(self):
         if self.pack_tokens is not None and self.policy != "packed":
             raise PydanticCustomError("related", f"applies to the packed policy only (policy is {self.policy!r})",
                                       {"key": "pack_tokens"})
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_without_lora(self):
+        if self.fp8 != "off" and self.lora is not None:
+            raise PydanticCustomError("related", f"{self.fp8!r} does not run with LoRA (adaptive_load.lora or "
+                                      "--lora-rank): peft wraps the projections it converts; use \"off\" for LoRA",
+                                      {"key": "fp8"})
         return self
 
     @classmethod
@@ -261,6 +275,18 @@ def offload_from_flags(args, al: "AdaptiveLoadConfig", source: str) -> "Adaptive
         return al
     return AdaptiveLoadConfig.checked({**al.model_dump(), "activation_offload": offload_arg(value)},
                                       lambda k: flag_name(k) if k == "activation_offload" else f"adaptive_load.{k}",
+                                      f"{source}: ")
+
+
+def fp8_from_flags(args, al: "AdaptiveLoadConfig", source: str) -> "AdaptiveLoadConfig":
+    """`al` with --fp8 (when given) over adaptive_load.fp8, checked by the schema again, so that a LoRA section or
+    --lora-* flags merged before are refused with it (the error names --fp8 where the flag gave it)."""
+    value = getattr(args, "fp8", None)
+    if value is None and al.fp8 == "off":
+        return al
+    given = value is not None
+    values = {**al.model_dump(), **({"fp8": value} if given else {})}
+    return AdaptiveLoadConfig.checked(values, lambda k: flag_name(k) if k == "fp8" and given else f"adaptive_load.{k}",
                                       f"{source}: ")
 
 

@@ -56,12 +56,25 @@ def step_metrics(ranks: list, sp: int, step_s: float, peak_tflops: float, device
     return m
 
 
-def monitor_events(m: dict, step: int, lr: float) -> list:
-    """(name, value, step) tuples for DeepSpeed's monitor (tensorboard / csv / wandb per the JSON)."""
+# An fp8 run's MFU is still bf16-equivalent model FLOPs over the bf16 peak (docs/training.md), and named so wherever
+# it is shown: the step log's mfu_basis, the monitor's metric name, benchmark rows.
+MFU_BF16_EQUIVALENT = "bf16-equivalent"
+
+
+def mfu_name(fp8: bool, name: str = "mfu(%)") -> str:
+    """The MFU metric's name: `name`, or with ", bf16-equivalent" inside its unit's brackets in an fp8 run."""
+    if not fp8:
+        return name
+    return name[:-1] + f", {MFU_BF16_EQUIVALENT})" if name.endswith(")") else f"{name} ({MFU_BF16_EQUIVALENT})"
+
+
+def monitor_events(m: dict, step: int, lr: float, fp8: bool = False) -> list:
+    """(name, value, step) tuples for DeepSpeed's monitor (tensorboard / csv / wandb per the JSON); fp8: the MFU
+    metric is named as bf16-equivalent (mfu_name)."""
     ev = [("train/loss", m["loss"]), ("train/lr", lr), ("throughput/samples_per_s", m["samples_per_s"]),
           ("throughput/tokens_per_s", m["tokens_per_s"]), ("time/step_ms", m["step_ms"]),
           ("balance/idle_fraction", m["idle_fraction"]), ("balance/pred_idle_fraction", m["pred_idle_fraction"]),
-          ("mfu(%)", 100 * m["mfu"])]
+          (mfu_name(fp8), 100 * m["mfu"])]
     if "mem_peak_gib" in m:
         ev.append(("memory/max_allocated(GiB)", m["mem_peak_gib"]))
     return [(name, float(v), step) for name, v in ev]

@@ -19,6 +19,7 @@ def read_config(args, world, rank, device=None):
 
     from ds_adaptiveload.model import WanConfig
     from ds_adaptiveload.model.attention import resolve_attention
+    from ds_adaptiveload.model.fp8 import check_fp8
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.train import config, faults, sp
     from ds_adaptiveload.train.config import zero_stage
@@ -26,6 +27,8 @@ def read_config(args, world, rank, device=None):
     ds_cfg, al = config.load_ds_config(args.deepspeed_config)
     al = config.lora_from_flags(args, al)  # --lora-rank and friends over adaptive_load.lora
     al = config.offload_from_flags(args, al, args.deepspeed_config)  # --activation-offload over the JSON's key
+    al = config.fp8_from_flags(args, al, args.deepspeed_config)  # --fp8 over the JSON's key; not with LoRA
+    check_fp8(al.fp8, device, "--fp8" if getattr(args, "fp8", None) else f"{args.deepspeed_config}: adaptive_load.fp8")
     blocks = getattr(args, "checkpoint_blocks", False)
     if al.activation_offload == "auto" and blocks != "auto":
         raise UserError(f"{args.deepspeed_config}: adaptive_load.activation_offload \"auto\" needs "

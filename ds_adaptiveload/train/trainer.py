@@ -110,6 +110,7 @@ class Trainer:
                                 for p in model.parameters() if p.requires_grad)
                 logger.info(f"[train_wan] LoRA rank {self.al.lora.rank} on {', '.join(self.al.lora.modules())}: "
                             f"{trainable:,} trainable parameters")
+        self.convert_fp8(model)
         self.attention = c.attention
         if self.rank == 0:
             logger.info(f"[train_wan] attention: {self.attention} (--attention {getattr(args, 'attention', 'sdpa')})")
@@ -178,6 +179,16 @@ class Trainer:
             if folder and os.path.isfile(os.path.join(folder, "latest")):
                 return f"Relaunch with --resume {folder} (docs/reliability.md)"
         return "Relaunch; no checkpoint was saved yet, so it starts from step 0 (docs/reliability.md)"
+
+    def convert_fp8(self, model) -> None:
+        """--fp8 linear: torchao float8 layers, before compile and deepspeed.initialize (model/fp8.py says why)."""
+        if self.al.fp8 != "off":
+            from ds_adaptiveload.model.fp8 import convert_fp8
+
+            n = len(convert_fp8(model, self.al.fp8))
+            if self.rank == 0:
+                logger.info(f"[train_wan] fp8 {self.al.fp8}: {n} linears as torchao float8 (rowwise); MFU counts "
+                            f"bf16-equivalent FLOPs over --peak-tflops")
 
     def apply_block_compile(self, model):
         """--compile-blocks: the blocks (or their regions) compiled before deepspeed.initialize, and the compile
@@ -580,6 +591,9 @@ class Trainer:
         m["pred_idle_fraction"] = metrics.idle_fraction(ps.pred_ms, ps.pred_wall_ms)
         rec = {**base, "lr": lr, **m, "rank_loss": run.counters["loss_sum"] / max(run.counters["samples"], 1),
                "end_time": round(time.time(), 3)}  # unix time: joins the step with outside logs (nvidia-smi)
+        fp8 = self.al.fp8 != "off"
+        if fp8:  # the same model FLOPs over the same bf16 peak as a bf16 run: comparable, and labelled so
+            rec["mfu_basis"] = metrics.MFU_BF16_EQUIVALENT
         if self._pred_peak_gib:  # --checkpoint-blocks auto: the memory model's peak for the step
             rec["pred_mem_gib"], self._pred_peak_gib = self._pred_peak_gib, 0.0
         if self._step_ks:  # [k, k_full] per micro-batch (k_full: blocks of those k recomputed whole)
@@ -595,7 +609,7 @@ class Trainer:
             rec["skipped"] = entry
         self.write_log(step, rec)
         if self.engine.monitor.enabled and not entry:
-            self.engine.monitor.write_events(metrics.monitor_events(m, step + 1, lr))
+            self.engine.monitor.write_events(metrics.monitor_events(m, step + 1, lr, fp8))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.bar.update(1)
