@@ -71,7 +71,7 @@ def check_host(memory: dict, tokens: int, n: int, in_bpt: float, setting) -> Non
     raise UserError(f"adaptive_load.activation_offload (--activation-offload) {setting}: a micro-batch of {tokens} "
                     f"tokens per GPU offloads {n} block inputs, {n * buf / 2**30:.2f} GiB of pinned host memory, over "
                     f"the profile's memory.host_bytes_per_rank ({host / 2**30:.2f} GiB); give at most "
-                    f"{int(host // buf)}, or auto with --checkpoint-blocks auto")
+                    f"{int(host // buf)}, or auto (with the block checkpointing on auto)")
 
 
 def pinned_host_bytes(micro_batches, in_bpt: float) -> int:
