@@ -91,7 +91,7 @@ def pack_step(cand, ctx, slots):
 
 def step_rounds(sl, ctx, r, draw, carry, replicate=False):
     """Slots sorted by cost, cut into rounds of R (the slots of one cost level), each round evened out
-    (_even, _shed into `carry` while the stream lasts, _fill_gaps); a round's costliest slot goes to the
+    (even_round, _shed into `carry` while the stream lasts, _fill_gaps); a round's costliest slot goes to the
     least-loaded rank so far (even rank totals too). With `replicate` nothing is shed: a sample given back
     lands alone in the next step, whose rounds its runs would otherwise make exact."""
     order = sorted((k for k in range(len(sl.samples)) if sl.samples[k]), key=sl.load.__getitem__, reverse=True)
@@ -100,7 +100,7 @@ def step_rounds(sl, ctx, r, draw, carry, replicate=False):
     shape = ctx.shape
     for j in range(0, len(order), r):
         rd = order[j:j + r]
-        _even(rd, sl, ctx)
+        even_round(rd, sl, ctx)
         if not draw.done():  # a sample given back must have a next step to go to
             if not replicate:
                 _shed(rd, sl, ctx.shape, carry)
@@ -115,7 +115,7 @@ def step_rounds(sl, ctx, r, draw, carry, replicate=False):
     return step
 
 
-def _even(rd, sl, ctx, passes=8, scan=4, tol=None):
+def even_round(rd, sl, ctx, passes=8, scan=4, tol=None):
     """Local improvement of one round: in each pass every slot above the mean, costliest first, trades with
     one of the `scan` cheapest slots not yet traded with, taking the move of one sample or the swap of two
     that best halves their gap within memory and the compute cap. A round costs its costliest slot; slots
@@ -175,7 +175,7 @@ def _shed(rd, sl, shape, out, tol=None):
     """Slots of a round above its mean (by more than `tol`) give samples back (to `out`, the next step) until
     they are not: each time the cheapest sample that covers the excess, else the costliest. A cost-dense
     slot (a long clip with its company) then no longer sets the round's pace; moving the sample within the
-    step is what _even tried, and memory is what stopped it."""
+    step is what even_round tried, and memory is what stopped it."""
     load, cost, tol = sl.load, sl.cost, EVEN_TOL if tol is None else tol
     level = sum(load[k] for k in rd) / len(rd) * (1 + tol)
     for k in rd:
