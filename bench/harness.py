@@ -126,6 +126,25 @@ def run_child(argv, prefix, env=None):
     return last_json(p.stdout, prefix), p
 
 
+def run_part(argv, prefix, log_path):
+    """run_child, with the child's stdout and stderr kept in log_path (a bench of parts keeps one log per part)."""
+    row, proc = run_child(argv, prefix)
+    with open(log_path, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    return row, proc
+
+
+def save_parts(out, stem, rows, args, record_rows, smoke=False):
+    """The end of a bench of parts: the raw file OUT/STEM-DATE-DEVICE.json (-smoke for a smoke run), the staging
+    rows from record_rows(rows, args, the raw file's name in the repository, env), and a line naming both."""
+    env = environment(gpu=True)
+    tag = "smoke" if smoke else env.get("device", "cpu").replace(" ", "-").lower()
+    raw = os.path.join(out, f"{stem}-{env['date']}-{tag}.json")
+    write_results(raw, rows, meta={"args": vars(args)})
+    csv = record_rows(rows, args, RAW_DIR + os.path.basename(raw), env)
+    print(f"raw rows: {raw}; staging table: {csv}")
+
+
 def comma_choices(ap, flag, value, choices) -> list:
     """A comma list argument's items in the order given, each checked against `choices` (ap.error otherwise)."""
     items = list(dict.fromkeys(value.split(",")))

@@ -251,18 +251,11 @@ def main(argv=None) -> int:
                  "--attention", args.attention, "--peak-tflops", str(args.peak_tflops), "--out", args.out]
         child += (["--smoke"] if args.smoke else []) + (["--no-offload"] if args.no_offload else [])
         child += ["--offload-blocks", str(args.offload_blocks)] if args.offload_blocks is not None else []
-        row, proc = harness.run_child(child, PREFIX)
-        with open(os.path.join(args.out, f"lora-{name}.log"), "w") as f:
-            f.write(proc.stdout + proc.stderr)
+        row, proc = harness.run_part(child, PREFIX, os.path.join(args.out, f"lora-{name}.log"))
         rows.append(row or {"part": name, "doc": PARTS[name]["doc"], "model": PARTS[name]["model"], "steps": 0,
                             "status": "crash", "step_s": [], "error": proc.stderr.strip().splitlines()[-1:]})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "step_s"}), flush=True)
-    env = harness.environment(gpu=True)
-    tag = "smoke" if args.smoke else env.get("device", "cpu").replace(" ", "-").lower()
-    raw = os.path.join(args.out, f"lora-{env['date']}-{tag}.json")
-    harness.write_results(raw, rows, meta={"args": vars(args)})
-    csv = record_rows(rows, args, "bench/results/" + os.path.basename(raw), env)
-    print(f"raw rows: {raw}; staging table: {csv}")
+    harness.save_parts(args.out, "lora", rows, args, record_rows, args.smoke)
     return 0
 
 

@@ -365,9 +365,8 @@ def main(argv=None) -> int:
     t_end, rows = time.monotonic() + args.budget_s, []
     for i, name in enumerate(parts):
         share = (t_end - time.monotonic()) / (len(parts) - i)
-        row, proc = harness.run_child(child_argv(name, args, share - 10), PREFIX)
-        with open(os.path.join(args.out, f"fp8-{name}.log"), "w") as f:
-            f.write(proc.stdout + proc.stderr)
+        row, proc = harness.run_part(child_argv(name, args, share - 10), PREFIX,
+                                     os.path.join(args.out, f"fp8-{name}.log"))
         rows.append(row or {"part": name, "fp8": PARTS[name]["fp8"], "status": "crash", "shapes": {},
                             "num_layers": args.num_layers, "error": " ".join(proc.stderr.strip().splitlines()[-1:])})
         with open(os.path.join(args.out, f"fp8-{name}.json"), "w") as f:
@@ -381,13 +380,8 @@ def main(argv=None) -> int:
     elif any(PARTS[r["part"]]["kind"] == "numerics" for r in rows):
         print("no verdict: it needs bf16 s0, bf16 s1 and fp8 s0 with the same number of steps (a run cut short by "
               "the budget: fewer --steps or --num-layers)", flush=True)
-    env = harness.environment(gpu=True)
-    tag = "smoke" if args.smoke else env.get("device", "cpu").replace(" ", "-").lower()
     kinds = "-".join(dict.fromkeys(PARTS[p]["kind"] for p in parts))  # speed and numerics runs: files of their own
-    raw = os.path.join(args.out, f"fp8-{kinds}-{env['date']}-{tag}.json")
-    harness.write_results(raw, rows, meta={"args": vars(args)})
-    csv = record_rows(rows, args, "bench/results/" + os.path.basename(raw), env)
-    print(f"raw rows: {raw}; staging table: {csv}")
+    harness.save_parts(args.out, f"fp8-{kinds}", rows, args, record_rows, args.smoke)
     return 0
 
 
