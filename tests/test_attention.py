@@ -27,13 +27,39 @@ def test_resolve_rejects_unknown_and_unrunnable(monkeypatch):
     assert attention.resolve_attention("auto")[0] == "sdpa"
 
 
-@pytest.mark.parametrize("major, expected", [(9, "fa4"), (8, "sdpa"), (10, "sdpa")])
-def test_auto_takes_fa4_on_hopper_only(monkeypatch, major, expected):
+@pytest.mark.parametrize("fa4_ms, expected", [(90.0, "fa4"), (98.5, "sdpa"), (120.0, "sdpa")])
+def test_auto_takes_the_kernels_that_measure_faster(monkeypatch, fa4_ms, expected):
+    """auto times both where FA4 runs, once per process and head shape; FA4 only where >= 2% faster."""
+    calls = []
+
+    def probe(device, heads, head_dim):
+        calls.append((heads, head_dim))
+        return {"sdpa": 100.0, "fa4": fa4_ms}
+
     monkeypatch.setattr(attention, "fa4_unavailable", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
-    name, fn = attention.resolve_attention("auto")
-    assert name == expected
-    assert fn is (attention.fa4_attention if expected == "fa4" else wan.sdpa_attention)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"Test GPU {fa4_ms}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention, "_PROBED", {})
+    for _ in range(2):
+        name, fn = attention.resolve_attention("auto", torch.device("cpu"), 40, 128, probe=probe)
+        assert name == expected
+        assert fn is (attention.fa4_attention if expected == "fa4" else wan.sdpa_attention)
+    assert calls == [(40, 128)]
+    assert attention.probed(None, 40, 128) == {"sdpa": 100.0, "fa4": fa4_ms}
+    assert attention.probed(None, 12, 128) is None
+
+
+def test_auto_is_agreed_over_ranks():
+    """The ranks' summed times choose for all; a rank where FA4 cannot run makes it sdpa everywhere."""
+    ranks = [{"sdpa": 100.0, "fa4": 99.0}, {"sdpa": 100.0, "fa4": 90.0}]  # rank 0 alone would keep sdpa
+    total = lambda v: [sum(x) for x in zip(*([1, 1e3 * t["sdpa"], 1e3 * t["fa4"]] for t in ranks))]  # noqa: E731
+    name, fn, how = attention.agreed(ranks[0], 2, total)
+    assert (name, fn) == ("fa4", attention.fa4_attention)
+    assert "summed over 2 ranks: sdpa 200.0 ms, fa4 189.0 ms" in how
+    assert attention.faster(ranks[0]) == "sdpa"
+    name, fn, how = attention.agreed(ranks[0], 3, total)  # a third rank reported nothing: no FA4 there
+    assert (name, fn) == ("sdpa", wan.sdpa_attention)
+    assert "cannot run on 1 of 3 ranks" in how
 
 
 @pytest.fixture

@@ -96,7 +96,7 @@ def run(args) -> int:
         from ds_adaptiveload.model.attention import resolve_attention
 
         # auto -> the kernels that will run, so meta.attention names them (the trainer compares it with its own)
-        args.attention = resolve_attention(args.attention)[0]
+        args.attention = resolve_attention(args.attention, None, cfg.num_heads, cfg.head_dim)[0]
         prof = measure_profile(cfg, ds, args, shapes, heldout)
         if prof is None:  # not rank 0 of a multi-rank calibration
             return 0

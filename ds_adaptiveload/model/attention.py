@@ -1,11 +1,14 @@
 """The self-attention core's backends: torch SDPA (cuDNN on Hopper by default) or FlashAttention-4 (the optional
-`flash-attn-4` package, CuTe DSL kernels), chosen by --attention sdpa | fa4 | auto.
+`flash-attn-4` package, CuTe DSL kernels), chosen by --attention sdpa | fa4 | auto (the faster of the two when
+timed on this GPU).
 
 On an H200 FA4 ran the model's self-attention 11-17% faster than SDPA's cuDNN backend, forward+backward, at equal
 error against an fp32 reference (bench/model/attn_backends.py, docs/history/benchmarks.md). FA4 is called as two torch
 custom ops (forward and backward) so that selective checkpointing's policies can keep its output like SDPA's
 (model/wan._SAVED_ATTENTION_OPS) and torch.compile traces a block through it without a graph break.
 """
+import math
+import time
 from typing import Optional
 
 import torch
@@ -15,8 +18,12 @@ from ds_adaptiveload.errors import UserError
 from ds_adaptiveload.model.config import ATTENTION_BACKENDS
 
 _HALF = (torch.float16, torch.bfloat16)  # the dtypes FA4 takes
-# auto takes FA4 on these compute capabilities only: where it was measured against cuDNN (Hopper, the H200)
-AUTO_FA4_MAJORS = (9,)
+# auto times both kernels, forward+backward, at one 480p 81-frame clip's sequence (most of a video mix's attention
+# FLOPs are in sequences this long or longer), and takes FA4 only where it is at least AUTO_MARGIN faster: in a near
+# tie the default kernels stay, and ranks whose timings differ by noise still agree (the trainer sums their times).
+PROBE_TOKENS = 32760
+AUTO_MARGIN = 0.02
+_PROBED = {}  # (device name, heads, head_dim) -> {"sdpa": ms, "fa4": ms}, measured once per process
 
 
 def _interface():
@@ -114,9 +121,44 @@ def fa4_unavailable() -> Optional[str]:
     return None
 
 
-def resolve_attention(name: str, device: Optional[torch.device] = None):
+def time_backends(device, heads: int, head_dim: int, tokens: int = PROBE_TOKENS, reps: int = 3) -> dict:
+    """{"sdpa": ms, "fa4": ms}: one forward+backward of self-attention over [1, tokens, heads, head_dim] bf16 on
+    `device`, the best of `reps` after a warm-up call (FA4's first call compiles its kernels)."""
+    from ds_adaptiveload.model.wan import sdpa_attention
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, tokens, heads, head_dim, device=device, dtype=torch.bfloat16, generator=g,
+                           requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, tokens, heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)
+    times = {}
+    for name, fn in (("sdpa", sdpa_attention), ("fa4", fa4_attention)):
+        best = math.inf
+        for i in range(reps + 1):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn(q, k, v).backward(dout)
+            torch.cuda.synchronize(device)
+            best = min(best, (time.perf_counter() - t0) * 1e3) if i else best
+        times[name] = round(best, 3)
+    return times
+
+
+def faster(times: dict) -> str:
+    """The backend auto takes from measured {"sdpa": ms, "fa4": ms}: fa4 where it is at least AUTO_MARGIN faster."""
+    return "fa4" if times["fa4"] < (1 - AUTO_MARGIN) * times["sdpa"] else "sdpa"
+
+
+def probed(device=None, heads: int = 12, head_dim: int = 128) -> Optional[dict]:
+    """The times auto measured in this process for this device and head shape (None: it measured none)."""
+    name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
+    return _PROBED.get((name, heads, head_dim))
+
+
+def resolve_attention(name: str, device: Optional[torch.device] = None, heads: int = 12, head_dim: int = 128,
+                      probe=time_backends):
     """(backend name, attention core) for --attention `name`: sdpa; fa4 (a UserError where it cannot run); auto:
-    fa4 on a GPU of compute capability 9.x with the package installed, else sdpa."""
+    where FA4 can run, whichever of the two measures faster (`probe`, once per process, at the model's `heads` and
+    `head_dim`: probed() returns the times), else sdpa."""
     from ds_adaptiveload.model.wan import sdpa_attention
 
     if name not in ATTENTION_BACKENDS:
@@ -128,6 +170,28 @@ def resolve_attention(name: str, device: Optional[torch.device] = None):
         if why:
             raise UserError(f"--attention fa4: FlashAttention-4 cannot run here: {why}")
         return "fa4", fa4_attention
-    if why is None and torch.cuda.get_device_capability(device)[0] in AUTO_FA4_MAJORS:
-        return "fa4", fa4_attention
-    return "sdpa", sdpa_attention
+    if why is not None:
+        return "sdpa", sdpa_attention
+    key = (torch.cuda.get_device_name(device), heads, head_dim)
+    if key not in _PROBED:
+        _PROBED[key] = probe(device if device is not None else torch.device("cuda"), heads, head_dim)
+    return pick(faster(_PROBED[key]))
+
+
+def pick(name: str):
+    """(name, core) of a backend that can run here: sdpa or fa4."""
+    from ds_adaptiveload.model.wan import sdpa_attention
+
+    return (name, fa4_attention) if name == "fa4" else (name, sdpa_attention)
+
+
+def agreed(times: Optional[dict], world: int, sum_over_ranks):
+    """(name, core, what it was chosen from) for every rank of an --attention auto run: `times`, this rank's
+    probed() times (None where FA4 cannot run), summed over the ranks by `sum_over_ranks` (a collective every rank
+    calls); sdpa for all where FA4 cannot run on some rank."""
+    n, sdpa_us, fa4_us = sum_over_ranks([1, 1e3 * times["sdpa"], 1e3 * times["fa4"]] if times else [0, 0, 0])
+    if n < world:
+        return (*pick("sdpa"), f"; FlashAttention-4 cannot run on {world - n} of {world} ranks")
+    how = (f"; forward+backward at {PROBE_TOKENS:,} tokens, summed over {world} ranks: sdpa {sdpa_us / 1e3:.1f} ms, "
+           f"fa4 {fa4_us / 1e3:.1f} ms")
+    return (*pick(faster({"sdpa": sdpa_us, "fa4": fa4_us})), how)

@@ -18,7 +18,7 @@ def read_config(args, world, rank, device=None):
     from types import SimpleNamespace
 
     from ds_adaptiveload.model import WanConfig
-    from ds_adaptiveload.model.attention import resolve_attention
+    from ds_adaptiveload.model.attention import probed, resolve_attention
     from ds_adaptiveload.model.fp8 import check_fp8
     from ds_adaptiveload.schedule.profile import CostProfile
     from ds_adaptiveload.train import config, faults, sp
@@ -61,7 +61,8 @@ def read_config(args, world, rank, device=None):
     profile, moved = profile_for_run(CostProfile.load(path), stage, dims, path, gpu, lora)  # every rank: the same plan
     lines += moved
     lines += compile_mismatch(profile, getattr(args, "compile_blocks", None), path)
-    attention, core = resolve_attention(getattr(args, "attention", "sdpa"))  # fa4 where it cannot run: agreed here
+    attention, core = resolve_attention(getattr(args, "attention", "sdpa"), device, model_cfg.num_heads,
+                                        model_cfg.head_dim)  # fa4 where it cannot run: agreed here
     lines += attention_mismatch(profile, attention, path)
     fault = faults.Faults(args.fault, rank)
     for line in lines if rank == 0 else ():  # the profile chosen, moved: info; calibrated unlike this run: warning
@@ -72,7 +73,7 @@ def read_config(args, world, rank, device=None):
                     f"(config had { {k: o for k, (o, _) in changed.items()} })")
     return SimpleNamespace(ds_cfg=ds_cfg, al=al, dims=dims, G=ds_cfg["gradient_accumulation_steps"],
                            model_cfg=model_cfg, profile=profile, fault=fault, attention=attention,
-                           attention_core=core)
+                           attention_core=core, attention_times=probed(device, model_cfg.num_heads, model_cfg.head_dim))
 
 
 def profile_for_run(profile, stage: int, dims, source: str = "profile", gpu=None, lora=None):

@@ -111,10 +111,15 @@ class Trainer:
                 logger.info(f"[train_wan] LoRA rank {self.al.lora.rank} on {', '.join(self.al.lora.modules())}: "
                             f"{trainable:,} trainable parameters")
         self.convert_fp8(model)
-        self.attention = c.attention
+        self.attention, core, how, flag = c.attention, c.attention_core, "", getattr(args, "attention", "sdpa")
+        if flag == "auto" and self.device.type == "cuda":  # every rank: the choice is agreed by an all-reduce
+            from ds_adaptiveload.model.attention import agreed
+
+            self.attention, core, how = agreed(c.attention_times, self.world,
+                                               lambda v: failures.sum_over_ranks(v, self.device))
         if self.rank == 0:
-            logger.info(f"[train_wan] attention: {self.attention} (--attention {getattr(args, 'attention', 'sdpa')})")
-        self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads, c.attention_core)
+            logger.info(f"[train_wan] attention: {self.attention} (--attention {flag}{how})")
+        self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads, core)
         if getattr(args, "compile_blocks", False):
             self.apply_block_compile(model)
         return model
