@@ -134,6 +134,14 @@ def run_part(argv, prefix, log_path):
     return row, proc
 
 
+def last_error(stderr: str) -> str:
+    """The exception line of a crashed child's stderr (`[rank0]: RuntimeError: ...` without the rank prefix): the
+    last line naming an Error or Exception, else the last line (a warning printed at exit may come after it)."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln).strip() for ln in stderr.strip().splitlines()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln)]
+    return (errors or lines or [""])[-1]
+
+
 def save_parts(out, stem, rows, args, record_rows, smoke=False):
     """The end of a bench of parts: the raw file OUT/STEM-DATE-DEVICE.json (-smoke for a smoke run), the staging
     rows from record_rows(rows, args, the raw file's name in the repository, env), and a line naming both."""

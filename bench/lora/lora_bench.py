@@ -253,7 +253,7 @@ def main(argv=None) -> int:
         child += ["--offload-blocks", str(args.offload_blocks)] if args.offload_blocks is not None else []
         row, proc = harness.run_part(child, PREFIX, os.path.join(args.out, f"lora-{name}.log"))
         rows.append(row or {"part": name, "doc": PARTS[name]["doc"], "model": PARTS[name]["model"], "steps": 0,
-                            "status": "crash", "step_s": [], "error": proc.stderr.strip().splitlines()[-1:]})
+                            "status": "crash", "step_s": [], "error": harness.last_error(proc.stderr)})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "step_s"}), flush=True)
     harness.save_parts(args.out, "lora", rows, args, record_rows, args.smoke)
     return 0

@@ -279,6 +279,10 @@ def speed_rows(by, common, csv):
         if a and b:
             harness.record(csv, metric="step time, fp8 vs bf16", unit="ms", value=b, baseline=a,
                            **dict(common, variant=f"fp8 linear vs bf16, {sname}", note="baseline: bf16"))
+        elif a and (f8 or {}).get("status") == "crash":  # the fp8 run died before any shape: a crash, said so
+            harness.record(csv, metric="step time, fp8 vs bf16", unit="ms", value=None, baseline=a, status="crash",
+                           **dict(common, variant=f"fp8 linear vs bf16, {sname}",
+                                  note=f"baseline: bf16; the fp8 run crashed: {f8.get('error', '')}"))
 
 
 def numerics_rows(by, common, csv):
@@ -368,7 +372,7 @@ def main(argv=None) -> int:
         row, proc = harness.run_part(child_argv(name, args, share - 10), PREFIX,
                                      os.path.join(args.out, f"fp8-{name}.log"))
         rows.append(row or {"part": name, "fp8": PARTS[name]["fp8"], "status": "crash", "shapes": {},
-                            "num_layers": args.num_layers, "error": " ".join(proc.stderr.strip().splitlines()[-1:])})
+                            "num_layers": args.num_layers, "error": harness.last_error(proc.stderr)})
         with open(os.path.join(args.out, f"fp8-{name}.json"), "w") as f:
             json.dump(rows[-1], f)
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "losses"}), flush=True)
