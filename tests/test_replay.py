@@ -73,7 +73,7 @@ def test_predicted_side_is_the_planners_and_measured_side_is_recomputed(tiny_rep
                     assert fixed + sum(rank) == pytest.approx(p["planned_rank_ms"][s][r])
                 assert fixed + rounds == pytest.approx(p["planned_wall_ms"][s])
                 assert p["predicted"]["wall_ms"][s] == pytest.approx(p["planned_wall_ms"][s])
-            measured, opt = p["measured_ms"][0], p["optimizer_ms"]
+            measured, opt = replay.best_of(p["measured_ms"]), p["optimizer_ms"]
             walls = [o + sum(max(rank[g] for rank in step) for g in range(run["grad_accum"]))
                      for step, o in zip(measured, opt)]
             assert p["measured"]["wall_ms"] == pytest.approx(walls)
@@ -85,6 +85,23 @@ def test_predicted_side_is_the_planners_and_measured_side_is_recomputed(tiny_rep
             assert by["equal-tokens"][side]["speedup_over_equal_tokens"] == 1.0
             assert by["packed"][side]["speedup_over_equal_tokens"] == pytest.approx(
                 by["equal-tokens"][side]["epoch_wall_s"] / by["packed"][side]["epoch_wall_s"])
+
+
+def test_best_of_takes_each_micro_batch_least_time_and_rescore_repeats_the_numbers(tiny_replay):
+    runs = [[[[5.0, 1.0], [2.0, 9.0]]], [[[4.0, 3.0], [2.5, 1.0]]]]  # 2 repeats of 1 step, 2 ranks, G = 2
+    assert replay.best_of(runs) == [[[4.0, 1.0], [2.0, 1.0]]]
+    doc = json.loads(json.dumps(tiny_replay))
+    for run in doc["runs"]:
+        for p in run["policies"]:
+            p["measured"] = p["predicted"] = p["measured_over_predicted"] = None  # computed again from the times
+    replay.rescore(doc)
+    for got, want in zip(doc["runs"], tiny_replay["runs"]):
+        for p, q in zip(got["policies"], want["policies"]):
+            assert p["measured_over_predicted"] == pytest.approx(q["measured_over_predicted"])
+            for side in ("measured", "predicted"):
+                assert p[side]["wall_ms"] == pytest.approx(q[side]["wall_ms"]), (p["policy"], side)
+                for key in ("idle_fraction", "epoch_wall_s", "speedup_over_equal_tokens"):
+                    assert p[side][key] == pytest.approx(q[side][key]), (p["policy"], side, key)
 
 
 def test_a_spent_deadline_stops_after_the_first_step_and_repeats_the_same_micro_batches(monkeypatch):
@@ -116,10 +133,14 @@ def test_record_rows_pass_the_results_table_checks(tiny_replay, tmp_path):
     for run in tiny_replay["runs"]:  # the rows a GPU run writes (hardware named as it would be)
         replay.record_rows(run, "bench/results/replay-x.json", staging, "1x H100 80GB", "python3 bench/e2e/replay.py")
     rows = harness.read_results(staging)  # record() checked each row as a staging table takes it
-    # per (W, G) and policy: idle and speed-up, measured and predicted, and the measured/predicted median
-    assert len(rows) == len(tiny_replay["runs"]) * 2 * 5
+    # per (W, G) and policy: idle and speed-up, measured and predicted, the measured/predicted median and the
+    # run-to-run difference (--repeat 2)
+    assert len(rows) == len(tiny_replay["runs"]) * 2 * 6
     run = tiny_replay["runs"][1]
     packed = next(p for p in run["policies"] if p["policy"] == "packed")
     idle = next(r for r in rows if r["variant"] == "packed" and r["metric"] == "idle" and "G=2" in r["experiment"])
-    assert float(idle["value"]) == pytest.approx(100 * packed["measured"]["idle_fraction"])
-    assert idle["section"] == "replay" and idle["status"] == "ok"
+    assert float(idle["value"]) == pytest.approx(100 * packed["measured"]["idle_fraction"], abs=0.005)
+    assert idle["section"] == "replay" and idle["status"] == "ok" and idle["better"] == "lower"
+    noise = next(r for r in rows if r["variant"] == "packed" and r["metric"].startswith("run-to-run")
+                 and "G=2" in r["experiment"])
+    assert float(noise["value"]) == pytest.approx(100 * packed["run_to_run"]["p50"], abs=0.005)

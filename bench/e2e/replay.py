@@ -12,6 +12,7 @@ step, timed apart from the micro-batches (the measured "fixed" part of a step, b
         --checkpoint-policy attention --repeat 2 --out OUT
     python bench/e2e/replay.py --deepspeed_config configs/ds_tiny_cpu.json --model-config configs/wan_tiny.yaml \\
         --mix tiny --samples 64 --ranks 4:2 --grad-accum 1,2 --repeat 2 --out /tmp/replay     # CPU mechanics
+    python bench/e2e/replay.py --rescore bench/results/replay-2026-12-07-video-heavy-h100.json --out /tmp/rescored
 """
 import argparse
 import dataclasses
@@ -19,7 +20,9 @@ import datetime
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,6 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
+MEASURED_AS = "each micro-batch's least time over the --repeat runs (best_of)"
 BASELINE = "equal-tokens"
 
 
@@ -71,25 +75,51 @@ def chosen_steps(n_steps, sample, seed):
     return sorted(random.Random(f"replay/{seed}").sample(range(n_steps), sample))
 
 
-def summarize(plan, steps, measured, opt_ms):
-    """One policy's numbers: the measured and predicted lockstep of the run steps (predicted: the plan's own
-    micro_batch_ms and the profile's fixed ms), the epoch wall scaled from the run steps to all, mix_tv of the plan (by
-    sample count: no time enters it) and the distribution of measured / predicted per micro-batch."""
-    from ds_adaptiveload.schedule.planner import mix_tv
+def best_of(runs):
+    """Per micro-batch, the least of its times over the repeats (runs[rep][step][rank][g]): the first run of a
+    micro-batch whose shape no earlier one had includes compiling the regions for it (4.7 s more than its repeat on
+    the H100, 2026-12-07), which a training run pays once and a replay of a few steps would count as imbalance."""
+    return [[[min(ts) for ts in zip(*ranks)] for ranks in zip(*steps)] for steps in zip(*runs)]
 
-    pred_costs = [plan.micro_batch_ms(s) for s in steps]
-    fixed = [plan.pred_ms[s][0] - sum(plan.micro_batch_ms(s)[0]) for s in steps]  # the profile's step_fixed_ms
-    pred = lockstep(pred_costs, fixed)
-    meas = lockstep(measured, opt_ms)
-    scale = len(plan.steps) / len(steps)
+
+def score(pred_costs, fixed, measured, opt_ms, n_planned):
+    """The measured and predicted lockstep of the run steps (predicted: the plan's micro-batch costs and the profile's
+    fixed ms per step), the epoch wall scaled from the run steps to all n_planned, and the distribution of measured /
+    predicted per micro-batch."""
+    pred, meas = lockstep(pred_costs, fixed), lockstep(measured, opt_ms)
+    scale = n_planned / len(measured)
     ratios = [m / p for ms, ps in zip(measured, pred_costs) for mr, pr in zip(ms, ps) for m, p in zip(mr, pr) if p]
-    return {"policy": plan.config.policy, "steps_planned": len(plan.steps), "steps_run": len(steps),
-            "micro_batches_run": sum(len(r) for st in measured for r in st), "mix_tv": mix_tv(plan),
-            "measured": {"idle_fraction": meas["idle_fraction"], "epoch_wall_s": sum(meas["wall_ms"]) * scale / 1000,
+    return {"measured": {"idle_fraction": meas["idle_fraction"], "epoch_wall_s": sum(meas["wall_ms"]) * scale / 1000,
                          "wall_ms": meas["wall_ms"]},
             "predicted": {"idle_fraction": pred["idle_fraction"], "epoch_wall_s": sum(pred["wall_ms"]) * scale / 1000,
                           "wall_ms": pred["wall_ms"]},
             "measured_over_predicted": quantiles(ratios)}
+
+
+def summarize(plan, steps, runs, opt_ms):
+    """One policy's numbers (score's) from its runs[rep][step][rank][g] (best_of over the repeats), with mix_tv of
+    the plan (by sample count: no time enters it)."""
+    from ds_adaptiveload.schedule.planner import mix_tv
+
+    pred_costs = [plan.micro_batch_ms(s) for s in steps]
+    fixed = [plan.pred_ms[s][0] - sum(plan.micro_batch_ms(s)[0]) for s in steps]  # the profile's step_fixed_ms
+    measured = best_of(runs)
+    return {"policy": plan.config.policy, "steps_planned": len(plan.steps), "steps_run": len(steps),
+            "micro_batches_run": sum(len(r) for st in measured for r in st), "mix_tv": mix_tv(plan),
+            **score(pred_costs, fixed, measured, opt_ms, len(plan.steps))}
+
+
+def rescore(doc):
+    """A raw file's numbers computed again from the times it holds (no device): score and speedups of every
+    policy of every run, in place; returns doc."""
+    for run in doc["runs"]:
+        for p in run["policies"]:
+            fixed = [ranks[0] - sum(pc[0]) for ranks, pc in zip(p["planned_rank_ms"], p["predicted_ms"])]
+            p.update(score(p["predicted_ms"], fixed, best_of(p["measured_ms"]), p["optimizer_ms"],
+                           p["steps_planned"]))
+        speedups(run["policies"])
+    doc["measured_as"] = MEASURED_AS
+    return doc
 
 
 def speedups(policies):
@@ -267,7 +297,7 @@ def replay(trainer, args, ranks, sample_steps, grad_accum):
         t0 = time.perf_counter()
         deadline = time.monotonic() + args.policy_s if args.policy_s else None
         runs, opt, peaks, executed, steps = replay_policy(trainer, plan, steps, args.repeat, deadline)
-        doc = summarize(plan, steps, runs[0], opt)
+        doc = summarize(plan, steps, runs, opt)
         doc.update(run_s=time.perf_counter() - t0, steps=steps, optimizer_ms=opt, measured_ms=runs, peak_gib=peaks,
                    predicted_ms=[plan.micro_batch_ms(s) for s in steps], executed=executed, run_to_run=spread(runs),
                    planned=[plan.steps[s] for s in steps], planned_wall_ms=[plan.pred_wall_ms[s] for s in steps],
@@ -287,7 +317,7 @@ def document(trainer, args, runs):
     import harness
 
     return {"what": __doc__.split("\n")[0], "env": harness.environment(), "argv": sys.argv, "mix": args.mix,
-            "samples": args.samples, "repeat": args.repeat, "profile": trainer.profile.meta,
+            "samples": args.samples, "repeat": args.repeat, "measured_as": MEASURED_AS, "profile": trainer.profile.meta,
             "communication": f"not measured (one device): excluded from every time here; each run gives a predicted "
                              f"ring reduce-scatter / all-gather of the bf16 parameter bytes at an assumed "
                              f"{args.bus_gbps} GB/s (--bus-gbps)",
@@ -306,16 +336,24 @@ def record_rows(run, raw, staging, hardware, command):
     for p in run["policies"]:
         common = dict(experiment=exp, variant=p["policy"], hardware=hardware, section="replay", zero_stage=2,
                       policy=p["policy"], model="wan 1.3b", command=command, raw_file=raw)
-        note = f"{p['steps_run']} of {p['steps_planned']} steps; communication excluded"
+        note = (f"{p['steps_run']} of {p['steps_planned']} steps, each micro-batch's best of "
+                f"{len(p['measured_ms'])} runs; communication excluded")
         for status, side in (("ok", "measured"), ("predicted", "predicted")):
-            harness.record(staging, metric="idle", unit="%", value=100 * p[side]["idle_fraction"], status=status,
-                           note=note, **common)
+            harness.record(staging, metric="idle", unit="%", value=round(100 * p[side]["idle_fraction"], 2),
+                           status=status, note=note, better="lower", **common)
             if "speedup_over_equal_tokens" in p[side]:
                 harness.record(staging, metric="speed-up over equal-tokens", unit="x", status=status, note=note,
-                               value=p[side]["speedup_over_equal_tokens"], **common)
+                               value=round(p[side]["speedup_over_equal_tokens"], 3), **common)
         q = p["measured_over_predicted"]
-        harness.record(staging, metric="measured / predicted micro-batch time, median", unit="x", value=q["p50"],
+        harness.record(staging, metric="measured / predicted micro-batch time, median", unit="x",
+                       value=round(q["p50"], 3),
                        note=f"p5 {q['p5']:.3f}, p95 {q['p95']:.3f}, max {q['max']:.3f}", **common)
+        if p.get("run_to_run"):  # the noise check: the same micro-batches run again
+            n = p["run_to_run"]
+            harness.record(staging, metric="run-to-run difference per micro-batch, median", unit="%",
+                           value=round(100 * n["p50"], 2), better="lower", **common,
+                           note=f"p95 {100 * n['p95']:.2f}%, max {100 * n['max']:.2f}% (the first run of a shape "
+                                f"includes its compile)")
 
 
 def rank_list(text):
@@ -372,6 +410,9 @@ def parse_args(argv=None):
                     help="the trainer's --checkpoint-policy (the README's ZeRO-2 command: attention)")
     ap.add_argument("--compile-blocks", nargs="?", const="auto", default=None, help="the trainer's --compile-blocks")
     ap.add_argument("--out", required=True, help="folder of the raw JSON (and the staging CSV with --record)")
+    ap.add_argument("--work", help="folder of the synthetic data (default: replay-work in the temporary folder)")
+    ap.add_argument("--rescore", metavar="RAW", help="compute a raw file's numbers again from its times and print "
+                    "them (no device); with --record, its rows too")
     ap.add_argument("--record", metavar="CSV", help="record results rows into this staging table (GPU runs only)")
     args = ap.parse_args(argv)
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -379,7 +420,8 @@ def parse_args(argv=None):
     if bad:
         raise UserError(f"--policies {','.join(bad)}: not a policy; choose from {', '.join(REGISTRY)}")
     args.ranks, args.grad_accum = rank_list(args.ranks), int_list(args.grad_accum, "--grad-accum")
-    args.work = os.path.join(args.out, "work")
+    # the synthetic shards (120 MB for 2,000 video-heavy samples) are not results: outside --out
+    args.keep_work = bool(args.work)
     args.policy_s = None
     return args
 
@@ -389,6 +431,8 @@ def main(argv=None):
 
     try:
         args = parse_args(argv)
+        if args.rescore:
+            return rescore_file(args)
         if args.record:
             import torch
 
@@ -398,6 +442,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
+    args.work = args.work or tempfile.mkdtemp(prefix="replay-work-")
     t0 = time.monotonic()
     trainer = build_trainer(args)
     if args.budget_s:  # what setup (model build, first compile) left, shared equally
@@ -420,6 +465,36 @@ def main(argv=None):
             print(f"wrote {raw}; communication excluded: predicted reduce-scatter "
                   f"{comm['reduce_scatter_ms_per_micro_batch']:.1f} ms per micro-batch at W={w}, {args.bus_gbps} "
                   f"GB/s (assumed)", flush=True)
+    if not args.keep_work:
+        shutil.rmtree(args.work, ignore_errors=True)
+    return 0
+
+
+def rescore_file(args):
+    """--rescore RAW: the raw file's numbers computed again (rescore) into OUT/<its name>, printed, and recorded
+    with --record under the command that measured them."""
+    from ds_adaptiveload.errors import UserError
+
+    try:
+        with open(args.rescore) as f:
+            doc = rescore(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--rescore {args.rescore}: not a replay raw file ({type(e).__name__}: {e})")
+    os.makedirs(args.out, exist_ok=True)
+    name = os.path.basename(args.rescore)
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(doc, f, indent=1)
+    for run in doc["runs"]:
+        for p in run["policies"]:
+            print(f"{p['policy']:13s} W={run['ranks']} G={run['grad_accum']}: idle measured "
+                  f"{p['measured']['idle_fraction']:.4f} predicted {p['predicted']['idle_fraction']:.4f}; speed-up "
+                  f"over equal-tokens measured {p['measured'].get('speedup_over_equal_tokens', 0):.3f} predicted "
+                  f"{p['predicted'].get('speedup_over_equal_tokens', 0):.3f}")
+        if args.record:
+            from shipped_configs import hardware
+
+            record_rows(run, f"bench/results/{name}", args.record, hardware(doc["env"]["device"]),
+                        " ".join(["python3", *doc["argv"]]))
     return 0
 
 
