@@ -14,9 +14,10 @@ PASSES = 2
 # uneven class.
 ROUND_PEERS = 32
 # No swaps where the steps' mean distance from the epoch's class shares is at most this: at six clips of memory
-# steps already hold thousands of samples near the epoch's shares (mix_tv 0.000-0.020), and the search took a fifth
-# of the planning time (1M openvid-720p samples, 1024 ranks, G = 1: 3.4 of 16.4 s of CPU).
-MIX_ABOVE = 0.02
+# steps already hold thousands of samples near the epoch's shares, and the search took a fifth of the planning time
+# (1M openvid-720p samples, 1024 ranks, G = 1: 3.4 of 16.4 s of CPU). 0.02 left two cases above random dealing's
+# 0.010-0.017 (openvid-720p, 1024 ranks, five and six clips, G = 4).
+MIX_ABOVE = 0.005
 
 
 def even_mix(steps, ctx, r, g):
