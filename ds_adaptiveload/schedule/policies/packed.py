@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 
 from ds_adaptiveload.schedule.policies.common import Ctx
+from ds_adaptiveload.schedule.policies.packed_mix import even_mix
 from ds_adaptiveload.schedule.policies.packed_redeal import refine
 from ds_adaptiveload.schedule.policies.packed_slots import pack_step, sample_cols, step_rounds
 from ds_adaptiveload.schedule.policies.packed_stream import Drawer, epoch_stream, light_sums, slot_units
@@ -141,7 +142,7 @@ def packed_steps(keep, ctx: PackedCtx, rng):
         cand = draw.step(carry, (len(steps) + 1) * per_step)
         sl, carry = pack_step(cand, ctx, slots)
         steps.append(step_rounds(sl, ctx, r, draw, carry, replicate))
-    return refine(steps, ctx, r, g)
+    return even_mix(refine(steps, ctx, r, g), ctx, r, g)
 
 
 def _target(keep, ctx, fill):
