@@ -75,6 +75,12 @@ def chosen_steps(n_steps, sample, seed):
     return sorted(random.Random(f"replay/{seed}").sample(range(n_steps), sample))
 
 
+def step_fixed(rank_ms, costs):
+    """Per step, the profile's fixed ms (step_fixed_ms): a rank's predicted step total less its micro-batches' costs
+    (rank_ms[step][rank], costs[step][rank][g])."""
+    return [ranks[0] - sum(pc[0]) for ranks, pc in zip(rank_ms, costs)]
+
+
 def best_of(runs):
     """Per micro-batch, the least of its times over the repeats (runs[rep][step][rank][g]): the first run of a
     micro-batch whose shape no earlier one had includes compiling the regions for it (4.7 s more than its repeat on
@@ -102,7 +108,7 @@ def summarize(plan, steps, runs, opt_ms):
     from ds_adaptiveload.schedule.planner import mix_tv
 
     pred_costs = [plan.micro_batch_ms(s) for s in steps]
-    fixed = [plan.pred_ms[s][0] - sum(plan.micro_batch_ms(s)[0]) for s in steps]  # the profile's step_fixed_ms
+    fixed = step_fixed([plan.pred_ms[s] for s in steps], pred_costs)
     measured = best_of(runs)
     return {"policy": plan.config.policy, "steps_planned": len(plan.steps), "steps_run": len(steps),
             "micro_batches_run": sum(len(r) for st in measured for r in st), "mix_tv": mix_tv(plan),
@@ -114,7 +120,7 @@ def rescore(doc):
     policy of every run, in place; returns doc."""
     for run in doc["runs"]:
         for p in run["policies"]:
-            fixed = [ranks[0] - sum(pc[0]) for ranks, pc in zip(p["planned_rank_ms"], p["predicted_ms"])]
+            fixed = step_fixed(p["planned_rank_ms"], p["predicted_ms"])
             p.update(score(p["predicted_ms"], fixed, best_of(p["measured_ms"]), p["optimizer_ms"],
                            p["steps_planned"]))
         speedups(run["policies"])

@@ -148,10 +148,14 @@ def faster(times: dict) -> str:
     return "fa4" if times["fa4"] < (1 - AUTO_MARGIN) * times["sdpa"] else "sdpa"
 
 
+def _probe_key(device, heads: int, head_dim: int) -> tuple:
+    """_PROBED's key: the GPU's name and the head shape ("cpu" where there is no GPU: nothing is probed there)."""
+    return (torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"), heads, head_dim
+
+
 def probed(device=None, heads: int = 12, head_dim: int = 128) -> Optional[dict]:
     """The times auto measured in this process for this device and head shape (None: it measured none)."""
-    name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
-    return _PROBED.get((name, heads, head_dim))
+    return _PROBED.get(_probe_key(device, heads, head_dim))
 
 
 def resolve_attention(name: str, device: Optional[torch.device] = None, heads: int = 12, head_dim: int = 128,
@@ -159,20 +163,18 @@ def resolve_attention(name: str, device: Optional[torch.device] = None, heads: i
     """(backend name, attention core) for --attention `name`: sdpa; fa4 (a UserError where it cannot run); auto:
     where FA4 can run, whichever of the two measures faster (`probe`, once per process, at the model's `heads` and
     `head_dim`: probed() returns the times), else sdpa."""
-    from ds_adaptiveload.model.wan import sdpa_attention
-
     if name not in ATTENTION_BACKENDS:
         raise UserError(f"--attention {name!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
     if name == "sdpa":
-        return "sdpa", sdpa_attention
+        return pick("sdpa")
     why = fa4_unavailable()
     if name == "fa4":
         if why:
             raise UserError(f"--attention fa4: FlashAttention-4 cannot run here: {why}")
-        return "fa4", fa4_attention
+        return pick("fa4")
     if why is not None:
-        return "sdpa", sdpa_attention
-    key = (torch.cuda.get_device_name(device), heads, head_dim)
+        return pick("sdpa")
+    key = _probe_key(device, heads, head_dim)
     if key not in _PROBED:
         _PROBED[key] = probe(device if device is not None else torch.device("cuda"), heads, head_dim)
     return pick(faster(_PROBED[key]))

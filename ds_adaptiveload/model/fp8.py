@@ -79,8 +79,7 @@ def rowwise_config(emulate: bool = False):
     # pad_inner_dim: torch._scaled_mm needs the inner dimension a multiple of 16, and in the weight gradient that is
     # the micro-batch's token count (32,760 for a 480p 81-frame clip is not); compiled regions see it as a symbol,
     # which failed the check at trace time on an H100 (2026-12-07). Padding copies only where it is not a multiple.
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), pad_inner_dim=True)
-    return dataclasses.replace(config, emulate=True) if emulate else config
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), pad_inner_dim=True, emulate=emulate)
 
 
 def convert_fp8(model, mode: str = "linear", config=None) -> list:

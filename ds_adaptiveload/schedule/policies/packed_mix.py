@@ -30,9 +30,10 @@ def even_mix(steps, ctx, r, g):
     checkpoint auto-step (a micro-batch's cost depends on its whole step) the steps are kept as they are."""
     if not ctx.cfg.lockstep or ctx.cfg.checkpoint == "auto-step" or len(steps) < 2:
         return steps
-    if _mean_distance(steps, ctx, r, g) <= MIX_ABOVE:
+    cls = {t: token_class(t) for t in set(ctx.full)}  # per token count: its class
+    if _mean_distance(steps, ctx, r, g, cls) <= MIX_ABOVE:
         return steps
-    st = _MixState(steps, ctx, r, g)
+    st = _MixState(steps, ctx, r, g, cls)
     if len(st.full) < 2:
         return steps
     if g > 1:
@@ -45,14 +46,18 @@ def even_mix(steps, ctx, r, g):
     return steps
 
 
-def _mean_distance(steps, ctx, r, g):
+def _is_full(step, r, g) -> bool:
+    """A step of every rank's G micro-batches (an epoch's short last step is not)."""
+    return len(step) == r and all(len(mbs) == g for mbs in step)
+
+
+def _mean_distance(steps, ctx, r, g, cls):
     """The mean over full steps of the distance of a step's class shares from theirs over those steps (mix_tv)."""
-    cls = {t: token_class(t) for t in set(ctx.full)}
     of = bytes(map(cls.__getitem__, ctx.full)).__getitem__  # each sample's class
     ncls = len(CLASS_BOUNDS) + 1
     counts = []
     for step in steps:
-        if len(step) == r and all(len(mbs) == g for mbs in step):
+        if _is_full(step, r, g):
             classes = bytes(map(of, chain.from_iterable(chain.from_iterable(step))))
             counts.append([classes.count(c) for c in range(ncls)])
     total = [sum(c) for c in zip(*counts)]
@@ -97,12 +102,11 @@ class _MixState:
     grouped by (kind, cost, round) -> ranks, a kind being a micro-batch's class counts; an index of the groups by
     kind, sorted by cost (entries of emptied groups are skipped on reading)."""
 
-    def __init__(self, steps, ctx, r, g):
+    def __init__(self, steps, ctx, r, g, cls):
         self.steps = steps
         ncls = len(CLASS_BOUNDS) + 1
-        cls = {t: token_class(t) for t in set(ctx.full)}
         seen = {}  # per sequence of per-GPU tokens: (cost, kind); micro-batches repeat (a round's copies)
-        self.full = [s for s, step in enumerate(steps) if len(step) == r and all(len(mbs) == g for mbs in step)]
+        self.full = [s for s, step in enumerate(steps) if _is_full(step, r, g)]
         self.groups, self.cnt, self.cap = {}, {}, {}
         epoch, index = [0] * ncls, {}
         gpu, full = ctx.gpu.__getitem__, ctx.full
@@ -136,9 +140,7 @@ class _MixState:
 
     def gain(self, s, out, into):
         """The change of step s's distance when class counts `out` leave it and `into` come."""
-        cnt = [c - a + b for c, a, b in zip(self.cnt[s], out, into)]
-        n = sum(cnt) or 1
-        return 0.5 * sum([abs(c / n - e) for c, e in zip(cnt, self.share)]) - self.tvs[s]
+        return self._tv([c - a + b for c, a, b in zip(self.cnt[s], out, into)]) - self.tvs[s]
 
     def round_vecs(self, s, g):
         vecs = [[0] * len(self.share) for _ in range(g)]
