@@ -63,7 +63,8 @@ def read_config(args, world, rank, device=None):
     lines += compile_mismatch(profile, getattr(args, "compile_blocks", None), path)
     attention, core = resolve_attention(getattr(args, "attention", "sdpa"), device, model_cfg.num_heads,
                                         model_cfg.head_dim)  # fa4 where it cannot run: agreed here
-    lines += attention_mismatch(profile, attention, path)
+    if not (getattr(args, "attention", "sdpa") == "auto" and getattr(device, "type", None) == "cuda"):
+        lines += attention_mismatch(profile, attention, path)  # auto on a GPU: warned once the ranks agree
     fault = faults.Faults(args.fault, rank)
     for line in lines if rank == 0 else ():  # the profile chosen, moved: info; calibrated unlike this run: warning
         logger.log(logging.WARNING if line.startswith("warning:") else logging.INFO, f"[train_wan] {line}")
@@ -72,7 +73,7 @@ def read_config(args, world, rank, device=None):
                     f"{ {k: v for k, (_, v) in changed.items()} } "
                     f"(config had { {k: o for k, (o, _) in changed.items()} })")
     return SimpleNamespace(ds_cfg=ds_cfg, al=al, dims=dims, G=ds_cfg["gradient_accumulation_steps"],
-                           model_cfg=model_cfg, profile=profile, fault=fault, attention=attention,
+                           model_cfg=model_cfg, profile=profile, profile_file=path, fault=fault, attention=attention,
                            attention_core=core, attention_times=probed(device, model_cfg.num_heads, model_cfg.head_dim))
 
 

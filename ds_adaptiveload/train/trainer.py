@@ -11,8 +11,8 @@ import time
 from types import SimpleNamespace
 
 from ds_adaptiveload.train import failures
-from ds_adaptiveload.train.setup import (end_loop, offload_fields, offload_line, offload_stats, prepare_data,
-                                         read_config, write_summary, write_synthetic)
+from ds_adaptiveload.train.setup import (attention_mismatch, end_loop, offload_fields, offload_line, offload_stats,
+                                         prepare_data, read_config, write_summary, write_synthetic)
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,8 @@ class Trainer:
                                                lambda v: failures.sum_over_ranks(v, self.device))
         if self.rank == 0:
             logger.info(f"[train_wan] attention: {self.attention} (--attention {flag}{how})")
+            for line in attention_mismatch(c.profile, self.attention, c.profile_file) if how else ():
+                logger.warning(f"[train_wan] {line}")  # read_config left auto's check until the ranks agreed
         self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads, core)
         if getattr(args, "compile_blocks", False):
             self.apply_block_compile(model)
