@@ -168,6 +168,29 @@ def test_epochs_and_seeds_reshuffle():
     assert make_plan(samples, profile, PlanConfig("balanced", 8, grad_accum=4, seed=1), epoch=0).steps != base.steps
 
 
+def test_planning_pauses_the_collector_and_restores_it(monkeypatch):
+    """The cyclic collector is off while a plan is made (planning speed) and back as it was after, also after an
+    error."""
+    import gc
+    from ds_adaptiveload.schedule import planner
+    samples = make_mix("video-heavy", 200)
+    profile = CostProfile.load(H200)
+    seen, real = [], planner._tokens
+    monkeypatch.setattr(planner, "_tokens", lambda *a: seen.append(gc.isenabled()) or real(*a))
+    try:
+        assert gc.isenabled()
+        make_plan(samples, profile, PlanConfig("packed", 8))
+        assert seen == [False] and gc.isenabled()
+        gc.disable()
+        make_plan(samples, profile, PlanConfig("packed", 8))
+        assert not gc.isenabled()
+        gc.enable()
+        with pytest.raises(UserError):
+            make_plan([], profile, PlanConfig("packed", 8))
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+
 def test_not_sorted_by_length():
     """Seeded shuffle: step costs along the epoch must not be monotone (no length-sorted epoch)."""
     samples = make_mix("video-heavy", 4000)

@@ -73,6 +73,11 @@ class PackedCtx(Ctx):
         # Micro-batches repeat (a round's slots are copies under replicate, shapes are few): cost each sequence of
         # per-GPU tokens once. Keyed by the sequence, not its multiset, so the float sum is the uncached one.
         self._packed_ms = {}
+        # Every block checkpointed and nothing offloaded: a micro-batch costs its profile time, so mb_ms is base_ms
+        # (the planner costs every micro-batch three or four times over: 1M samples make 600,000 of them).
+        self._plain = self.recompute is None and self.fixed_offload is None
+        if self._plain:
+            self.mb_ms = self.base_ms
 
     def base_ms(self, mb):
         key = tuple(map(self.gpu.__getitem__, mb))
@@ -80,6 +85,12 @@ class PackedCtx(Ctx):
         if t is None:
             t = self._packed_ms[key] = self.profile.packed_ms(key)
         return t
+
+    def step_costs(self, step):
+        if not self._plain:
+            return super().step_costs(step)
+        base = self.base_ms
+        return [list(map(base, mbs)) for mbs in step]
 
 
 def pack_cap(keep, ctx: PackedCtx, seed) -> int:
