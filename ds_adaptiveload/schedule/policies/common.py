@@ -30,11 +30,9 @@ class Ctx:
 
     def __post_init__(self):
         # Cost depends only on the shape: compute it once per shape, then index by sample.
-        by_shape = {}
-        for g, key in zip(self.gpu, self.shape):
-            if key not in by_shape:
-                by_shape[key] = self.profile.sample_ms(g)
-        self.cost = [by_shape[key] for key in self.shape]
+        # (dict(zip()) keeps a shape's last per-GPU length, which is its only one: a pass in C over the samples)
+        by_shape = {key: self.profile.sample_ms(g) for key, g in dict(zip(self.shape, self.gpu)).items()}
+        self.cost = list(map(by_shape.__getitem__, self.shape))
         # --checkpoint-blocks auto: the recompute a micro-batch's open blocks skip (None: every block's, as profiled)
         self.recompute = (None if self.cfg.checkpoint == "all"
                           else RecomputeCost.of(self.profile, self.cfg.checkpoint_policy))

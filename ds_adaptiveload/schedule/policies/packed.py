@@ -28,6 +28,8 @@ import math
 import random
 from array import array
 from dataclasses import dataclass
+from itertools import repeat
+from operator import gt
 
 
 from ds_adaptiveload.schedule.policies.common import Ctx
@@ -169,8 +171,11 @@ def _target(keep, ctx, fill):
         if ctx.dual:
             t = min(t, fill * ctx.dual[1] * c / max(sum(map(ctx.comp.__getitem__, light)), 1e-12))
         limit = HEAVY_FRAC * t
-        for i in keep:
-            heavy[i] = cost[i] > limit
+        if len(keep) == len(cost):  # every sample (keep ascends, no repeats): one pass in C
+            heavy[:] = bytes(map(gt, cost, repeat(limit)))
+        else:
+            for i in keep:
+                heavy[i] = cost[i] > limit
     return t, heavy
 
 

@@ -120,9 +120,15 @@ class _MixState:
                         v = [0] * ncls
                         for i in mb:
                             v[cls[full[i]]] += 1
-                        ck = seen[key] = (ctx.mb_ms(mb), tuple(v))
-                    groups.setdefault((ck[1], ck[0], k), []).append(rk)
-                    cap[k] = max(cap[k], ck[0])
+                        c = ctx.mb_ms(mb)
+                        ck = seen[key] = (c, [(tuple(v), c, m) for m in range(g)])  # its group key per round
+                    c, gk = ck[0], ck[1][k]
+                    if gk in groups:
+                        groups[gk].append(rk)
+                    else:
+                        groups[gk] = [rk]
+                    if c > cap[k]:
+                        cap[k] = c
             cnt = [0] * ncls
             for (v, c, k), ranks in groups.items():
                 cnt = [a + b * len(ranks) for a, b in zip(cnt, v)]

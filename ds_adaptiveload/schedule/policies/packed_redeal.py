@@ -109,6 +109,9 @@ def _uneven(step, ctx, r, g):
     """Whether the step's slowest micro-batches (lockstep: of each round; else the slowest rank) exceed the ranks'
     mean by more than REDEAL_ABOVE, by line cost."""
     cost = ctx.cost
+    if g == 1:  # one micro-batch a rank: its line cost is the rank's (sum([x]) is x), without the inner lists
+        line = [sum(map(cost.__getitem__, mbs[0])) for mbs in step]
+        return max(line) > (1 + REDEAL_ABOVE) * sum(line) / r
     line = [[sum(map(cost.__getitem__, mb)) for mb in mbs] for mbs in step]
     top = sum(max(c[m] for c in line) for m in range(g)) if ctx.cfg.lockstep else max(map(sum, line))
     return top > (1 + REDEAL_ABOVE) * sum(map(sum, line)) / r

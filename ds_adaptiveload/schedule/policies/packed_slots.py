@@ -109,7 +109,8 @@ def step_rounds(sl, ctx, r, draw, carry, replicate=False):
         ranks = sorted(range(r), key=total.__getitem__)
         for rank, k in zip(ranks, sorted(rd, key=sl.load.__getitem__, reverse=True)):
             mb = sl.samples[k]
-            mb.sort(key=shape.__getitem__)  # stable: samples of one shape contiguous, in placement order
+            if len(mb) > 1:  # (most micro-batches hold one sample where memory holds one clip)
+                mb.sort(key=shape.__getitem__)  # stable: samples of one shape contiguous, in placement order
             step[rank].append(mb)
             total[rank] += sl.load[k]
     return step
@@ -157,18 +158,12 @@ class _TradeMemo:
         for k in slots:
             self.version[k] = self.version.get(k, 0) + 1
 
-    def sorted_reps(self, sl, b, shape):
-        v = self.version.get(b, 0)
+    def sorted_reps(self, sl, b, shape, v):
+        """_sorted_reps of slot b at version v."""
         hit = self.reps.get(b)
         if hit is None or hit[0] != v:
             hit = self.reps[b] = (v, _sorted_reps(sl, b, shape))
         return hit[1]
-
-    def known_none(self, a, b):
-        return self.none.get((a, b)) == (self.version.get(a, 0), self.version.get(b, 0))
-
-    def set_none(self, a, b):
-        self.none[a, b] = (self.version.get(a, 0), self.version.get(b, 0))
 
 
 def _shed(rd, sl, shape, out, tol=None):
@@ -220,15 +215,18 @@ def _first_trade(sl, a, bs, shape, memo):
     of x for y from b, that brings the pair's costs closest, if it lowers the costlier; or None. One sample per
     distinct shape is tried (samples of one shape are interchangeable). `memo`: a _TradeMemo of the round."""
     xs = None
+    version, none = memo.version, memo.none  # memo.none: (a, b) -> the versions at which they had no trade
+    va = version.get(a, 0)
     for b in bs:
-        if memo.known_none(a, b):
+        vs = (va, version.get(b, 0))
+        if none.get((a, b)) == vs:
             continue
         if xs is None:
             xs = list({shape[i]: i for i in sl.samples[a]}.values())
-        act = _best_trade(sl, a, b, xs, memo.sorted_reps(sl, b, shape), sl.load[a] - sl.load[b])
+        act = _best_trade(sl, a, b, xs, memo.sorted_reps(sl, b, shape, vs[1]), sl.load[a] - sl.load[b])
         if act is not None:
             return (b, *act)
-        memo.set_none(a, b)
+        none[a, b] = vs
     return None
 
 

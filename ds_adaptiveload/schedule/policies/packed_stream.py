@@ -129,11 +129,13 @@ class Drawer:
         drawn now, skipped when reached. Per shape, a queue of its positions ahead: O(shapes) a call."""
         stream, ahead, pos = self.stream, self.ahead, self.pos
         end = min(len(stream), pos + max(SAND_WINDOW, SAND_SLOTS * self.slots))
-        while self.horizon < end:
-            p = self.horizon
-            if not self.heavy[stream[p]]:
-                ahead.setdefault(self.shape[stream[p]], deque()).append(p)
-            self.horizon += 1
+        if self.horizon < end:
+            heavy, shape = self.heavy, self.shape
+            for p in range(self.horizon, end):
+                i = stream[p]
+                if not heavy[i]:
+                    ahead.setdefault(shape[i], deque()).append(p)
+            self.horizon = end
         mem_room, comp_room = sl.limit - sl.used[k], sl.limit_c - sl.used_c[k]
         by_cost = self.by_cost
         for j in range(bisect.bisect_left(self.neg_cost, -gap), len(by_cost)):
