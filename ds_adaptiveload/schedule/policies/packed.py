@@ -36,7 +36,7 @@ from ds_adaptiveload.schedule.policies.common import Ctx
 from ds_adaptiveload.schedule.policies.packed_mix import even_mix
 from ds_adaptiveload.schedule.policies.packed_redeal import refine
 from ds_adaptiveload.schedule.policies.packed_slots import pack_step, sample_cols, step_rounds
-from ds_adaptiveload.schedule.policies.packed_stream import Drawer, epoch_stream, light_sums, slot_units
+from ds_adaptiveload.schedule.policies.packed_stream import Drawer, epoch_stream, light_of, light_sums, slot_units
 
 # Average fill of a slot's memory that sets the target cost T; the rest is room for the packing to even out
 # costs (0.86 and 0.97 predicted more wall time on video-heavy with memory for one 720p clip).
@@ -165,7 +165,7 @@ def _target(keep, ctx, fill):
     heavy = bytearray(len(cost))
     t = None
     for _ in range(2):  # T over all samples, then over the light ones at that T
-        light = [i for i in keep if not heavy[i]] or keep
+        light = light_of(keep, heavy) or keep
         c = sum(map(cost.__getitem__, light))
         t = fill * ctx.budget * c / max(sum(map(mem.__getitem__, light)), 1e-12)
         if ctx.dual:

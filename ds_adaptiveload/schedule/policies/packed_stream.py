@@ -3,7 +3,8 @@ reads each step's samples from it, pulling light ones forward as sand for a roun
 import bisect
 from array import array
 from collections import deque
-from itertools import accumulate
+from itertools import accumulate, compress
+from operator import itemgetter, not_
 
 from ds_adaptiveload.schedule.policies.common import token_class
 from ds_adaptiveload.schedule.policies.packed_slots import sample_cols
@@ -19,9 +20,14 @@ SAND_SLOTS = 32
 REMAINDER_BEFORE = 0.9
 
 
+def light_of(indices, heavy):
+    """The light samples of `indices`, in order (compress: one pass in C over a million samples)."""
+    return list(compress(indices, map(not_, map(heavy.__getitem__, indices))))
+
+
 def light_sums(indices, ctx, heavy, cols=None):
     """(cost, memory, compute) summed over the light samples of `indices`."""
-    light = [i for i in indices if not heavy[i]]
+    light = light_of(indices, heavy)
     return [sum(map(col.__getitem__, light)) for col in cols or sample_cols(ctx)]
 
 
@@ -111,13 +117,10 @@ class Drawer:
         self.pos, self.n_heavy, self.sums, self.pending = 0, 0, [0.0] * len(self.cols), []
         self.taken = {}  # positions ahead of pos already pulled forward by sand()
         self.shape, self.ahead, self.horizon = ctx.shape, {}, 0
-        one = dict(zip(map(ctx.shape.__getitem__, stream), stream))  # a sample of each shape (heavy goes by shape)
-        shapes, first = sum(1 for i in one.values() if not heavy[i]), {}
-        for i in stream:  # each light shape's first sample, in stream order (ties in by_cost keep that order)
-            if not heavy[i]:
-                first.setdefault(ctx.shape[i], i)
-                if len(first) == shapes:
-                    break
+        # each shape's first position in the stream (written from the end: the last write is the first position)
+        at = dict(zip(map(ctx.shape.__getitem__, reversed(stream)), range(len(stream) - 1, -1, -1)))
+        # each light shape's first sample, in stream order (ties in by_cost keep that order; heavy goes by shape)
+        first = {key: stream[p] for key, p in sorted(at.items(), key=itemgetter(1)) if not heavy[stream[p]]}
         # light shapes, costliest first: (cost, memory, compute, shape)
         self.by_cost = sorted(((self.cols[0][i], self.cols[1][i], self.cols[2][i], key) for key, i in first.items()),
                               key=lambda t: -t[0])

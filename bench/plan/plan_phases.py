@@ -1,0 +1,62 @@
+"""Where packed's planning time goes: CPU seconds per phase (packing, rounds, second opinions, mixing swaps, the
+stream, the final costing) for one epoch of --samples openvid-720p samples at 1024 ranks, lockstep, the calibrated
+H200 profile, per --clips (720p clips of memory) and --g. Each phase's time includes the phases it calls (pack_step
+inside the second opinions is counted there too). Pure CPU:
+
+    nice -n 10 python bench/plan/plan_phases.py --clips 1 --g 1 [--samples 1000000] >> RAW.txt
+"""
+import argparse
+import dataclasses
+import os
+import time
+from collections import defaultdict
+
+from ds_adaptiveload.schedule import planner
+from ds_adaptiveload.schedule.mixes import make_mix
+from ds_adaptiveload.schedule.policies import common, packed, packed_mix, packed_redeal, packed_slots, packed_stream
+from ds_adaptiveload.schedule.profile import CostProfile
+
+CALIBRATED = "configs/profiles/h200-wan1.3b-zero3.yaml"
+PHASES = (
+    (packed, ("epoch_stream", "pack_step", "step_rounds", "refine", "even_mix", "_target", "light_sums")),
+    (packed_redeal, ("_lpt_steps", "_uneven")), (packed_mix, ("_mean_distance", "_MixState", "_swap_rounds")),
+    (packed_slots, ("even_round", "_fill_gaps", "_densify")), (planner, ("_tokens", "lower_bound", "_finish_tail")),
+    (packed_stream.Drawer, ("step", "__init__")), (common.Ctx, ("step_costs", "step_pred")),
+    (planner.PackedCtx, ("__post_init__",)))
+
+
+def timed(owner, name, acc):
+    """Replace owner.name by a wrapper that adds its CPU seconds to acc[label]."""
+    f, label = getattr(owner, name), f"{owner.__name__.rsplit('.', 1)[-1]}.{name}"
+
+    def wrapper(*a, **k):
+        t = time.process_time()
+        try:
+            return f(*a, **k)
+        finally:
+            acc[label] += time.process_time() - t
+    setattr(owner, name, wrapper)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clips", type=int, default=1)
+    ap.add_argument("--g", type=int, default=1)
+    ap.add_argument("--samples", type=int, default=1000000)
+    args = ap.parse_args()
+    acc = defaultdict(float)
+    for owner, names in PHASES:
+        for name in names:
+            timed(owner, name, acc)
+    samples = make_mix("openvid-720p", args.samples)
+    profile = dataclasses.replace(CostProfile.load(CALIBRATED), budget_tokens=args.clips * 75600 + 93)
+    load, t = os.getloadavg()[0], time.process_time()
+    planner.make_plan(samples, profile, planner.PlanConfig("packed", 1024, grad_accum=args.g, lockstep=True))
+    print(f"{args.samples} samples, {args.clips} clips, G={args.g}: {time.process_time() - t:.2f} s of CPU "
+          f"(load average {load:.1f} before)")
+    for label, sec in sorted(acc.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:28s} {sec:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
