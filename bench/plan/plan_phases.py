@@ -4,8 +4,13 @@ H200 profile, per --clips (720p clips of memory) and --g. Each phase's time incl
 inside the second opinions is counted there too). Pure CPU:
 
     nice -n 10 python bench/plan/plan_phases.py --clips 1 --g 1 [--samples 1000000] >> RAW.txt
+
+An A/B of two checkouts runs it in turns with PYTHONPATH set to each, headed "== LABEL, rep N: COMMAND" lines;
+--record RAW then records each label's mean CPU time per case into results.csv.
 """
 import argparse
+import re
+import statistics
 import dataclasses
 import os
 import time
@@ -38,12 +43,35 @@ def timed(owner, name, acc):
     setattr(owner, name, wrapper)
 
 
+def record_ab(raw):
+    """results.csv rows: the mean CPU seconds of each label's runs per (samples, clips, G) of an A/B file."""
+    from bench.harness import record
+
+    runs, label, cmd = {}, None, None
+    with open(raw) as f:
+        for line in f:
+            if line.startswith("== "):
+                label, cmd = re.match(r"== (.+), rep \d+: (.+)", line.strip()).groups()
+            elif m := re.match(r"(\d+) samples, (\d+) clips, G=(\d+): ([\d.]+) s of CPU", line):
+                runs.setdefault((label, *map(int, m.groups()[:3])), []).append((float(m[4]), cmd))
+    for (label, n, clips, g), got in runs.items():
+        secs = [t for t, _ in got]
+        record(experiment=f"plan_phases.py A/B, packed planning {n:,} openvid-720p samples for 1024 ranks, "
+                          f"{clips * 75600 + 93:,} tokens, G = {g}, lockstep, in turns", variant=label,
+               metric="planning CPU time", unit="s", value=round(statistics.mean(secs), 1), better="lower",
+               hardware="CPU (2 cores, shared)", gpus=0, policy="packed", section="scheduler", raw_file=raw,
+               command=got[0][1], note=f"mean of {len(secs)} runs: {', '.join(f'{t:.1f}' for t in secs)} s")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--clips", type=int, default=1)
     ap.add_argument("--g", type=int, default=1)
     ap.add_argument("--samples", type=int, default=1000000)
+    ap.add_argument("--record", metavar="RAW", help="record an A/B file's mean CPU times into results.csv")
     args = ap.parse_args()
+    if args.record:
+        return record_ab(args.record)
     acc = defaultdict(float)
     for owner, names in PHASES:
         for name in names:

@@ -245,9 +245,8 @@ def pack_cost(profile, shapes, sp: int = 1) -> tuple:
 @contextmanager
 def _collector_paused():
     """The cyclic garbage collector off for the block (back on after, if it was). Planning allocates millions of
-    small lists and tuples and makes no reference cycles, and every collection the allocations trigger walks all
-    live objects, the manifest's samples included: 1M samples at 1024 ranks, one clip, G = 1 spent 15.4 s of CPU
-    with it on and 11.4 s off."""
+    small lists and tuples and makes no reference cycles, and every full collection the allocations trigger walks all
+    live objects, the manifest's million samples included."""
     was = gc.isenabled()
     gc.disable()
     try:
