@@ -28,7 +28,7 @@ from ds_adaptiveload.ops.ln_modulate_residual import ln_modulate_residual  # noq
 
 SHAPES = [(1, 75600, 5120), (1, 32760, 1536), (1, 1560, 1536), (8, 4680, 1536), (4, 18900, 5120)]
 EXPERIMENT = "Gated residual + LN-Modulate op, {shape} bf16, per-sample modulation"
-COMMAND = "python3 bench/device/run.py --wheels .whl --budget-s 450 --stages env,resid=420 --out $OUT"
+COMMAND = "python3 bench/device/run.py --wheels .whl --budget-s 590 --stages env,resid=340 --out $OUT"
 EPS = 1e-6
 
 
