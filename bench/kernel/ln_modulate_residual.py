@@ -97,7 +97,7 @@ def record_rows(path, rows, env, raw_name):
                               command=COMMAND, raw_file=f"bench/results/{raw_name}", section="kernel",
                               date=env["date"])
                 if "error" in got:
-                    harness.record(path, metric=f"{label}, ms", unit="ms", status="failed", note=got["error"], **common)
+                    harness.record(path, metric=f"{label}, ms", unit="ms", status="crash", note=got["error"], **common)
                     continue
                 harness.record(path, metric=f"{label}, ms", unit="ms", value=round(got[f"{mode}_ms"], 4),
                                better="lower", **common)
