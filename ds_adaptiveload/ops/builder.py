@@ -82,7 +82,8 @@ class LNModulateBuilder(CUDAOpBuilder):
     def sources(self):
         d = csrc_dir()
         return [str(d / f) for f in (
-            "ln_modulate.cpp", "ln_modulate_fwd.cu", "ln_modulate_bwd.cu", "ln_modulate_fast.cu", "ln_modulate_batch.cu")]
+            "ln_modulate.cpp", "ln_modulate_fwd.cu", "ln_modulate_bwd.cu", "ln_modulate_fast.cu", "ln_modulate_batch.cu",
+            "ln_modulate_resid.cu")]
 
     def include_paths(self):
         return [str(csrc_dir())]

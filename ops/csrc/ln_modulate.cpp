@@ -113,14 +113,17 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& scale, co
 }
 
 // Returns (dx, dscale, dshift, dweight, dbias). dscale/dshift: per-token [rows, D] in scale's dtype for
-// mode 2, fp32 [B, D] for mode 1, fp32 [D] for mode 0, empty for mode -1 (not wanted). dx is `dx_into` when given.
-std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale,
+// mode 2, fp32 [B, D] for mode 1, fp32 [D] for mode 0, empty for mode -1 (not wanted). dx is `dx_into` when given;
+// `dres` (x's shape and dtype, or undefined) is added to dx (the residual op's gradient of x_new).
+std::vector<at::Tensor> backward_res(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
                                  const c10::optional<at::Tensor>& mean, const c10::optional<at::Tensor>& rstd,
                                  int64_t B, int64_t S, int64_t sc_sb, int64_t sc_ss, int64_t sc_mode, int64_t sh_mode,
                                  bool want_dweight, bool want_dbias, double eps, int64_t vpt, int64_t rpc,
-                                 const c10::optional<at::Tensor>& dx_into) {
+                                 const c10::optional<at::Tensor>& dx_into, const at::Tensor& dres) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, "ln_modulate: x must be a contiguous [rows, D] CUDA tensor");
+  TORCH_CHECK(!dres.defined() || (dres.is_contiguous() && dres.sizes() == x.sizes() && dres.scalar_type() == x.scalar_type()),
+              "ln_modulate: dres must be contiguous, shaped and typed like x");
   TORCH_CHECK(dy.is_contiguous() && dy.sizes() == x.sizes(), "ln_modulate: dy must be contiguous and shaped like x");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t D = x.size(1);
@@ -147,6 +150,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
   p.rstd = have_stats ? rstd->data_ptr<float>() : nullptr;
   p.recompute = !have_stats;
   p.dx = dx.data_ptr();
+  p.dres = dres.defined() ? dres.data_ptr() : nullptr;
   p.dscale_tok = sc_mode == lnmod::kPerToken ? dsc.data_ptr() : nullptr;
   p.dshift_tok = sh_mode == lnmod::kPerToken ? dsh.data_ptr() : nullptr;
   p.dscale_red = (sc_mode == lnmod::kGlobal || sc_mode == lnmod::kPerSample) ? dsc.data_ptr<float>() : nullptr;
@@ -162,6 +166,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
   p.y_dtype = dtype_code(dy.scalar_type());
   // The per-token gradient outputs are fresh contiguous tensors, so only x, dy and scale decide.
   p.vectorized = D % 8 == 0 && aligned16(x.data_ptr()) && aligned16(dy.data_ptr()) && aligned16(dx.data_ptr()) &&
+                 (!dres.defined() || aligned16(dres.data_ptr())) &&
                  aligned16(scale.data_ptr()) && (sc_sb * scale.element_size()) % 16 == 0 &&
                  (sc_ss * scale.element_size()) % 16 == 0;
   p.vpt = int(vpt); p.rpc = int(rpc);
@@ -177,12 +182,95 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
   return {dx, dsc, dsh, dw, db};
 }
 
+std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& scale,
+                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+                                 const c10::optional<at::Tensor>& mean, const c10::optional<at::Tensor>& rstd,
+                                 int64_t B, int64_t S, int64_t sc_sb, int64_t sc_ss, int64_t sc_mode, int64_t sh_mode,
+                                 bool want_dweight, bool want_dbias, double eps, int64_t vpt, int64_t rpc,
+                                 const c10::optional<at::Tensor>& dx_into) {
+  return backward_res(dy, x, scale, weight, bias, mean, rstd, B, S, sc_sb, sc_ss, sc_mode, sh_mode, want_dweight,
+                      want_dbias, eps, vpt, rpc, dx_into, at::Tensor());
+}
+
+// Gated residual + LN-Modulate: returns (out, x_new, mean, rstd); x, branch: contiguous [rows, D] of one dtype;
+// gate, scale, shift: one dtype (fp32 or x's), each described by (stride_b, stride_s) over rows b * S + s.
+std::vector<at::Tensor> resid_forward(const at::Tensor& x, const at::Tensor& branch, const at::Tensor& gate,
+                                      const at::Tensor& scale, const at::Tensor& shift, int64_t B, int64_t S,
+                                      int64_t g_sb, int64_t g_ss, int64_t sc_sb, int64_t sc_ss, int64_t sh_sb,
+                                      int64_t sh_ss, double eps, bool save_stats) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2 && x.size(0) == B * S,
+              "ln_modulate_residual: x must be a contiguous [B*S, D] CUDA tensor");
+  TORCH_CHECK(branch.is_contiguous() && branch.sizes() == x.sizes() && branch.scalar_type() == x.scalar_type() &&
+                  branch.device() == x.device(), "ln_modulate_residual: branch must be contiguous, shaped and typed like x");
+  TORCH_CHECK(gate.scalar_type() == scale.scalar_type() && shift.scalar_type() == scale.scalar_type() &&
+                  gate.is_cuda() && scale.is_cuda() && shift.is_cuda(),
+              "ln_modulate_residual: gate, scale and shift must be CUDA tensors of one dtype");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t D = x.size(1);
+  TORCH_CHECK(D >= 1 && D <= 16384, "ln_modulate_residual: D must be in [1, 16384]");
+  auto out = at::empty_like(x), x_new = at::empty_like(x);
+  at::Tensor mean, rstd;
+  if (save_stats) {
+    mean = at::empty({B * S}, x.options().dtype(at::kFloat));
+    rstd = at::empty({B * S}, x.options().dtype(at::kFloat));
+  }
+  lnmod::FwdParams p{};
+  p.x = x.data_ptr(); p.scale = scale.data_ptr(); p.shift = shift.data_ptr(); p.y = out.data_ptr();
+  p.mean = save_stats ? mean.data_ptr<float>() : nullptr;
+  p.rstd = save_stats ? rstd.data_ptr<float>() : nullptr;
+  p.B = B; p.S = S; p.D = int(D);
+  p.sc_sb = sc_sb; p.sc_ss = sc_ss; p.sh_sb = sh_sb; p.sh_ss = sh_ss;
+  p.eps = float(eps);
+  p.x_dtype = p.y_dtype = dtype_code(x.scalar_type());
+  p.m_dtype = dtype_code(scale.scalar_type());
+  const bool gate_ok = aligned16(gate.data_ptr()) && (g_sb * gate.element_size()) % 16 == 0 &&
+                       (g_ss * gate.element_size()) % 16 == 0;
+  p.vectorized = vec_ok(D, x, scale, sc_sb, sc_ss, shift, sh_sb, sh_ss) && gate_ok && aligned16(branch.data_ptr());
+  lnmod::ResidParams r{};
+  r.branch = branch.data_ptr(); r.gate = gate.data_ptr(); r.g_sb = g_sb; r.g_ss = g_ss; r.x_new = x_new.data_ptr();
+  const char* err = lnmod::resid_fwd_launch(p, r, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == nullptr, err ? err : "");
+  return {out, x_new, mean, rstd};
+}
+
+// Returns (dx, dbranch, dgate, dscale, dshift): dx = d_x_new + the LN-Modulate gradient of x_new (one kernel),
+// dbranch = gate * dx, dgate = branch * dx summed over the sample's rows (fp32 [B, D] / [D]; per token: gate's
+// dtype, [rows, D]); dscale / dshift as backward's. g_mode / sc_mode / sh_mode: Mode, -1 = not wanted.
+std::vector<at::Tensor> resid_backward(const at::Tensor& dout, const at::Tensor& dx_new, const at::Tensor& x_new,
+                                       const at::Tensor& branch, const at::Tensor& gate, const at::Tensor& scale,
+                                       const at::Tensor& mean, const at::Tensor& rstd, int64_t B, int64_t S,
+                                       int64_t g_sb, int64_t g_ss, int64_t g_mode, int64_t sc_sb, int64_t sc_ss,
+                                       int64_t sc_mode, int64_t sh_mode, double eps) {
+  TORCH_CHECK(branch.is_contiguous() && branch.sizes() == x_new.sizes() && branch.scalar_type() == x_new.scalar_type(),
+              "ln_modulate_residual: branch must be contiguous, shaped and typed like x");
+  TORCH_CHECK(gate.scalar_type() == scale.scalar_type(), "ln_modulate_residual: gate and scale of one dtype");
+  auto g = backward_res(dout, x_new, scale, c10::nullopt, c10::nullopt, mean, rstd, B, S, sc_sb, sc_ss, sc_mode,
+                        sh_mode, false, false, eps, -1, -1, c10::nullopt, dx_new);
+  const c10::cuda::CUDAGuard guard(x_new.device());
+  const int64_t D = x_new.size(1);
+  at::Tensor dbranch = at::empty_like(branch), dgate;
+  if (g_mode == lnmod::kPerToken) dgate = at::empty({B * S, D}, gate.options().memory_format(at::MemoryFormat::Contiguous));
+  else dgate = at::empty({g_mode == lnmod::kPerSample ? B : 1, D}, x_new.options().dtype(at::kFloat));
+  auto ws = at::empty({lnmod::resid_bwd_workspace(B, S, int(D), int(g_mode))}, x_new.options().dtype(at::kFloat));
+  lnmod::ResidParams r{};
+  r.branch = branch.data_ptr(); r.gate = gate.data_ptr(); r.g_sb = g_sb; r.g_ss = g_ss; r.g_mode = int(g_mode);
+  r.dx = g[0].data_ptr(); r.dbranch = dbranch.data_ptr();
+  r.dgate_tok = g_mode == lnmod::kPerToken ? dgate.data_ptr() : nullptr;
+  r.dgate_red = g_mode == lnmod::kPerToken ? nullptr : dgate.data_ptr<float>();
+  const char* err = lnmod::resid_bwd_launch(B, S, int(D), dtype_code(x_new.scalar_type()), dtype_code(gate.scalar_type()),
+                                            r, ws.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == nullptr, err ? err : "");
+  return {g[0], dbranch, dgate, g[1], g[2]};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused LayerNorm-Modulate (ds_adaptiveload)";
   m.def("forward", &forward, "y = LN(x)[*w+b]*(1+scale)+shift");
   m.def("backward", &backward, "gradients of forward");
+  m.def("resid_forward", &resid_forward, "x_new = x + gate * branch; out = LN(x_new)*(1+scale)+shift");
+  m.def("resid_backward", &resid_backward, "gradients of resid_forward");
 #ifdef LNMOD_BENCH_TUNING
   // Benchmark-only, compiled in only with the bench build flag (bench/kernel/ln_tuning.py is the one caller):
   // kernel choices for A-B comparison. The shipped module keeps g_tuning at its defaults.

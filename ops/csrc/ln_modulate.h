@@ -47,6 +47,8 @@ struct BwdParams {
   const float* mean;    // saved stats, or null with recompute
   const float* rstd;
   void* dx;             // [B*S, D], x_dtype
+  const void* dres;     // [B*S, D] x_dtype, contiguous, or null: a gradient added to dx before it is rounded
+                        // (the residual stream's, ln_modulate_residual); only the general kernels take it
   void* dscale_tok;     // per-token gradient [B*S, D] in m_dtype (mode kPerToken), else null
   void* dshift_tok;
   float* dscale_red;    // reduced gradient: [B, D] (kPerSample) or [D] (kGlobal), fp32; null if unused
@@ -86,6 +88,28 @@ int64_t batch_bwd_plan(BwdParams& p);
 bool batch_bwd_launch(const BwdParams& p, cudaStream_t stream, cudaError_t* err);
 // The tile tables, (D, vpt, wpr, rows ahead) each, the default per D first (tests and the benchmark read them).
 std::vector<std::array<int, 4>> fast_tiles(bool backward);
+
+// Gated residual fused in front of the forward (ln_modulate_resid.cu): x_new = x + gate * branch in fp32,
+// stored in x's dtype, then LN-Modulate of the stored x_new; FwdParams::x is x and FwdParams::y the output
+// (in x's dtype). gate is m_dtype, its row base at b * g_sb + s * g_ss, unit stride along D.
+struct ResidParams {
+  const void* branch;   // [B*S, D] contiguous, x_dtype
+  const void* gate;
+  int64_t g_sb, g_ss;
+  int g_mode;           // Mode of the gate (backward: how dgate is reduced)
+  void* x_new;          // [B*S, D] contiguous, x_dtype (forward output)
+  const void* dx;       // backward: the full gradient of x_new ([B*S, D], x_dtype), from bwd_launch with dres
+  void* dbranch;        // backward: gate * dx, x_dtype
+  void* dgate_tok;      // backward, kPerToken: branch * dx in m_dtype [B*S, D]
+  float* dgate_red;     // backward, kPerSample / kGlobal: fp32 [B, D] / [D]
+};
+const char* resid_fwd_launch(const FwdParams& p, const ResidParams& r, cudaStream_t stream);
+// The backward after bwd_launch: dbranch and dgate. resid_bwd_workspace: fp32 floats its partial sums need.
+int64_t resid_bwd_workspace(int64_t B, int64_t S, int D, int g_mode);
+const char* resid_bwd_launch(int64_t B, int64_t S, int D, int x_dtype, int m_dtype, const ResidParams& r,
+                             float* workspace, cudaStream_t stream);
+// out[g][d] = sum over c of part[g][c][d] in a fixed order (ln_modulate_bwd.cu's deterministic reduction).
+cudaError_t reduce_parts(const float* part, float* out, int64_t G, int64_t Cg, int D, cudaStream_t stream);
 
 // Returns an error string (nullptr on success).
 const char* fwd_launch(const FwdParams& p, cudaStream_t stream);

@@ -240,6 +240,12 @@ __global__ void __launch_bounds__(bwd_max_threads(VPT)) __maxnreg__(VPT == 1 ? 6
           const float gg = affine_w ? dz * w[k] : dz;
           o[k] = rstd * (gg - m1 - xh * m2);
         }
+        if (p.dres != nullptr) {
+          float r[8];
+          load8(static_cast<const TX*>(p.dres) + row * p.D + int64_t(c) * 8, r);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) o[k] += r[k];
+        }
         store8(dx + row * p.D + int64_t(c) * 8, o);
       }
     }
@@ -315,7 +321,8 @@ __global__ void __launch_bounds__(256) bwd_generic_kernel(BwdParams p) {
       const float xh = (to_f(xr[c]) - mean) * rstd;
       const float w = p.weight ? p.weight[c] : 1.f;
       const float gg = to_f(gr[c]) * (1.f + to_f(scr[c])) * w;
-      dx[row * p.D + c] = from_f<TX>(rstd * (gg - m1 - xh * m2));
+      const float res = p.dres != nullptr ? to_f(static_cast<const TX*>(p.dres)[row * p.D + c]) : 0.f;
+      dx[row * p.D + c] = from_f<TX>(rstd * (gg - m1 - xh * m2) + res);
     }
   }
 }
@@ -333,6 +340,11 @@ __global__ void __launch_bounds__(256) reduce_kernel(const float* part, float* o
     for (int64_t c = lane; c < Cg; c += 8) s += base[c * D];
   }
   add_lanes8(red, s, out + g * D + col, col < D);
+}
+
+cudaError_t reduce_parts(const float* part, float* out, int64_t G, int64_t Cg, int D, cudaStream_t stream) {
+  reduce_kernel<<<dim3(unsigned((D + 31) / 32), unsigned(G)), 256, 0, stream>>>(part, out, G, Cg, D);
+  return cudaGetLastError();
 }
 
 static size_t vec_smem(const Shape& sh, int D) {  // see smem_buf_offset
@@ -458,7 +470,6 @@ const char* bwd_launch(const BwdParams& p, cudaStream_t stream) {
   if (!fast_bwd_launch(p, stream, &e)) e = dispatch(p, stream, false, nullptr, nullptr);
   if (e != cudaSuccess) return cudaGetErrorString(e);
   const int64_t C = p.ctas_per_sample;
-  const unsigned gx = unsigned((p.D + 31) / 32);
   // (quantity, output, per-sample?) -> reduce over c (per sample) or over (b, c) (global).
   struct R { int q; float* out; bool per_sample; };
   const R rs[kQ] = {{0, p.dscale_red, p.sc_mode == kPerSample}, {1, p.dshift_red, p.sh_mode == kPerSample},
@@ -469,8 +480,7 @@ const char* bwd_launch(const BwdParams& p, cudaStream_t stream) {
     if (r.q == 1 && !(p.sh_mode == kGlobal || p.sh_mode == kPerSample)) continue;
     const float* part = p.workspace + int64_t(r.q) * p.B * C * p.D;
     const int64_t G = r.per_sample ? p.B : 1, Cg = r.per_sample ? C : p.B * C;
-    reduce_kernel<<<dim3(gx, unsigned(G)), 256, 0, stream>>>(part, r.out, G, Cg, p.D);
-    e = cudaGetLastError();
+    e = reduce_parts(part, r.out, G, Cg, p.D, stream);
     if (e != cudaSuccess) return cudaGetErrorString(e);
   }
   return nullptr;

@@ -252,7 +252,9 @@ inline bool bwd_tiles_apply(const BwdParams& p, bool tok) {
   const bool modes = tok ? p.sc_ss != 0 && p.sc_mode != kGlobal && p.sc_mode != kPerSample &&
                                p.sh_mode != kGlobal && p.sh_mode != kPerSample
                          : p.sc_ss == 0 && p.sc_mode != kPerToken && p.sh_mode != kPerToken;
-  return tiles_apply(p) && modes && !p.recompute && p.mean != nullptr && p.dweight == nullptr && p.dbias == nullptr;
+  // dres (the residual op's added gradient) is taken by the general kernels only.
+  return tiles_apply(p) && modes && !p.recompute && p.mean != nullptr && p.dweight == nullptr && p.dbias == nullptr &&
+         p.dres == nullptr;
 }
 // The flat row space (ln_modulate_batch.cu) may take the backward instead of the per-sample grid: auto (0) for
 // B >= 2 where the grid would underfill the wave (batch.cu's grid_fills_wave); the tuning module forces the grid
