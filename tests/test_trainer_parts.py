@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -473,6 +474,21 @@ def test_trainer_warns_when_the_profile_was_calibrated_with_other_attention_kern
     for recorded in (None, "auto"):
         z2.meta = {k: v for k, v in z2.meta.items() if k != "attention"} | ({"attention": recorded} if recorded else {})
         assert attention_mismatch(z2, "fa4") == []
+
+
+def test_attention_is_compared_with_the_profile_after_agreement_only_for_auto_on_a_gpu():
+    """read_config checks the profile's kernels itself except under --attention auto on a GPU, where the trainer
+    checks the kernels the ranks agreed on."""
+    import torch
+    from ds_adaptiveload.train.setup import agree_attention_later
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert agree_attention_later(SimpleNamespace(attention="auto"), gpu)
+    assert not agree_attention_later(SimpleNamespace(attention="auto"), cpu)
+    assert not agree_attention_later(SimpleNamespace(attention="auto"), None)
+    for flag in ("sdpa", "fa4"):
+        assert not agree_attention_later(SimpleNamespace(attention=flag), gpu)
+    assert not agree_attention_later(SimpleNamespace(), gpu)  # an own loop's args without the flag: sdpa
 
 
 @pytest.mark.parametrize("policy", ["attention", "full"])

@@ -63,8 +63,8 @@ def read_config(args, world, rank, device=None):
     lines += compile_mismatch(profile, getattr(args, "compile_blocks", None), path)
     attention, core = resolve_attention(getattr(args, "attention", "sdpa"), device, model_cfg.num_heads,
                                         model_cfg.head_dim)  # fa4 where it cannot run: agreed here
-    if not (getattr(args, "attention", "sdpa") == "auto" and getattr(device, "type", None) == "cuda"):
-        lines += attention_mismatch(profile, attention, path)  # auto on a GPU: warned once the ranks agree
+    if not agree_attention_later(args, device):
+        lines += attention_mismatch(profile, attention, path)  # else warned by the trainer once the ranks agree
     fault = faults.Faults(args.fault, rank)
     for line in lines if rank == 0 else ():  # the profile chosen, moved: info; calibrated unlike this run: warning
         logger.log(logging.WARNING if line.startswith("warning:") else logging.INFO, f"[train_wan] {line}")
@@ -127,6 +127,12 @@ def compile_mismatch(profile, compile_blocks, source: str = "profile") -> list:
                   for k in (_compile_kind(calibrated), _compile_kind(compile_blocks)))
     return [f"warning: {source} was calibrated with {want}, this run has {have}: its predicted times and memory "
             f"are for the other; run with {want}, or calibrate with this run's flags"]
+
+
+def agree_attention_later(args, device) -> bool:
+    """--attention auto on a GPU: each rank's timed choice is only a proposal; the ranks agree on the kernels once
+    the model is built (Trainer.setup_model, model/attention.agreed), and the profile is compared with that."""
+    return getattr(args, "attention", "sdpa") == "auto" and getattr(device, "type", None) == "cuda"
 
 
 def attention_mismatch(profile, backend: str, source: str = "profile") -> list:

@@ -11,8 +11,9 @@ import time
 from types import SimpleNamespace
 
 from ds_adaptiveload.train import failures
-from ds_adaptiveload.train.setup import (attention_mismatch, end_loop, offload_fields, offload_line, offload_stats,
-                                         prepare_data, read_config, write_summary, write_synthetic)
+from ds_adaptiveload.train.setup import (agree_attention_later, attention_mismatch, end_loop, offload_fields,
+                                         offload_line, offload_stats, prepare_data, read_config, write_summary,
+                                         write_synthetic)
 
 logger = logging.getLogger(__name__)
 
@@ -112,15 +113,16 @@ class Trainer:
                             f"{trainable:,} trainable parameters")
         self.convert_fp8(model)
         self.attention, core, how, flag = c.attention, c.attention_core, "", getattr(args, "attention", "sdpa")
-        if flag == "auto" and self.device.type == "cuda":  # every rank: the choice is agreed by an all-reduce
+        later = agree_attention_later(args, self.device)
+        if later:  # every rank: the choice is agreed by an all-reduce
             from ds_adaptiveload.model.attention import agreed
 
             self.attention, core, how = agreed(c.attention_times, self.world,
                                                lambda v: failures.sum_over_ranks(v, self.device))
         if self.rank == 0:
             logger.info(f"[train_wan] attention: {self.attention} (--attention {flag}{how})")
-            for line in attention_mismatch(c.profile, self.attention, c.profile_file) if how else ():
-                logger.warning(f"[train_wan] {line}")  # read_config left auto's check until the ranks agreed
+            for line in attention_mismatch(c.profile, self.attention, c.profile_file) if later else ():
+                logger.warning(f"[train_wan] {line}")  # read_config left this check until the ranks agreed
         self.seq_shard = sp.apply_ulysses(model, mpu, self.model_cfg.num_heads, core)
         if getattr(args, "compile_blocks", False):
             self.apply_block_compile(model)
