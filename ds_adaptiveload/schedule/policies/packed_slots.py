@@ -53,18 +53,19 @@ def pack_step(cand, ctx, slots):
     replace = heapq.heapreplace
     fail_m = fail_c = math.inf  # memory and compute of the last sample that fit none of the TRIES cheapest slots
     for i in sorted(cand, key=cost.__getitem__, reverse=True):
-        if mem[i] >= fail_m and comp[i] >= fail_c:
+        m, c = mem[i], comp[i]  # read once: the columns are a million long, read at random places
+        if m >= fail_m and c >= fail_c:
             # Nothing was placed since that sample failed, so the same slots are the cheapest and have no more
             # room: this one fails them too (at one clip per micro-batch, most of the packing time went here).
             deferred.append(i)
             continue
         load, k = heap[0]
         # the common case, inline (the hot loop): the cheapest slot has room
-        if not samples[k] or used[k] + mem[i] <= limit and used_c[k] + comp[i] <= limit_c:
+        if not samples[k] or used[k] + m <= limit and used_c[k] + c <= limit_c:
             replace(heap, (load + cost[i], k))
             samples[k].append(i)
-            used[k] += mem[i]
-            used_c[k] += comp[i]
+            used[k] += m
+            used_c[k] += c
             fail_m = fail_c = math.inf
             continue
         tried, k = [], None
@@ -79,7 +80,7 @@ def pack_step(cand, ctx, slots):
             heapq.heappush(heap, item)
         if k is None:
             deferred.append(i)
-            fail_m, fail_c = mem[i], comp[i]
+            fail_m, fail_c = m, c
             continue
         sl.add(k, i)
         fail_m = fail_c = math.inf
