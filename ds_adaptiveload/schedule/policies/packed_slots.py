@@ -279,15 +279,15 @@ def _best_trade(sl, a, b, xs, reps, gap):
     best, best_left = None, gap - 1e-9
     lowest = ycost[0] if n else math.inf
     for x, cx, mx, kx in xs:
+        # no y costs within (cx - gap, cx) (with a margin above rounding): no swap, only the move (most x; skip the
+        # walk). An x no costlier than b's cheapest has none, without the bisection.
+        if cx <= lowest or (k := bisect.bisect_right(ycost, cx - gap - 1e-12 * cx)) == n or ycost[k] >= cx:
+            if move and 0 < cx < gap and (left := abs(gap - 2 * cx)) < best_left and fits(mx, kx):
+                best, best_left = (x, None), left
+            continue
         left, r_best, y_best = math.inf, n, None  # this x's least (new difference, rank); the move is rank -1
         if move and 0 < cx < gap and fits(mx, kx):
             left, r_best = abs(gap - 2 * cx), -1
-        # no y costs within (cx - gap, cx) (with a margin above rounding): no swap (most x; skip the walk). An x no
-        # costlier than b's cheapest has none, without the bisection.
-        if cx <= lowest or (k := bisect.bisect_right(ycost, cx - gap - 1e-12 * cx)) == n or ycost[k] >= cx:
-            if left < best_left:
-                best, best_left = (x, None), left
-            continue
         # j: the first y with gap - 2 d >= 0, where the new difference turns (near cost cx - gap / 2; exact below)
         j = bisect.bisect_left(ycost, cx - 0.5 * gap)
         while j > 0 and gap - 2 * (cx - ycost[j - 1]) >= 0:
