@@ -62,6 +62,8 @@ class Ctx:
     def step_costs(self, step):
         """Predicted ms of every micro-batch of the step, costs[rank][g] (what a replay compares measured times with)."""
         ks = self.step_ks(step)
+        if ks is None:  # each micro-batch by its own plan: map, a pass in C (a plan of 1M samples costs 600,000)
+            return [list(map(self.mb_ms, mbs)) for mbs in step]
         return [[self.mb_ms(mb, ks) for mb in mbs] for mbs in step]
 
     def step_pred(self, step, costs=None):
@@ -74,7 +76,7 @@ class Ctx:
         ranks = [fixed + sum(c) for c in costs]
         if not self.cfg.lockstep:
             return ranks, max(ranks)
-        return ranks, fixed + sum(max(c[k] for c in costs) for k in range(len(costs[0])))
+        return ranks, fixed + sum(map(max, zip(*costs)))  # zip(*costs): the rounds (every rank holds G)
 
     def step_ms(self, step):
         return self.step_pred(step)[1]

@@ -26,7 +26,6 @@ packed_slots.py.
 """
 import math
 import random
-from array import array
 from dataclasses import dataclass
 from itertools import repeat
 from operator import gt
@@ -65,12 +64,15 @@ class PackedCtx(Ctx):
     def __post_init__(self):
         super().__post_init__()
         prof = self.profile
-        mem = {g: prof.mem_tokens(g) for g in set(self.gpu)}  # per distinct length: samples are many, lengths few
-        self.mem = array("d", map(mem.__getitem__, self.gpu))
+        # Per distinct length (samples are many, lengths few), as floats. A list of the shared objects, not an array:
+        # as large (a pointer a sample), and read without making a float each time; the planner reads these
+        # columns at random places millions of times.
+        mem = {g: float(prof.mem_tokens(g)) for g in set(self.gpu)}
+        self.mem = list(map(mem.__getitem__, self.gpu))
         # The compute cap sum(S_i^p) <= M_comp applies only when the profile states one.
         self.dual = (prof.dual_p, prof.dual_m_comp) if prof.dual_p is not None else None
         p = self.dual[0] if self.dual else 1.0
-        self.comp = array("d", map({g: g ** p for g in mem}.__getitem__, self.gpu)) if self.dual else None
+        self.comp = list(map({g: float(g ** p) for g in mem}.__getitem__, self.gpu)) if self.dual else None
         self.budget = self.profile.budget_tokens  # a micro-batch's memory, in tokens: pack_cap may lower it
         # Micro-batches repeat (a round's slots are copies under replicate, shapes are few): cost each sequence of
         # per-GPU tokens once. Keyed by the sequence, not its multiset, so the float sum is the uncached one.
@@ -83,7 +85,8 @@ class PackedCtx(Ctx):
     def base_ms(self, mb, ks=None):
         """The profile's time for micro-batch mb packed, every block checkpointed (ks: unused, so that base_ms can
         stand in for mb_ms, which takes it)."""
-        key = tuple(map(self.gpu.__getitem__, mb))
+        # (most micro-batches hold one sample where memory holds one clip: its key without the map)
+        key = (self.gpu[mb[0]],) if len(mb) == 1 else tuple(map(self.gpu.__getitem__, mb))
         t = self._packed_ms.get(key)
         if t is None:
             t = self._packed_ms[key] = self.profile.packed_ms(key)

@@ -48,7 +48,7 @@ def even_mix(steps, ctx, r, g):
 
 def _is_full(step, r, g) -> bool:
     """A step of every rank's G micro-batches (an epoch's short last step is not)."""
-    return len(step) == r and all(len(mbs) == g for mbs in step)
+    return len(step) == r and set(map(len, step)) == {g}
 
 
 def _mean_distance(steps, ctx, r, g, cls):
@@ -139,14 +139,23 @@ class _MixState:
         self.share = [e / total for e in epoch]
         self.index = {v: sorted(lst) for v, lst in index.items()}
         self.tvs = {s: self._tv(self.cnt[s]) for s in self.full}
+        self._gains = {}  # per step: (out, into) -> gain, while its counts stand
 
     def _tv(self, cnt):
         n = sum(cnt) or 1
         return 0.5 * sum([abs(c / n - e) for c, e in zip(cnt, self.share)])
 
     def gain(self, s, out, into):
-        """The change of step s's distance when class counts `out` leave it and `into` come."""
-        return self._tv([c - a + b for c, a, b in zip(self.cnt[s], out, into)]) - self.tvs[s]
+        """The change of step s's distance when class counts `out` leave it and `into` come (tuples). Remembered
+        until step s's counts change: the search asks again for the same kinds (a step's micro-batches are many,
+        their kinds few; 1M samples at six clips asked 530,000 times for 3,000 swaps made)."""
+        memo = self._gains.get(s)
+        if memo is None:
+            memo = self._gains[s] = {}
+        d = memo.get((out, into))
+        if d is None:
+            d = memo[out, into] = self._tv([c - a + b for c, a, b in zip(self.cnt[s], out, into)]) - self.tvs[s]
+        return d
 
     def round_vecs(self, s, g):
         vecs = [[0] * len(self.share) for _ in range(g)]
@@ -157,6 +166,7 @@ class _MixState:
     def _recount(self, s, out, into):
         self.cnt[s] = [c - a + b for c, a, b in zip(self.cnt[s], out, into)]
         self.tvs[s] = self._tv(self.cnt[s])
+        self._gains.pop(s, None)
 
     def swap_rounds(self, a, ka, b, kb, va, vb):
         for mbs_a, mbs_b in zip(self.steps[a], self.steps[b]):
@@ -211,14 +221,16 @@ class _MixState:
         va, vb = key_a[0], key_b[0]
         most = min(len(self.groups[a][key_a]), len(self.groups[b][key_b]))
         ca, cb = self.cnt[a], self.cnt[b]
+        step = [y - x for x, y in zip(va, vb)]
+        tv = self._tv
+        # the two distances at n copies; n + 1 copies' become n + 2's baseline (the counts are the same integers)
+        now = tv([c + d for c, d in zip(ca, step)]) + tv([c - d for c, d in zip(cb, step)])
         n = 1
         while n < most:
-            na = [c + (n + 1) * (y - x) for c, x, y in zip(ca, va, vb)]
-            nb = [c + (n + 1) * (x - y) for c, x, y in zip(cb, va, vb)]
-            pa = [c + n * (y - x) for c, x, y in zip(ca, va, vb)]
-            pb = [c + n * (x - y) for c, x, y in zip(cb, va, vb)]
-            if self._tv(na) + self._tv(nb) >= self._tv(pa) + self._tv(pb) - 1e-12:
+            nxt = tv([c + (n + 1) * d for c, d in zip(ca, step)]) + tv([c - (n + 1) * d for c, d in zip(cb, step)])
+            if nxt >= now - 1e-12:
                 break
+            now = nxt
             n += 1
         return n
 

@@ -53,18 +53,19 @@ def pack_step(cand, ctx, slots):
     replace = heapq.heapreplace
     fail_m = fail_c = math.inf  # memory and compute of the last sample that fit none of the TRIES cheapest slots
     for i in sorted(cand, key=cost.__getitem__, reverse=True):
-        if mem[i] >= fail_m and comp[i] >= fail_c:
+        m, c = mem[i], comp[i]  # read once: the columns are a million long, read at random places
+        if m >= fail_m and c >= fail_c:
             # Nothing was placed since that sample failed, so the same slots are the cheapest and have no more
             # room: this one fails them too (at one clip per micro-batch, most of the packing time went here).
             deferred.append(i)
             continue
         load, k = heap[0]
         # the common case, inline (the hot loop): the cheapest slot has room
-        if not samples[k] or used[k] + mem[i] <= limit and used_c[k] + comp[i] <= limit_c:
+        if not samples[k] or used[k] + m <= limit and used_c[k] + c <= limit_c:
             replace(heap, (load + cost[i], k))
             samples[k].append(i)
-            used[k] += mem[i]
-            used_c[k] += comp[i]
+            used[k] += m
+            used_c[k] += c
             fail_m = fail_c = math.inf
             continue
         tried, k = [], None
@@ -79,7 +80,7 @@ def pack_step(cand, ctx, slots):
             heapq.heappush(heap, item)
         if k is None:
             deferred.append(i)
-            fail_m, fail_c = mem[i], comp[i]
+            fail_m, fail_c = m, c
             continue
         sl.add(k, i)
         fail_m = fail_c = math.inf
@@ -124,7 +125,7 @@ def even_round(rd, sl, ctx, passes=8, scan=4, tol=None):
     load, tol = sl.load, EVEN_TOL if tol is None else tol
     memo = _TradeMemo()
     for _ in range(passes):
-        mean = sum(load[k] for k in rd) / len(rd)
+        mean = sum(map(load.__getitem__, rd)) / len(rd)
         light = sorted(rd, key=load.__getitem__)
         heavy = [k for k in reversed(light) if load[k] > mean * (1 + tol)]
         light = [k for k in light if load[k] < mean]
@@ -152,7 +153,7 @@ class _TradeMemo:
     passes are such repeats)."""
 
     def __init__(self):
-        self.version, self.reps, self.none = {}, {}, {}
+        self.version, self.reps, self.xs, self.none = {}, {}, {}, {}
 
     def changed(self, *slots):
         for k in slots:
@@ -163,6 +164,13 @@ class _TradeMemo:
         hit = self.reps.get(b)
         if hit is None or hit[0] != v:
             hit = self.reps[b] = (v, _sorted_reps(sl, b, shape))
+        return hit[1]
+
+    def trade_xs(self, sl, a, shape, v):
+        """_trade_xs of slot a at version v."""
+        hit = self.xs.get(a)
+        if hit is None or hit[0] != v:
+            hit = self.xs[a] = (v, _trade_xs(sl, a, shape))
         return hit[1]
 
 
@@ -222,7 +230,7 @@ def _first_trade(sl, a, bs, shape, memo):
         if none.get((a, b)) == vs:
             continue
         if xs is None:
-            xs = list({shape[i]: i for i in sl.samples[a]}.values())
+            xs = memo.trade_xs(sl, a, shape, va)
         act = _best_trade(sl, a, b, xs, memo.sorted_reps(sl, b, shape, vs[1]), sl.load[a] - sl.load[b])
         if act is not None:
             return (b, *act)
@@ -230,12 +238,25 @@ def _first_trade(sl, a, bs, shape, memo):
     return None
 
 
+def _reps(sl, k, shape):
+    """Slot k's samples, one per distinct shape (its last), in the order the shapes are first seen."""
+    return list({shape[i]: i for i in sl.samples[k]}.values())
+
+
+def _trade_xs(sl, a, shape):
+    """(sample, cost, memory, compute) of slot a's _reps, in order: what _best_trade reads per sample it tries."""
+    cost, mem, comp = sl.cost, sl.mem, sl.comp
+    return [(x, cost[x], mem[x], comp[x]) for x in _reps(sl, a, shape)]
+
+
 def _sorted_reps(sl, b, shape):
-    """(costs, samples, ranks) of slot b's samples, one per distinct shape, by (cost, rank), where rank is the
-    sample's place among them in first-seen order (the order of the pair-by-pair search, which ties go by)."""
-    ys = list({shape[i]: i for i in sl.samples[b]}.values())
-    order = sorted(range(len(ys)), key=lambda r: (sl.cost[ys[r]], r))
-    return [sl.cost[ys[r]] for r in order], [ys[r] for r in order], order
+    """(costs, samples, ranks) of slot b's _reps by (cost, rank), where rank is the sample's place among them in
+    first-seen order (the order of the pair-by-pair search, which ties go by)."""
+    ys = _reps(sl, b, shape)
+    cost = sl.cost
+    cy = [cost[y] for y in ys]
+    order = sorted(range(len(ys)), key=cy.__getitem__)  # stable: equal costs keep their rank order
+    return [cy[r] for r in order], [ys[r] for r in order], order
 
 
 def _best_trade(sl, a, b, xs, reps, gap):
@@ -245,7 +266,7 @@ def _best_trade(sl, a, b, xs, reps, gap):
     falls, then rises, as y's cost rises, so the search walks b's samples by cost from where it turns, each way
     to the first that fits (then on past those as close, for the tie-break): about log n steps a sample of a
     where every pair took n."""
-    cost, mem, comp, used, used_c = sl.cost, sl.mem, sl.comp, sl.used, sl.used_c
+    mem, comp, used, used_c = sl.mem, sl.comp, sl.used, sl.used_c
     limit, limit_c = sl.limit, sl.limit_c
     ycost, ys, rank = reps
     n = len(ys)
@@ -256,17 +277,17 @@ def _best_trade(sl, a, b, xs, reps, gap):
         return ub + dm <= limit and ua - dm <= limit and ucb + dc <= limit_c and uca - dc <= limit_c
 
     best, best_left = None, gap - 1e-9
-    for x in xs:
-        cx, mx, kx = cost[x], mem[x], comp[x]
+    lowest = ycost[0] if n else math.inf
+    for x, cx, mx, kx in xs:
+        # no y costs within (cx - gap, cx) (with a margin above rounding): no swap, only the move (most x; skip the
+        # walk). An x no costlier than b's cheapest has none, without the bisection.
+        if cx <= lowest or (k := bisect.bisect_right(ycost, cx - gap - 1e-12 * cx)) == n or ycost[k] >= cx:
+            if move and 0 < cx < gap and (left := abs(gap - 2 * cx)) < best_left and fits(mx, kx):
+                best, best_left = (x, None), left
+            continue
         left, r_best, y_best = math.inf, n, None  # this x's least (new difference, rank); the move is rank -1
         if move and 0 < cx < gap and fits(mx, kx):
             left, r_best = abs(gap - 2 * cx), -1
-        # no y costs within (cx - gap, cx) (with a margin above rounding): no swap (most x; skip the walk)
-        k = bisect.bisect_right(ycost, cx - gap - 1e-12 * cx)
-        if k == n or ycost[k] >= cx:
-            if left < best_left:
-                best, best_left = (x, None), left
-            continue
         # j: the first y with gap - 2 d >= 0, where the new difference turns (near cost cx - gap / 2; exact below)
         j = bisect.bisect_left(ycost, cx - 0.5 * gap)
         while j > 0 and gap - 2 * (cx - ycost[j - 1]) >= 0:
