@@ -51,7 +51,25 @@ PACKED_BUDGETS = (453600, 75693)  # about six 720p clips per micro-batch; one (7
 PACKED_MIXES = ("video-heavy", "image-heavy")
 SWEEP_MIXES = ("video-heavy", "image-heavy", "openvid-720p", "worldmodel", "panda-web")
 NAMES = ("equal-tokens", "balanced", "packed", *BASELINES)
-CLIP = 75600  # one 81x720x1280 clip; a budget of k clips is k * CLIP + memory.sample_tokens (93)
+CLIP = 75600  # one 81x720x1280 clip
+SAMPLE_TOKENS = 93  # the calibrated profile's memory.sample_tokens (92.5), rounded up
+
+
+def clips_budget(clips):
+    """budget_tokens for memory of `clips` 720p clips: each clip and its per-sample share."""
+    return clips * CLIP + SAMPLE_TOKENS
+
+
+def budget_clips(budget):
+    """The 720p clips of memory a clips_budget stands for."""
+    return round((budget - SAMPLE_TOKENS) / CLIP)
+
+
+def packed_plan(samples, base, clips, g, ranks=1024):
+    """packed's lockstep plan of `samples` at `clips` clips of memory with profile `base` (the planning-time case of
+    the timing section, bench/plan/plan_phases.py and plan_hash.py)."""
+    profile = dataclasses.replace(base, budget_tokens=clips_budget(clips))
+    return make_plan(samples, profile, PlanConfig("packed", ranks, grad_accum=g, lockstep=True))
 
 
 def plan_row(samples, profile, policy, ranks, g, lockstep=False, **extra):
@@ -143,7 +161,7 @@ def baselines_section(args):
     for mix in args.mixes.split(","):
         epochs = {n: make_mix(mix, n) for n in {sizes.get(int(r), args.samples) for r in args.ranks.split(",")}}
         for clips in map(int, args.budgets.split(",")):
-            budget = clips * CLIP + 93
+            budget = clips_budget(clips)
             profile = dataclasses.replace(base, budget_tokens=budget)
             for ranks in map(int, args.ranks.split(",")):
                 samples = epochs[sizes.get(ranks, args.samples)]
@@ -158,8 +176,8 @@ def baselines_section(args):
     timing = []
     for clips in (map(int, args.big_budgets.split(",")) if args.big else ()):
         for g in (1, 4):
-            t = {**big_run(args.big, 1024, g, "packed", CALIBRATED, clips * CLIP + 93, True, args.big_mix),
-                 "budget_tokens": clips * CLIP + 93, "mix": args.big_mix}
+            t = {**big_run(args.big, 1024, g, "packed", CALIBRATED, clips_budget(clips), True, args.big_mix),
+                 "budget_tokens": clips_budget(clips), "mix": args.big_mix}
             timing.append(t)
             print(f"packed, {args.big_mix}, 1024 ranks, {args.big} samples, {clips} clips, G={g}: plan "
                   f"{t['plan_seconds']:.1f}s, peak RSS {t['peak_rss_MiB']:.0f} MiB, gap {t['bound_gap']:.4f}", flush=True)
@@ -200,7 +218,7 @@ def record_baselines(*raws):
             rows = [r for r, _ in by[name]]
             worst = max(rows, key=lambda r: r["bound_gap"])
             tv_over = sum(r["mix_tv"] > eq.get((r["budget_tokens"], r["grad_accum"]), 1) + 1e-9 for r in rows)
-            clips = sorted({round((r["budget_tokens"] - 93) / CLIP) for r in rows})
+            clips = sorted({budget_clips(r["budget_tokens"]) for r in rows})
             first, raw = by[name][0]
             n = first.get("samples_total", res[raw]["samples"])  # older raw files hold fewer columns
             cells.append(f"{100 * worst['bound_gap']:.2f}% / {max(r['mix_tv'] for r in rows):.2f}")
@@ -243,7 +261,7 @@ def _print_wins(cases):
         p = cases.get((mix, ranks, budget, g, "packed"), (None,))[0]
         if p is None or name == "packed":
             continue
-        clips = round((budget - 93) / CLIP)
+        clips = budget_clips(budget)
         if r["predicted_wall_s"] < p["predicted_wall_s"]:
             print(f"{name} beats packed: {mix}, {ranks} ranks, {clips} clips, G={g}: gap {100 * r['bound_gap']:.2f}% "
                   f"vs {100 * p['bound_gap']:.2f}%, mix_tv {r['mix_tv']:.3f} vs {p['mix_tv']:.3f}")
@@ -280,8 +298,8 @@ def timing_section(args):
     timing = []
     for clips in map(int, args.big_budgets.split(",")):
         for g in (1, 4):
-            t = {**big_run(args.big, 1024, g, "packed", CALIBRATED, clips * CLIP + 93, True, args.big_mix),
-                 "budget_tokens": clips * CLIP + 93, "mix": args.big_mix}
+            t = {**big_run(args.big, 1024, g, "packed", CALIBRATED, clips_budget(clips), True, args.big_mix),
+                 "budget_tokens": clips_budget(clips), "mix": args.big_mix}
             timing.append(t)
             print(f"packed, {args.big_mix}, 1024 ranks, {args.big} samples, {clips} clips, G={g}: plan "
                   f"{t['plan_seconds']:.1f}s ({t['plan_cpu_seconds']:.1f}s CPU, load {t['load_avg_1min'][0]:.1f}), "

@@ -5,16 +5,13 @@ the same plans at the planning-time benchmark's size, which tests/test_plan_dige
     PYTHONPATH=. python bench/plan/plan_hash.py 1x1 1x4 2x1 2x4 3x1 3x4 4x1 4x4 5x1 5x4 6x1 6x4
 """
 import argparse
-import dataclasses
 import hashlib
 import time
 
-from ds_adaptiveload.schedule import planner
+from plan_bench import CALIBRATED, packed_plan
+
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.schedule.profile import CostProfile
-
-CALIBRATED = "configs/profiles/h200-wan1.3b-zero3.yaml"
-CLIP = 75600  # one 81x720x1280 clip; a budget of k clips is k * CLIP + memory.sample_tokens (93)
 
 
 def main():
@@ -26,9 +23,8 @@ def main():
     base = CostProfile.load(CALIBRATED)
     for case in args.cases:
         clips, g = map(int, case.split("x"))
-        profile = dataclasses.replace(base, budget_tokens=clips * CLIP + 93)
         t = time.process_time()
-        plan = planner.make_plan(samples, profile, planner.PlanConfig("packed", 1024, grad_accum=g, lockstep=True))
+        plan = packed_plan(samples, base, clips, g)
         cpu = time.process_time() - t
         digest = hashlib.sha256(repr((plan.steps, sorted(plan.pad))).encode()).hexdigest()
         print(f"{case} {digest[:16]} {cpu:.2f} s of CPU", flush=True)

@@ -9,19 +9,19 @@ An A/B of two checkouts runs it in turns with PYTHONPATH set to each, headed "==
 --record RAW then records each label's mean CPU time per case into results.csv.
 """
 import argparse
+import os
 import re
 import statistics
-import dataclasses
-import os
 import time
 from collections import defaultdict
+
+from plan_bench import CALIBRATED, clips_budget, packed_plan
 
 from ds_adaptiveload.schedule import planner
 from ds_adaptiveload.schedule.mixes import make_mix
 from ds_adaptiveload.schedule.policies import common, packed, packed_mix, packed_redeal, packed_slots, packed_stream
 from ds_adaptiveload.schedule.profile import CostProfile
 
-CALIBRATED = "configs/profiles/h200-wan1.3b-zero3.yaml"
 PHASES = (
     (packed, ("epoch_stream", "pack_step", "step_rounds", "refine", "even_mix", "_target", "light_sums")),
     (packed_redeal, ("_lpt_steps", "_uneven")), (packed_mix, ("_mean_distance", "_MixState", "_swap_rounds")),
@@ -57,7 +57,7 @@ def record_ab(raw):
     for (label, n, clips, g), got in runs.items():
         secs = [t for t, _ in got]
         record(experiment=f"plan_phases.py A/B, packed planning {n:,} openvid-720p samples for 1024 ranks, "
-                          f"{clips * 75600 + 93:,} tokens, G = {g}, lockstep, in turns", variant=label,
+                          f"{clips_budget(clips):,} tokens, G = {g}, lockstep, in turns", variant=label,
                metric="planning CPU time", unit="s", value=round(statistics.mean(secs), 1), better="lower",
                hardware="CPU (2 cores, shared)", gpus=0, policy="packed", section="scheduler", raw_file=raw,
                command=got[0][1], note=f"mean of {len(secs)} runs: {', '.join(f'{t:.1f}' for t in secs)} s")
@@ -77,9 +77,9 @@ def main():
         for name in names:
             timed(owner, name, acc)
     samples = make_mix("openvid-720p", args.samples)
-    profile = dataclasses.replace(CostProfile.load(CALIBRATED), budget_tokens=args.clips * 75600 + 93)
+    base = CostProfile.load(CALIBRATED)
     load, t = os.getloadavg()[0], time.process_time()
-    planner.make_plan(samples, profile, planner.PlanConfig("packed", 1024, grad_accum=args.g, lockstep=True))
+    packed_plan(samples, base, args.clips, args.g)
     print(f"{args.samples} samples, {args.clips} clips, G={args.g}: {time.process_time() - t:.2f} s of CPU "
           f"(load average {load:.1f} before)")
     for label, sec in sorted(acc.items(), key=lambda kv: -kv[1]):
