@@ -147,30 +147,23 @@ def even_round(rd, sl, ctx, passes=8, scan=4, tol=None):
 
 
 class _TradeMemo:
-    """What _first_trade knows from earlier passes of one round: each slot's samples by cost (_sorted_reps) and
-    the pairs of slots found to have no trade, both as of a version of the slots that a trade moves on. A search
-    depends only on the two slots, so while neither has traded its answer stands (most searches of the later
-    passes are such repeats)."""
+    """What _first_trade knows from earlier passes of one round: each slot's samples to try and by cost (_trade_xs,
+    _sorted_reps) and the pairs of slots found to have no trade, both as of a version of the slots that a trade moves
+    on. A search depends only on the two slots, so while neither has traded its answer stands (most searches of the
+    later passes are such repeats)."""
 
     def __init__(self):
-        self.version, self.reps, self.xs, self.none = {}, {}, {}, {}
+        self.version, self.views, self.none = {}, {}, {}
 
     def changed(self, *slots):
         for k in slots:
             self.version[k] = self.version.get(k, 0) + 1
 
-    def sorted_reps(self, sl, b, shape, v):
-        """_sorted_reps of slot b at version v."""
-        hit = self.reps.get(b)
+    def view(self, build, sl, k, shape, v):
+        """build(sl, k, shape) (_trade_xs or _sorted_reps) of slot k at version v, kept until slot k trades."""
+        hit = self.views.get((build, k))
         if hit is None or hit[0] != v:
-            hit = self.reps[b] = (v, _sorted_reps(sl, b, shape))
-        return hit[1]
-
-    def trade_xs(self, sl, a, shape, v):
-        """_trade_xs of slot a at version v."""
-        hit = self.xs.get(a)
-        if hit is None or hit[0] != v:
-            hit = self.xs[a] = (v, _trade_xs(sl, a, shape))
+            hit = self.views[build, k] = (v, build(sl, k, shape))
         return hit[1]
 
 
@@ -230,8 +223,8 @@ def _first_trade(sl, a, bs, shape, memo):
         if none.get((a, b)) == vs:
             continue
         if xs is None:
-            xs = memo.trade_xs(sl, a, shape, va)
-        act = _best_trade(sl, a, b, xs, memo.sorted_reps(sl, b, shape, vs[1]), sl.load[a] - sl.load[b])
+            xs = memo.view(_trade_xs, sl, a, shape, va)
+        act = _best_trade(sl, a, b, xs, memo.view(_sorted_reps, sl, b, shape, vs[1]), sl.load[a] - sl.load[b])
         if act is not None:
             return (b, *act)
         none[a, b] = vs
