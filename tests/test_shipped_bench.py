@@ -41,3 +41,32 @@ def test_summary_and_rows_of_a_step_log(tmp_path):
               "", 20, num=96)
     table = {tuple(r[k] for k in harness.KEY) for r in harness.read_results()}
     assert {tuple(r[k] for k in harness.KEY) for r in harness.read_results(staging) if "96" in r["experiment"]} <= table
+
+
+def test_attention_runs_and_their_rows(tmp_path):
+    """--attentions: `other` takes the backend the run before did not; the variant names what the trainer logged, and
+    a run of other than 20 steps is another experiment (the 20-step rows of the table stay)."""
+    assert sc.attention_runs("other", "fa4") == "sdpa" and sc.attention_runs("other", "sdpa") == "fa4"
+    assert sc.attention_runs("default", "") == "" and sc.attention_runs("auto", "") == "auto"
+    z2 = sc.command("configs/ds_zero2_bf16.json", 2, 8, 96, "/w", attention="sdpa")
+    assert z2[-2:] == ["--attention", "sdpa"] and "--attention" not in sc.command("c", 2, 8, 96, "/w")
+    log = tmp_path / "run.log"
+    log.write_text("[rank0] noise\n[2026-12-07 10:00:00] [train_wan] attention: fa4 (--attention auto; "
+                   "forward+backward at 32,760 tokens: sdpa 9.1 ms, fa4 7.9 ms)\n")
+    used = sc.attention_of(str(log))
+    assert used[0] == "fa4" and used[1].startswith("[train_wan] attention: fa4 (--attention auto")
+    assert sc.attention_of(str(tmp_path / "run.log")) == used and sc.attention_of(_empty(tmp_path)) == ("", "")
+    s = {"steps": 8, "skipped": 0, "mfu": 50.0, "mfu_weighted": 49.0, "tokens_per_s": 1.0, "peak_share": None}
+    staging = str(tmp_path / "staging.csv")
+    sc.record(staging, "configs/ds_zero2_bf16.json", 2, s, "NVIDIA H100 80GB HBM3", ["cmd"], "bench/results/x.jsonl", "", 8,
+              attention=used)
+    rows = harness.read_results(staging)
+    assert {r["variant"] for r in rows} == {"packed, FlashAttention-4"}
+    assert all(r["experiment"].endswith("96 video-heavy samples, 8 steps") and "fa4 (--attention auto" in r["note"]
+               for r in rows)
+
+
+def _empty(tmp_path):
+    path = tmp_path / "empty.log"
+    path.write_text("")
+    return str(path)

@@ -29,11 +29,17 @@ WARMUP = 2
 POLICY = {2: "attention", 3: "full"}
 
 
-def command(config, stage, steps, num, work, model="configs/wan_1_3b.yaml", mix="video-heavy"):
+# the trainer's log names the kernels --attention resolved to; the results table's names for them
+ATTENTION_NAMES = {"sdpa": "SDPA", "fa4": "FlashAttention-4"}
+
+
+def command(config, stage, steps, num, work, model="configs/wan_1_3b.yaml", mix="video-heavy", attention=None):
+    """The README's command; `attention` adds --attention (else the trainer's default, auto)."""
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "launch/train_wan.py",
             "--deepspeed_config", config, "--model-config", model, "--synthetic", "--synthetic-mix",
             mix, "--synthetic-num", str(num), "--checkpoint-blocks", "auto", "--checkpoint-policy",
-            POLICY[stage], "--compile-blocks", "regions", "--max-steps", str(steps), "--no-final-save", "--output", work]
+            POLICY[stage], "--compile-blocks", "regions", "--max-steps", str(steps), "--no-final-save", "--output",
+            work] + (["--attention", attention] if attention else [])
 
 
 def summarize(recs, warmup=WARMUP):
@@ -58,19 +64,34 @@ def hardware(device):
     return "1x H100 80GB" if "H100" in device else "1x H200" if "H200" in device else f"1x {device}"
 
 
-def auto_line(log_path):
+def log_line(log_path, marker):
+    """The first line of the launcher's log with `marker`, without its logging prefix ("" where none has it)."""
     with open(log_path, errors="replace") as f:
-        return next((ln.split("] ", 1)[-1].strip() for ln in f if "adaptive_load.profile auto:" in ln), "")
+        return next((ln.split("] ", 1)[-1].strip() for ln in f if marker in ln), "")
 
 
-def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num=96, mix="video-heavy", limit=None):
-    """The run's rows, named as the results table names this experiment (upserted over an earlier run's)."""
+def auto_line(log_path):
+    return log_line(log_path, "adaptive_load.profile auto:")
+
+
+def attention_of(log_path):
+    """(backend, its line) as the trainer logged it, e.g. ("fa4", "attention: fa4 (--attention auto; ...)")."""
+    line = log_line(log_path, "[train_wan] attention: ")
+    return (line.split("attention: ", 1)[1].split()[0] if line else ""), line
+
+
+def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num=96, mix="video-heavy", limit=None,
+             attention=("sdpa", "")):
+    """The run's rows, named as the results table names this experiment (upserted over an earlier run's); a run of
+    other than 20 steps is another experiment. `attention`: (backend, the trainer's line) of the run."""
     cut = f" (the run was cut at its {limit:.0f} s limit)" if s["steps"] < steps and limit else ""
     note = (f"{s['steps']} of {steps} steps{cut}, {s['skipped']} skipped (OOM); steps {WARMUP + 1}-{s['steps']}; "
-            f"{profile_line}")
-    common = dict(experiment=f"train_wan.py with the shipped ZeRO-{stage} config, profile auto, {num} {mix} samples",
-                  variant="packed, SDPA", hardware=hardware(device), zero_stage=stage, policy="packed",
-                  model="Wan2.1 1.3B", command=" ".join(cmd), raw_file=raw)
+            + "; ".join(t for t in (profile_line, attention[1]) if t))
+    length = "" if steps == 20 else f", {steps} steps"
+    common = dict(experiment=f"train_wan.py with the shipped ZeRO-{stage} config, profile auto, {num} {mix} "
+                             f"samples{length}",
+                  variant=f"packed, {ATTENTION_NAMES.get(attention[0], attention[0])}", hardware=hardware(device),
+                  zero_stage=stage, policy="packed", model="Wan2.1 1.3B", command=" ".join(cmd), raw_file=raw)
     harness.record(staging, metric="MFU, whole step", unit="%", value=round(s["mfu"], 1), section="headline",
                    note=f"median; time-weighted mean {s['mfu_weighted']:.1f}%; {note}", **common)
     if s["peak_share"] is not None:
@@ -81,14 +102,15 @@ def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num
                    note=note, **common)
 
 
-def run_config(args, config, device, date, timeout):
+def run_config(args, config, device, date, timeout, attention=None):
+    """One README command for `config` (with --attention `attention` where given); its summary."""
     from ds_adaptiveload.train.config import read_json_object, zero_stage
 
     stage = zero_stage(read_json_object(os.path.join(ROOT, config), "DeepSpeed config"))
-    name = os.path.splitext(os.path.basename(config))[0]
+    name = os.path.splitext(os.path.basename(config))[0] + (f"-{attention}" if attention else "")
     work = os.path.join(args.work, name)
     shutil.rmtree(work, ignore_errors=True)
-    cmd = command(config, stage, args.steps, args.num, work, args.model_config, args.mix)
+    cmd = command(config, stage, args.steps, args.num, work, args.model_config, args.mix, attention)
     tag = f"shipped-{date}-{'h100' if 'H100' in device else 'h200' if 'H200' in device else 'gpu'}-{name}"
     log = os.path.join(args.out, f"{tag}.log")
     rc = run_logged(cmd, log, timeout)
@@ -97,14 +119,23 @@ def run_config(args, config, device, date, timeout):
     raw = os.path.join(args.out, f"{tag}-steps.jsonl")
     if recs:
         shutil.copy(steps_file, raw)
-    print(f"{config}: exit {rc}, {len(recs)} step(s) logged ({log})", flush=True)
+    used = attention_of(log)
+    print(f"{config}: exit {rc}, {len(recs)} step(s) logged, {used[1] or 'no attention line'} ({log})", flush=True)
     if (rc != 0 and rc != "timeout") or len(recs) <= WARMUP:
-        return {"config": config, "exit": rc, "steps": len(recs)}
+        return {"config": config, "attention": used[0], "exit": rc, "steps": len(recs)}
     s = summarize(recs)  # a run cut by the time limit: the steps that ran, the note says how many
     # the staging table names the raw files where the repository keeps them (bench/results/)
     record(args.staging, config, stage, s, device, cmd, f"bench/results/{os.path.basename(raw)};"
-           f"bench/results/{os.path.basename(log)}", auto_line(log), args.steps, args.num, args.mix, timeout)
-    return {"config": config, "exit": rc, **s}
+           f"bench/results/{os.path.basename(log)}", auto_line(log), args.steps, args.num, args.mix, timeout, used)
+    return {"config": config, "attention": used[0], "exit": rc, **s}
+
+
+def attention_runs(asked, last):
+    """--attentions' next entry as a trainer flag: "other" is the backend the previous run did not take (after an
+    auto run that took fa4: sdpa); "" leaves the flag out."""
+    if asked == "other":
+        return "sdpa" if last == "fa4" else "fa4"
+    return "" if asked == "default" else asked
 
 
 def main(argv=None):
@@ -115,6 +146,9 @@ def main(argv=None):
     ap.add_argument("--num", type=int, default=96, help="synthetic samples")
     ap.add_argument("--mix", default="video-heavy", help="their shape mix (a CPU smoke run: tiny)")
     ap.add_argument("--model-config", default="configs/wan_1_3b.yaml", help="(a CPU smoke run: configs/wan_tiny.yaml)")
+    ap.add_argument("--attentions", default="default", help="comma list of runs per config: default (no "
+                    "--attention flag: the trainer's auto), auto, sdpa, fa4, or other (the one the run before did not "
+                    "take), e.g. auto,other: auto's pick against the other backend on the same machine")
     ap.add_argument("--timeout", type=float, default=560, help="seconds per run")
     ap.add_argument("--budget-s", type=float, default=None, help="total seconds (the device runner's {inner})")
     ap.add_argument("--work", default="/tmp/bench_shipped")
@@ -127,11 +161,17 @@ def main(argv=None):
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     date, start, results = time.strftime("%Y-%m-%d", time.gmtime()), time.monotonic(), []
     for config in args.configs.split(","):
-        left = args.budget_s - (time.monotonic() - start) if args.budget_s else args.timeout
-        if left < 120:
-            results.append({"config": config, "skipped": "time budget"})
-            continue
-        results.append(run_config(args, config, device, date, min(args.timeout, left)))
+        last = ""
+        runs = args.attentions.split(",")
+        for i, asked in enumerate(runs):
+            left = args.budget_s - (time.monotonic() - start) if args.budget_s else args.timeout
+            if left < 120:
+                results.append({"config": config, "attention": asked, "skipped": "time budget"})
+                continue
+            # the runs of one config share what is left equally (a run that ends early leaves more to the next)
+            results.append(run_config(args, config, device, date, min(args.timeout, left / (len(runs) - i)),
+                                      attention_runs(asked, last)))
+            last = results[-1].get("attention", "")
     with open(os.path.join(args.out, "shipped-configs.json"), "w") as f:
         json.dump({"env": harness.environment(), "device": device, "runs": results}, f, indent=1)
     print(json.dumps(results), flush=True)

@@ -6,11 +6,11 @@ One run measures: device copy bandwidth (the ceiling); for each shape, x dtype a
 [B,1,D] or per-token [B,S,D], fp32), forward and forward+backward through autograd of: ours (default kernels),
 ours_grid (the per-sample grid of 2026-11-30 at B >= 2, for A-B), ours_v2 (the 2026-11-29 baseline kernels),
 the Wan eager chain (LN_fp32(x).to(x.dtype).float() * (1 + scale) + shift -> x.dtype), torch.compile(dynamic=True)
-of it, and LN then modulate with F.layer_norm, Liger's LayerNorm and apex contrib's FastLayerNorm (built from
---apex-src). A crashing baseline is reported as its error. Then host overhead per call (a tiny shape, where the
-GPU is idle) and what torch.compile and CUDA graphs make of small shapes. Ours is also timed kernel-only: one replay
-of a CUDA graph (ours_kernel), and in a stream of launches (ours_stream, beside copy_stream); --tile-sweep times only
-every compile-time tile of each shape's width in a stream.
+of it, and LN then modulate with F.layer_norm, Liger's LayerNorm, apex contrib's FastLayerNorm (built from
+--apex-src) and QuACK's LayerNorm (quack-kernels, where installed). A crashing baseline is reported as its error.
+Then host overhead per call (a tiny shape, where the GPU is idle) and what torch.compile and CUDA graphs make of
+small shapes. Ours is also timed kernel-only: one replay of a CUDA graph (ours_kernel), and in a stream of launches
+(ours_stream, beside copy_stream); --tile-sweep times only every compile-time tile of each shape's width in a stream.
 Byte floor: bytes that must move (forward: x read + y written + the modulation read; backward: x and dy read, dx
 written, the modulation read and its gradients written) over the copy bandwidth. Medians of CUDA-event timings;
 inputs rotate between two sets when one set fits in L2."""
@@ -112,7 +112,33 @@ def ln_providers(apex_mod, apex_err):
     except Exception as err:  # noqa: BLE001 - reported as that provider's error
         out["liger_ln"] = f"error: {type(err).__name__}: {err}"
     out["apex_fast_ln"] = apex_provider(apex_mod) if apex_mod is not None else f"error: {apex_err}"
+    try:
+        out["quack_ln"] = quack_ln()
+    except Exception as err:  # noqa: BLE001 - not installed or cannot run here: reported as its error
+        out["quack_ln"] = f"error: {type(err).__name__}: {err}"
     return out
+
+
+def quack_ln():
+    """QuACK's LayerNorm (quack-kernels, CuTe DSL: layernorm_fwd / layernorm_bwd) as x -> LN(x), no affine; its
+    weight must be fp32, so ones in fp32 (its backward also reduces that weight's gradient, which it always does)."""
+    from quack.rmsnorm import layernorm_bwd, layernorm_fwd
+
+    class QuackLN(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            x2 = x.reshape(-1, x.shape[-1])
+            w = torch.ones(x.shape[-1], device=x.device, dtype=torch.float32)
+            out, rstd, mean = layernorm_fwd(x2, w, None, EPS, return_rstd=True, return_mean=True)
+            ctx.save_for_backward(x2, w, rstd, mean)
+            return out.view(x.shape)
+
+        @staticmethod
+        def backward(ctx, dz):
+            x2, w, rstd, mean = ctx.saved_tensors
+            dx, _, _ = layernorm_bwd(x2, w, dz.reshape(x2.shape).contiguous(), rstd, mean, has_bias=False)
+            return dx.view(dz.shape)
+    return QuackLN.apply
 
 
 def providers(apex_mod, apex_err):
@@ -534,8 +560,8 @@ def cell_text(v):
 
 def markdown(res):
     cols = ["ours", "ours_kernel", "ours_graph", "ours_stream", "ours_grid", "ours_v2", "ours_customop",
-            "wan_eager", "wan_compile_dynamic", "torch_ln_mod", "liger_ln_mod", "apex_fast_ln_mod", "torch_ln",
-            "liger_ln", "apex_fast_ln"]
+            "wan_eager", "wan_compile_dynamic", "torch_ln_mod", "liger_ln_mod", "apex_fast_ln_mod", "quack_ln_mod",
+            "torch_ln", "liger_ln", "apex_fast_ln", "quack_ln"]
     lines = [f"Copy bandwidth {res['copy_TBps']:.2f} TB/s, {res['device']}, torch {res['torch']}, {res['date']}. "
              "Times in ms (median); bw% = byte floor / time / copy bandwidth.", "",
              "| shape | dtype | layout | pass | floor | " + " | ".join(cols) + " | ours bw% |",

@@ -4,11 +4,13 @@
 
 For Wan shapes (dim 1536 and 5120, 1,560..75,600 tokens), bf16 x / y, per-sample fp32 gate / scale / shift, forward
 and forward+backward (both outputs get a gradient, as in a block) of: fused (the op), ln_modulate+add (the residual
-as one torch expression, then today's ln_modulate op), compiled (torch.compile(dynamic=True) of the eager chain) and
-eager (the chain as Wan writes it). Byte floor: forward x, y read, x_new and out written; backward d_out, d_x_new,
-x_new, y read, dx, dy written (modulation vectors are negligible); % of copy bandwidth = floor bytes / time / copy
-bandwidth. Medians of CUDA events. Writes the raw JSON OUT/ln_modulate_residual-DATE-GPU.json and OUT/staging.csv
-(harness rows; merge with `python bench/harness.py merge OUT/staging.csv`)."""
+as one torch expression, then today's ln_modulate op), compiled (torch.compile(dynamic=True) of the eager chain),
+eager (the chain as Wan writes it) and QuACK's residual-add RMSNorm then the modulation (where quack-kernels is
+installed; a crash is recorded as that provider's error, a missing package gets no row). Byte floor: forward x, y
+read, x_new and out written; backward d_out, d_x_new, x_new, y read, dx, dy written (modulation vectors are
+negligible); % of copy bandwidth = floor bytes / time / copy bandwidth. Medians of CUDA events. Writes the raw
+JSON OUT/ln_modulate_residual-DATE-GPU.json and OUT/staging.csv (harness rows; merge with
+`python bench/harness.py merge OUT/staging.csv`)."""
 import argparse
 import datetime
 import json
@@ -44,10 +46,20 @@ def unfused(x, y, gate, scale, shift):
     return ln_modulate(x_new, scale, shift, eps=EPS), x_new
 
 
+def quack_residual(x, y, gate, scale, shift):
+    """QuACK's fused residual-add RMSNorm (quack-kernels: out = RMSNorm(gate * y + x), x_new = that sum) after a
+    torch gate multiply, then the modulation as one addcmul. RMSNorm, not LayerNorm: it skips the mean, so it is an
+    anchor from below on work, and the gate costs it one more pass."""
+    from quack.rmsnorm import rmsnorm
+
+    out, x_new = rmsnorm((gate * y.float()).to(x.dtype), None, residual=x, eps=EPS, prenorm=True)
+    return torch.addcmul(shift.to(x.dtype), out, 1 + scale.to(x.dtype)), x_new
+
+
 def providers():
     compiled = torch.compile(eager_chain, dynamic=True)
     return {"fused": lambda *a: ln_modulate_residual(*a, eps=EPS), "ln_modulate+add": unfused,
-            "compiled": compiled, "eager": eager_chain}
+            "compiled": compiled, "eager": eager_chain, "quack_rmsnorm_residual+mod": quack_residual}
 
 
 def inputs(B, S, D, grad):
@@ -96,6 +108,8 @@ def record_rows(path, rows, env, raw_name):
                 common = dict(experiment=EXPERIMENT.format(shape=row["shape"]), variant=name, hardware=hw,
                               command=COMMAND, raw_file=f"bench/results/{raw_name}", section="kernel",
                               date=env["date"])
+                if "ModuleNotFoundError" in got.get("error", ""):
+                    continue  # an optional anchor that is not installed there: no result either way
                 if "error" in got:
                     harness.record(path, metric=f"{label}, ms", unit="ms", status="crash", note=got["error"], **common)
                     continue
