@@ -183,6 +183,9 @@ STAGES = {
                        "FlashAttention-4 in the model: kernels, packed model, checkpointing, compiled block (--fa4)"),
     "attn_backends": Stage([py("bench/model/attn_backends.py", "--out", "{out}")], 240,
                            "self-attention kernels at the model's shapes: SDPA cuDNN / flash against FlashAttention-4"),
+    "fa4_shapes": Stage([py("bench/model/fa4_shapes.py", "--out", "{out}")], 150,
+                        "FlashAttention-4 at every per-sample shape of the video- and image-heavy mixes, n = 1 and a "
+                        "micro-batch's worth, each call synchronized, against SDPA (--fa4)"),
     "gemm_rows": Stage([py("bench/model/gemm_rows.py", "--out", "{out}")], 90,
                        "the block's GEMMs at a packed micro-batch's rows vs the separate ones' (cuBLAS, cuBLASLt)"),
     "fp8_test": Stage([py(*PYTEST, "-m", "cuda", "tests/test_fp8.py")], 120,
