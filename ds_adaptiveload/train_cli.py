@@ -10,7 +10,10 @@ The configs named here are the shipped ones, found outside a checkout too (shipp
 `error:` line and an exit code (docs/reliability.md).
 """
 import argparse
+import logging
 import sys
+
+logger = logging.getLogger(__name__)
 
 
 def _ckpt_blocks(value: str):
@@ -195,6 +198,18 @@ def agreed_exit(error) -> int:
         failures.teardown()
 
 
+def fa4_hint(attention, e: BaseException):
+    """A line for a CUDA or cuDNN RuntimeError in a run whose self-attention is FlashAttention-4 (one such error,
+    in the cross-attention's cuDNN kernel, stopped an H100 run once and did not come back under
+    CUDA_LAUNCH_BLOCKING=1: docs/training.md, Attention); None otherwise."""
+    text = str(e)
+    if attention != "fa4" or type(e) is not RuntimeError or not any(k in text for k in ("CUDA", "cuDNN", "cudnn",
+                                                                                       "mha_graph")):
+        return None
+    return ("[train_wan] this run's self-attention is FlashAttention-4: to tell whether the error below comes "
+            "with it, run again with --attention sdpa (docs/training.md, Attention)")
+
+
 def run(args) -> int:
     """check, then Trainer(args).train(); a failure ends as one `error:` line and an exit code (failures.report;
     check's UserError: agreed_exit)."""
@@ -226,6 +241,9 @@ def run(args) -> int:
         trainer.train()
         return 0
     except (Exception, failures.Terminated) as e:  # bad input, a lost peer, SIGTERM: one line; else re-raised
+        hint = fa4_hint(getattr(trainer, "attention", None), e)
+        if hint:
+            logger.warning(hint)
         return failures.report(e, trainer.step if trainer else None, getattr(trainer, "bar", None),
                                trainer.relaunch_advice() if trainer else failures.RELAUNCH)
     finally:

@@ -144,3 +144,23 @@ def test_flop_counter_counts_the_fa4_ops_as_sdpa(fake_fa4, cuda_like):
         attention.fa4_attention(q, k, v).sum().backward()
     bhsd = [(2, 3, n, 8) for n in (24, 40, 40)]
     assert counter.get_total_flops() == sdpa_flop_count(*bhsd) + sdpa_backward_flop_count(bhsd[0], *bhsd) > 0
+
+
+def test_a_cuda_error_in_an_fa4_run_points_at_the_sdpa_flag():
+    """train_cli.fa4_hint: a CUDA or cuDNN RuntimeError in a run on FlashAttention-4 gets one line naming
+    --attention sdpa (a flag the trainer has); other errors and SDPA runs get none."""
+    from ds_adaptiveload import train_cli
+
+    cudnn = RuntimeError("Expected mha_graph.execute(handle, variant_pack, workspace_ptr.get()).is_good() to be true")
+    hint = train_cli.fa4_hint("fa4", cudnn)
+    assert hint and "--attention sdpa" in hint
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    flag = next(a for a in parser._actions if "--attention" in a.option_strings)
+    assert "sdpa" in (flag.choices or attention.ATTENTION_BACKENDS)  # the hint names a flag and value that exist
+    assert train_cli.fa4_hint("fa4", RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert train_cli.fa4_hint("sdpa", cudnn) is None and train_cli.fa4_hint(None, cudnn) is None
+    assert train_cli.fa4_hint("fa4", ValueError("CUDA")) is None  # not a kernel's error
+    assert train_cli.fa4_hint("fa4", RuntimeError("shape mismatch")) is None
