@@ -203,8 +203,9 @@ def fa4_hint(attention, e: BaseException):
     in the cross-attention's cuDNN kernel, stopped an H100 run once and did not come back under
     CUDA_LAUNCH_BLOCKING=1: docs/training.md, Attention); None otherwise."""
     text = str(e)
-    if attention != "fa4" or type(e) is not RuntimeError or not any(k in text for k in ("CUDA", "cuDNN", "cudnn",
-                                                                                       "mha_graph")):
+    # torch raises a kernel's fault as RuntimeError or a subclass (torch.AcceleratorError); not so running out of memory
+    if attention != "fa4" or not isinstance(e, RuntimeError) or type(e).__name__ == "OutOfMemoryError" or \
+            not any(k in text for k in ("CUDA", "cuDNN", "cudnn", "mha_graph")):
         return None
     return ("[train_wan] this run's self-attention is FlashAttention-4: to tell whether the error below comes "
             "with it, run again with --attention sdpa (docs/training.md, Attention)")

@@ -164,3 +164,12 @@ def test_a_cuda_error_in_an_fa4_run_points_at_the_sdpa_flag():
     assert train_cli.fa4_hint("sdpa", cudnn) is None and train_cli.fa4_hint(None, cudnn) is None
     assert train_cli.fa4_hint("fa4", ValueError("CUDA")) is None  # not a kernel's error
     assert train_cli.fa4_hint("fa4", RuntimeError("shape mismatch")) is None
+
+    class AcceleratorError(RuntimeError):  # as torch raises a CUDA fault
+        pass
+
+    class OutOfMemoryError(RuntimeError):  # torch.cuda.OutOfMemoryError's name: the OOM handling speaks for itself
+        pass
+
+    assert train_cli.fa4_hint("fa4", AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert train_cli.fa4_hint("fa4", OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) is None
