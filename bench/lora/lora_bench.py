@@ -6,6 +6,8 @@ in a process of its own (a clean GPU); raw JSON rows under --out, and a staging 
     python bench/lora/lora_bench.py --parts 14b --steps 20 --budget-s 520 --out $OUT          # ~9 min on an H100
     python bench/lora/lora_bench.py --parts packed,1.3b-lora,1.3b-full --budget-s 400 --out $OUT
     python bench/lora/lora_bench.py --smoke --out /tmp/lora-smoke                           # CPU: the tiny model
+    python bench/lora/lora_bench.py --parts 14b --steps 20 --state /tmp/lora-state --budget-s 520 --out $OUT
+                                      # twice on one machine: 20 timed steps of 49 s do not fit one 10-minute command
 
 A step is one micro-batch: flow-matching forward, backward, optimizer step (ZeRO-2, bf16, one GPU), every block
 checkpointed; the 14B parts keep the checkpointed blocks' inputs in pinned host memory (--offload-blocks, model/
@@ -65,6 +67,10 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU bf16 dense peak (H100/H200 SXM: 989)")
     p.add_argument("--hardware", default=None, help="results rows' hardware (default: from the GPU's name)")
     p.add_argument("--csv", default=None, help="staging results table (default OUT/results-staging.csv)")
+    p.add_argument("--state", default=None, metavar="DIR",
+                   help="keep each part's adapters and optimizer state in DIR when it stops and resume from them when "
+                        "there: a part of more steps than one command's time limit runs as several commands on one "
+                        "machine (each process adds one untimed warm-up step; every trained step is counted)")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny model, tiny shapes, 2 steps per part")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -145,19 +151,21 @@ def run_part(name, args) -> dict:
              "text": [torch.randn(cfg.text_len, cfg.text_dim, generator=g).to(device, dtype) for _ in shapes],
              "index": list(range(len(shapes)))}
     flops, tokens = step_flops(cfg, spec, shapes)
+    prior = resume(engine, args.state, name)
     row = {"part": name, "doc": spec["doc"], "model": spec["model"], "lora_rank": spec["lora"], "tokens": tokens,
            "samples": len(shapes), "offload_blocks": engine.module.offload_blocks, "build_s": round(build_s, 1),
-           "step_flops": flops, "status": "ok", "steps": 0, "step_s": []}
-    peak = 0
-    for i in range(1 + args.steps):
+           "step_flops": flops, "status": "ok", "steps": len(prior.get("step_s", [])),
+           "step_s": list(prior.get("step_s", [])), "processes": prior.get("processes", 0) + 1}
+    peak, trained = prior.get("peak", 0), prior.get("trained", 0)
+    for i in range(1 + args.steps - row["steps"] if row["steps"] < args.steps else 0):
         if i and time.monotonic() + max(row["step_s"] or [0]) > deadline:
             break
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         t = time.perf_counter()
         try:
-            losses = eng.micro_step(engine, batch, 1.0 / len(shapes), device=device, dtype=dtype, seed=0, epoch=i,
-                                    shift=5.0)
+            losses = eng.micro_step(engine, batch, 1.0 / len(shapes), device=device, dtype=dtype, seed=0,
+                                    epoch=trained, shift=5.0)
             engine.step()
             if cuda:
                 torch.cuda.synchronize()
@@ -167,11 +175,15 @@ def run_part(name, args) -> dict:
         if not torch.isfinite(losses).all():
             row.update(status="crash", error=f"non-finite loss at step {i}")
             break
+        trained += 1
         if i:  # the first step compiles and warms the allocator
             row["step_s"].append(round(time.perf_counter() - t, 3))
-            row["steps"] = i
+            row["steps"] = len(row["step_s"])
         peak = max(peak, torch.cuda.max_memory_allocated(device) if cuda else 0)
-    row["warmup_steps"] = 1
+    row["warmup_steps"], row["trained_steps"] = row["processes"], trained
+    if row["status"] == "ok":
+        keep(engine, args.state, name, {"step_s": row["step_s"], "trained": trained, "peak": peak,
+                                        "processes": row["processes"]})
     row["peak_gib"] = round(peak / 2**30, 2)
     row["capacity_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 2) if cuda else None
     row["offloaded_gib"] = round(engine.module._offload.stats()["bytes"] / 2**30, 2)
@@ -180,6 +192,26 @@ def run_part(name, args) -> dict:
         row.update(step_s_median=med, tokens_per_s=round(tokens / med, 1),
                    mfu=round(flops / med / (args.peak_tflops * 1e12), 4))
     return row
+
+
+def resume(engine, state, name) -> dict:
+    """What an earlier process of part `name` left in `state` (its adapters and optimizer state are loaded into
+    `engine`; the frozen base is rebuilt from the same seed), or {} where there is none."""
+    path = os.path.join(state, f"{name}.json") if state else ""
+    if not path or not os.path.exists(path):
+        return {}
+    engine.load_checkpoint(state, tag=name, load_module_strict=False)  # the checkpoint holds the adapters only
+    with open(path) as f:
+        return json.load(f)
+
+
+def keep(engine, state, name, progress):
+    """Save part `name`'s trainable state (not the frozen base: 28 GB at 14B) and its progress into `state`."""
+    if not state:
+        return
+    engine.save_checkpoint(state, tag=name, save_latest=False, exclude_frozen_parameters=True)
+    with open(os.path.join(state, f"{name}.json"), "w") as f:
+        json.dump(progress, f)
 
 
 def hardware_name(env) -> str:
@@ -206,11 +238,17 @@ def record_rows(rows, args, raw_file, env):
     by = {r["part"]: r for r in rows}
     command = "python bench/lora/lora_bench.py --parts " + ",".join(by) + f" --steps {args.steps}"
     command += f" --offload-blocks {args.offload_blocks}" if args.offload_blocks is not None else ""
+    command += f" --state {args.state} (once per process, on one machine)" if args.state else ""
     common = dict(experiment="lora", hardware=hw, section="training", zero_stage=2, raw_file=raw_file,
                   command=command)
     for name, r in by.items():
         status = r["status"]
-        note = f"{r['doc']}; {r['steps']} timed steps after 1 warm-up, no OOM" if status == "ok" else \
+        trained = r.get("trained_steps", r["steps"] + 1)
+        runs = r.get("processes", 1)
+        how = (f"{trained} trained steps, {r['steps']} of them timed (the first of each of {runs} processes is not; "
+               f"each resumed from the last one's adapters and optimizer state)" if runs > 1 else
+               f"{r['steps']} timed steps after 1 warm-up")
+        note = f"{r['doc']}; {how}, no OOM" if status == "ok" else \
             f"{r['doc']}; {status} after {r['steps']} steps: {r.get('error', '')}"
         base = dict(common, variant=variant_name(name, r), model=os.path.basename(r["model"]).replace(".yaml", ""), note=note,
                     status=status if status == "ok" else status)
@@ -222,7 +260,7 @@ def record_rows(rows, args, raw_file, env):
         harness.record(csv, metric="peak memory", unit="GiB", value=r["peak_gib"], **base)
         harness.record(csv, metric="MFU", unit="%", value=round(100 * r["mfu"], 2), **base)
         harness.record(csv, metric="tokens per second", unit="tokens/s", value=r["tokens_per_s"], **base)
-        harness.record(csv, metric="steps without OOM", unit="x", value=r["steps"] + 1, **base)
+        harness.record(csv, metric="steps without OOM", unit="x", value=trained, **base)
     if by.get("1.3b-lora", {}).get("tokens_per_s") and by.get("1.3b-full", {}).get("tokens_per_s"):
         harness.record(csv, metric="tokens per second, LoRA vs full fine-tuning", unit="tokens/s",
                        value=by["1.3b-lora"]["tokens_per_s"], baseline=by["1.3b-full"]["tokens_per_s"],
@@ -251,6 +289,7 @@ def main(argv=None) -> int:
                  "--attention", args.attention, "--peak-tflops", str(args.peak_tflops), "--out", args.out]
         child += (["--smoke"] if args.smoke else []) + (["--no-offload"] if args.no_offload else [])
         child += ["--offload-blocks", str(args.offload_blocks)] if args.offload_blocks is not None else []
+        child += ["--state", args.state] if args.state else []
         row, proc = harness.run_part(child, PREFIX, os.path.join(args.out, f"lora-{name}.log"))
         rows.append(row or {"part": name, "doc": PARTS[name]["doc"], "model": PARTS[name]["model"], "steps": 0,
                             "status": "crash", "step_s": [], "error": harness.last_error(proc.stderr)})
