@@ -70,3 +70,15 @@ def _empty(tmp_path):
     path = tmp_path / "empty.log"
     path.write_text("")
     return str(path)
+
+
+def test_a_crashed_run_is_a_crash_row(tmp_path):
+    """A run that stops with an error gets a crash row naming the step count and the error line, not no row."""
+    staging = str(tmp_path / "staging.csv")
+    log = "[rank0]: Traceback (most recent call last):\n[rank0]: RuntimeError: Expected mha_graph.execute(...) true\n"
+    sc.record_crash(staging, 2, "NVIDIA H100 80GB HBM3", ["cmd"], "bench/results/x.log", 2, 8, 96, "image-heavy",
+                    ("fa4", "[train_wan] attention: fa4 (--attention auto)"), harness.last_error(log))
+    (row,) = harness.read_results(staging)
+    assert row["status"] == "crash" and row["variant"] == "packed, FlashAttention-4" and row["value"] == ""
+    assert row["experiment"] == sc.experiment_name(2, 96, "image-heavy", 8)
+    assert row["note"].startswith("stopped after 2 of 8 steps: RuntimeError: Expected mha_graph")

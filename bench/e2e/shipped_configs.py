@@ -80,6 +80,12 @@ def attention_of(log_path):
     return (line.split("attention: ", 1)[1].split()[0] if line else ""), line
 
 
+def experiment_name(stage, num, mix, steps):
+    """The results table's name of a run; a run of other than the README's 20 steps is another experiment."""
+    length = "" if steps == 20 else f", {steps} steps"
+    return f"train_wan.py with the shipped ZeRO-{stage} config, profile auto, {num} {mix} samples{length}"
+
+
 def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num=96, mix="video-heavy", limit=None,
              attention=("sdpa", "")):
     """The run's rows, named as the results table names this experiment (upserted over an earlier run's); a run of
@@ -87,19 +93,27 @@ def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num
     cut = f" (the run was cut at its {limit:.0f} s limit)" if s["steps"] < steps and limit else ""
     note = (f"{s['steps']} of {steps} steps{cut}, {s['skipped']} skipped (OOM); steps {WARMUP + 1}-{s['steps']}; "
             + "; ".join(t for t in (profile_line, attention[1]) if t))
-    length = "" if steps == 20 else f", {steps} steps"
-    common = dict(experiment=f"train_wan.py with the shipped ZeRO-{stage} config, profile auto, {num} {mix} "
-                             f"samples{length}",
+    section = "headline" if steps == 20 else "training"
+    common = dict(experiment=experiment_name(stage, num, mix, steps),
                   variant=f"packed, {ATTENTION_NAMES.get(attention[0], attention[0])}", hardware=hardware(device),
                   zero_stage=stage, policy="packed", model="Wan2.1 1.3B", command=" ".join(cmd), raw_file=raw)
-    harness.record(staging, metric="MFU, whole step", unit="%", value=round(s["mfu"], 1), section="headline",
+    harness.record(staging, metric="MFU, whole step", unit="%", value=round(s["mfu"], 1), section=section,
                    note=f"median; time-weighted mean {s['mfu_weighted']:.1f}%; {note}", **common)
     if s["peak_share"] is not None:
         harness.record(staging, metric="peak memory, share of capacity", unit="%", value=round(s["peak_share"], 1),
-                       section="headline", note=f"{s['peak_gib']:.1f} of {s['capacity_gib']:.1f} GiB; target >= 90%; "
+                       section=section, note=f"{s['peak_gib']:.1f} of {s['capacity_gib']:.1f} GiB; target >= 90%; "
                                                 f"{note}", **common)
     harness.record(staging, metric="throughput", unit="tokens/s", value=round(s["tokens_per_s"]), section="training",
                    note=note, **common)
+
+
+def record_crash(staging, stage, device, cmd, raw, done, steps, num, mix, attention, error):
+    """A run that stopped with an error: a crash row in place of its MFU."""
+    harness.record(staging, experiment=experiment_name(stage, num, mix, steps),
+                   variant=f"packed, {ATTENTION_NAMES.get(attention[0], attention[0])}", metric="MFU, whole step",
+                   unit="%", status="crash", hardware=hardware(device), zero_stage=stage, policy="packed",
+                   model="Wan2.1 1.3B", command=" ".join(cmd), raw_file=raw, section="training",
+                   note=f"stopped after {done} of {steps} steps: {error[:300]}; {attention[1]}")
 
 
 def run_config(args, config, device, date, timeout, attention=None):
@@ -121,6 +135,11 @@ def run_config(args, config, device, date, timeout, attention=None):
         shutil.copy(steps_file, raw)
     used = attention_of(log)
     print(f"{config}: exit {rc}, {len(recs)} step(s) logged, {used[1] or 'no attention line'} ({log})", flush=True)
+    if rc != 0 and rc != "timeout":  # a crash is a result: its row says where it stopped and why
+        with open(log, errors="replace") as f:
+            error = harness.last_error(f.read())
+        record_crash(args.staging, stage, device, cmd, f"bench/results/{os.path.basename(log)}", len(recs),
+                     args.steps, args.num, args.mix, used, error)
     if (rc != 0 and rc != "timeout") or len(recs) <= WARMUP:
         return {"config": config, "attention": used[0], "exit": rc, "steps": len(recs)}
     s = summarize(recs)  # a run cut by the time limit: the steps that ran, the note says how many
