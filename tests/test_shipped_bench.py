@@ -80,5 +80,6 @@ def test_a_crashed_run_is_a_crash_row(tmp_path):
                     ("fa4", "[train_wan] attention: fa4 (--attention auto)"), harness.last_error(log))
     (row,) = harness.read_results(staging)
     assert row["status"] == "crash" and row["variant"] == "packed, FlashAttention-4" and row["value"] == ""
-    assert row["experiment"] == sc.experiment_name(2, 96, "image-heavy", 8)
+    assert row["experiment"] == ("train_wan.py with the shipped ZeRO-2 config, profile auto, 96 image-heavy samples, "
+                                 "8 steps")
     assert row["note"].startswith("stopped after 2 of 8 steps: RuntimeError: Expected mha_graph")

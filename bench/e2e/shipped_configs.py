@@ -80,10 +80,14 @@ def attention_of(log_path):
     return (line.split("attention: ", 1)[1].split()[0] if line else ""), line
 
 
-def experiment_name(stage, num, mix, steps):
-    """The results table's name of a run; a run of other than the README's 20 steps is another experiment."""
+def run_fields(stage, num, mix, steps, device, cmd, raw, attention):
+    """The columns every row of one run shares: its experiment (a run of other than the README's 20 steps is another
+    experiment), the attention the trainer logged as the variant, hardware, command and raw files."""
     length = "" if steps == 20 else f", {steps} steps"
-    return f"train_wan.py with the shipped ZeRO-{stage} config, profile auto, {num} {mix} samples{length}"
+    return dict(experiment=f"train_wan.py with the shipped ZeRO-{stage} config, profile auto, {num} {mix} "
+                           f"samples{length}",
+                variant=f"packed, {ATTENTION_NAMES.get(attention[0], attention[0])}", hardware=hardware(device),
+                zero_stage=stage, policy="packed", model="Wan2.1 1.3B", command=" ".join(cmd), raw_file=raw)
 
 
 def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num=96, mix="video-heavy", limit=None,
@@ -94,9 +98,7 @@ def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num
     note = (f"{s['steps']} of {steps} steps{cut}, {s['skipped']} skipped (OOM); steps {WARMUP + 1}-{s['steps']}; "
             + "; ".join(t for t in (profile_line, attention[1]) if t))
     section = "headline" if steps == 20 else "training"
-    common = dict(experiment=experiment_name(stage, num, mix, steps),
-                  variant=f"packed, {ATTENTION_NAMES.get(attention[0], attention[0])}", hardware=hardware(device),
-                  zero_stage=stage, policy="packed", model="Wan2.1 1.3B", command=" ".join(cmd), raw_file=raw)
+    common = run_fields(stage, num, mix, steps, device, cmd, raw, attention)
     harness.record(staging, metric="MFU, whole step", unit="%", value=round(s["mfu"], 1), section=section,
                    note=f"median; time-weighted mean {s['mfu_weighted']:.1f}%; {note}", **common)
     if s["peak_share"] is not None:
@@ -109,11 +111,9 @@ def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num
 
 def record_crash(staging, stage, device, cmd, raw, done, steps, num, mix, attention, error):
     """A run that stopped with an error: a crash row in place of its MFU."""
-    harness.record(staging, experiment=experiment_name(stage, num, mix, steps),
-                   variant=f"packed, {ATTENTION_NAMES.get(attention[0], attention[0])}", metric="MFU, whole step",
-                   unit="%", status="crash", hardware=hardware(device), zero_stage=stage, policy="packed",
-                   model="Wan2.1 1.3B", command=" ".join(cmd), raw_file=raw, section="training",
-                   note=f"stopped after {done} of {steps} steps: {error[:300]}; {attention[1]}")
+    harness.record(staging, metric="MFU, whole step", unit="%", status="crash", section="training",
+                   note=f"stopped after {done} of {steps} steps: {error[:300]}; {attention[1]}",
+                   **run_fields(stage, num, mix, steps, device, cmd, raw, attention))
 
 
 def run_config(args, config, device, date, timeout, attention=None):
@@ -179,9 +179,9 @@ def main(argv=None):
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     date, start, results = time.strftime("%Y-%m-%d", time.gmtime()), time.monotonic(), []
+    runs = args.attentions.split(",")
     for config in args.configs.split(","):
         last = ""
-        runs = args.attentions.split(",")
         for i, asked in enumerate(runs):
             left = args.budget_s - (time.monotonic() - start) if args.budget_s else args.timeout
             if left < 120:
