@@ -154,10 +154,11 @@ def run_part(name, args) -> dict:
     prior = resume(engine, args.state, name)
     row = {"part": name, "doc": spec["doc"], "model": spec["model"], "lora_rank": spec["lora"], "tokens": tokens,
            "samples": len(shapes), "offload_blocks": engine.module.offload_blocks, "build_s": round(build_s, 1),
-           "step_flops": flops, "status": "ok", "steps": len(prior.get("step_s", [])),
-           "step_s": list(prior.get("step_s", [])), "processes": prior.get("processes", 0) + 1}
+           "step_flops": flops, "status": "ok", "step_s": list(prior.get("step_s", [])),
+           "processes": prior.get("processes", 0) + 1}
     peak, trained = prior.get("peak", 0), prior.get("trained", 0)
-    for i in range(1 + args.steps - row["steps"] if row["steps"] < args.steps else 0):
+    left = args.steps - len(row["step_s"])  # timed steps still to run; this process adds a warm-up step before them
+    for i in range(1 + left if left > 0 else 0):
         if i and time.monotonic() + max(row["step_s"] or [0]) > deadline:
             break
         if cuda:
@@ -173,14 +174,14 @@ def run_part(name, args) -> dict:
             row.update(status="oom", error=str(e).splitlines()[0][:300])
             break
         if not torch.isfinite(losses).all():
-            row.update(status="crash", error=f"non-finite loss at step {i}")
+            row.update(status="crash", error=f"non-finite loss at step {trained}")
             break
         trained += 1
         if i:  # the first step compiles and warms the allocator
             row["step_s"].append(round(time.perf_counter() - t, 3))
-            row["steps"] = len(row["step_s"])
         peak = max(peak, torch.cuda.max_memory_allocated(device) if cuda else 0)
-    row["warmup_steps"], row["trained_steps"] = row["processes"], trained
+    row["steps"], row["trained_steps"] = len(row["step_s"]), trained
+    row["warmup_steps"] = trained - row["steps"]
     if row["status"] == "ok":
         keep(engine, args.state, name, {"step_s": row["step_s"], "trained": trained, "peak": peak,
                                         "processes": row["processes"]})
