@@ -73,7 +73,7 @@ def _run_arguments(p):
     """Data, output, length of the run, validation and previews."""
     from ds_adaptiveload.flags import folder, non_negative_int, positive_int
     from ds_adaptiveload.schedule.mixes import MIXES
-    from ds_adaptiveload.train import preview
+    from ds_adaptiveload.train import gpu_busy, preview
 
     p.add_argument("--model-config", required=True,
                    help="WanConfig YAML (configs/wan_*.yaml: the shipped ones are found outside a checkout too)")
@@ -103,6 +103,7 @@ def _run_arguments(p):
                         "OUTPUT/val.jsonl, the monitor's val/loss)")
     p.add_argument("--val-every", type=int, default=0, help="steps between validations (0: start and end only)")
     preview.add_arguments(p)
+    gpu_busy.add_arguments(p)
 
 
 def _checkpoint_arguments(p):
@@ -152,7 +153,7 @@ def check(args) -> None:
     working directory or among the shipped configs (shipped.py)."""
     from ds_adaptiveload import shipped
     from ds_adaptiveload.errors import UserError
-    from ds_adaptiveload.train import preview
+    from ds_adaptiveload.train import gpu_busy, preview
 
     if not args.deepspeed_config:
         raise UserError("--deepspeed_config is required")
@@ -161,6 +162,7 @@ def check(args) -> None:
     if args.val_every < 0 or (args.val_every and not args.val_data):
         raise UserError(f"--val-every {args.val_every}: needs --val-data and a number of steps >= 0")
     preview.check_arguments(args)
+    gpu_busy.parse_range(args.profile_steps)
     if args.init_from and args.resume:
         raise UserError("--init-from starts a new run from pretrained weights, --resume continues one: give one of them")
     for flag, key in (("--deepspeed_config", "deepspeed_config"), ("--model-config", "model_config")):

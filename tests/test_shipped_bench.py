@@ -83,3 +83,24 @@ def test_a_crashed_run_is_a_crash_row(tmp_path):
     assert row["experiment"] == ("train_wan.py with the shipped ZeRO-2 config, profile auto, 96 image-heavy samples, "
                                  "8 steps")
     assert row["note"].startswith("stopped after 2 of 8 steps: RuntimeError: Expected mha_graph")
+
+
+def test_profiled_steps_give_a_busy_row_and_stay_out_of_speed(tmp_path):
+    """--profile-steps: the steps with gpu_busy_frac are left out of MFU and tokens/s (the timeline costs them time)
+    and give the busy-share row: the least busy of them."""
+    recs = [{"mfu": 0.4, "step_ms": 1000.0, "tokens": 1000, "mem_peak_gib": 70.0, "mem_capacity_gib": 79.0}
+            for _ in range(6)]
+    recs[4].update(mfu=0.1, step_ms=4000.0, gpu_busy_frac=0.953)
+    recs[5].update(mfu=0.1, step_ms=4000.0, gpu_busy_frac=0.9612)
+    s = sc.summarize(recs)
+    assert s["measured_steps"] == 2 and s["mfu"] == 40.0 and s["tokens_per_s"] == 1000.0
+    assert s["gpu_busy"] == [95.3, 96.1]
+    staging = str(tmp_path / "staging.csv")
+    sc.record(staging, "configs/ds_zero2_bf16.json", 2, s, "NVIDIA H100 80GB HBM3", ["cmd"], "bench/results/x.jsonl",
+              "", 6, num=96)
+    rows = {r["metric"]: r for r in harness.read_results(staging)}
+    busy = rows["GPU busy, share of step wall time"]
+    assert busy["value"] == "95.3" and "95.3, 96.1%" in busy["note"]
+    assert "but the 2 profiled" in rows["MFU, whole step"]["note"]
+    cmd = sc.command("configs/ds_zero2_bf16.json", 2, 6, 96, "/w", profile="5-6")
+    assert cmd[-2:] == ["--profile-steps", "5-6"]

@@ -33,13 +33,15 @@ POLICY = {2: "attention", 3: "full"}
 ATTENTION_NAMES = {"sdpa": "SDPA", "fa4": "FlashAttention-4"}
 
 
-def command(config, stage, steps, num, work, model="configs/wan_1_3b.yaml", mix="video-heavy", attention=None):
-    """The README's command; `attention` adds --attention (else the trainer's default, auto)."""
+def command(config, stage, steps, num, work, model="configs/wan_1_3b.yaml", mix="video-heavy", attention=None,
+            profile=None):
+    """The README's command; `attention` adds --attention (else the trainer's default, auto), `profile`
+    --profile-steps."""
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "launch/train_wan.py",
             "--deepspeed_config", config, "--model-config", model, "--synthetic", "--synthetic-mix",
             mix, "--synthetic-num", str(num), "--checkpoint-blocks", "auto", "--checkpoint-policy",
             POLICY[stage], "--compile-blocks", "regions", "--max-steps", str(steps), "--no-final-save", "--output",
-            work] + (["--attention", attention] if attention else [])
+            work] + (["--attention", attention] if attention else []) + (["--profile-steps", profile] if profile else [])
 
 
 def summarize(recs, warmup=WARMUP):
@@ -48,7 +50,9 @@ def summarize(recs, warmup=WARMUP):
     import statistics
 
     trained = [r for r in recs if "skipped" not in r]
-    body = trained[warmup:] or trained
+    busy = [r["gpu_busy_frac"] for r in trained if "gpu_busy_frac" in r]  # --profile-steps
+    # the profiled steps pay for the GPU timeline: speed comes from the others
+    body = [r for r in trained[warmup:] if "gpu_busy_frac" not in r] or trained[warmup:] or trained
     ms = sum(r["step_ms"] for r in body)
     # a CPU run (a smoke run of this script) logs no memory
     peak, cap = max(r.get("mem_peak_gib", 0.0) for r in trained), trained[0].get("mem_capacity_gib")
@@ -56,7 +60,8 @@ def summarize(recs, warmup=WARMUP):
             "mfu": 100 * statistics.median(r["mfu"] for r in body),
             "mfu_weighted": 100 * sum(r["mfu"] * r["step_ms"] for r in body) / ms,
             "tokens_per_s": sum(r["tokens"] for r in body) / ms * 1e3,
-            "peak_gib": peak, "capacity_gib": cap, "peak_share": 100 * peak / cap if cap else None}
+            "peak_gib": peak, "capacity_gib": cap, "peak_share": 100 * peak / cap if cap else None,
+            "gpu_busy": [round(100 * b, 1) for b in busy]}
 
 
 def hardware(device):
@@ -95,7 +100,8 @@ def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num
     """The run's rows, named as the results table names this experiment (upserted over an earlier run's); a run of
     other than 20 steps is another experiment. `attention`: (backend, the trainer's line) of the run."""
     cut = f" (the run was cut at its {limit:.0f} s limit)" if s["steps"] < steps and limit else ""
-    note = (f"{s['steps']} of {steps} steps{cut}, {s['skipped']} skipped (OOM); steps {WARMUP + 1}-{s['steps']}; "
+    but = f" but the {len(s['gpu_busy'])} profiled" if s.get("gpu_busy") else ""
+    note = (f"{s['steps']} of {steps} steps{cut}, {s['skipped']} skipped (OOM); steps {WARMUP + 1}-{s['steps']}{but}; "
             + "; ".join(t for t in (profile_line, attention[1]) if t))
     section = "headline" if steps == 20 else "training"
     common = run_fields(stage, num, mix, steps, device, cmd, raw, attention)
@@ -107,6 +113,12 @@ def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num
                                                 f"{note}", **common)
     harness.record(staging, metric="throughput", unit="tokens/s", value=round(s["tokens_per_s"]), section="training",
                    note=note, **common)
+    if s.get("gpu_busy"):
+        harness.record(staging, metric="GPU busy, share of step wall time", unit="%",
+                       value=min(s["gpu_busy"]), section="training",
+                       note=f"the least of the {len(s['gpu_busy'])} steps --profile-steps recorded "
+                            f"({', '.join(map(str, s['gpu_busy']))}%); the rest of a step the GPU waits on the host; "
+                            f"MFU and tokens/s are of the other steps; {note}", **common)
 
 
 def record_crash(staging, stage, device, cmd, raw, done, steps, num, mix, attention, error):
@@ -124,7 +136,7 @@ def run_config(args, config, device, date, timeout, attention=None):
     name = os.path.splitext(os.path.basename(config))[0] + (f"-{attention}" if attention else "")
     work = os.path.join(args.work, name)
     shutil.rmtree(work, ignore_errors=True)
-    cmd = command(config, stage, args.steps, args.num, work, args.model_config, args.mix, attention)
+    cmd = command(config, stage, args.steps, args.num, work, args.model_config, args.mix, attention, args.profile_steps)
     tag = f"shipped-{date}-{'h100' if 'H100' in device else 'h200' if 'H200' in device else 'gpu'}-{name}"
     log = os.path.join(args.out, f"{tag}.log")
     rc = run_logged(cmd, log, timeout)
@@ -168,6 +180,7 @@ def main(argv=None):
     ap.add_argument("--attentions", default="default", help="comma list of runs per config: default (no "
                     "--attention flag: the trainer's auto), auto, sdpa, fa4, or other (the one the run before did not "
                     "take), e.g. auto,other: auto's pick against the other backend on the same machine")
+    ap.add_argument("--profile-steps", metavar="A-B", help="the trainer's --profile-steps: GPU busy share of steps A-B")
     ap.add_argument("--timeout", type=float, default=560, help="seconds per run")
     ap.add_argument("--budget-s", type=float, default=None, help="total seconds (the device runner's {inner})")
     ap.add_argument("--work", default="/tmp/bench_shipped")

@@ -10,7 +10,7 @@ import os
 import time
 from types import SimpleNamespace
 
-from ds_adaptiveload.train import failures
+from ds_adaptiveload.train import failures, gpu_busy
 from ds_adaptiveload.train.setup import (agree_attention_later, attention_mismatch, end_loop, offload_fields,
                                          offload_line, offload_stats, prepare_data, read_config, write_summary,
                                          write_synthetic)
@@ -38,6 +38,7 @@ class Trainer:
         self.accel, self.rank, self.world = eng.init_distributed()
         failures.register_rank()
         self.device = eng.pick_device(self.accel, int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0))))
+        self.profiler = gpu_busy.StepProfile(args, self.device, args.output, self.rank)  # --profile-steps
         # -- config (checks before the first collective are agreed: one error, every rank exits 2) ----------
         c = failures.agreed(read_config, args, self.world, self.rank, self.device)
         self.ds_cfg, self.al, self.dims, self.G = c.ds_cfg, c.al, c.dims, c.G
@@ -369,6 +370,7 @@ class Trainer:
     def train_step(self, step: int) -> None:
         """Read the step, agree on bad samples, run the micro-batches, decide whether to skip, apply or skip
         the update, log."""
+        self.profiler.start(step)
         t_step = self.sync_clock()
         mbs, data_ms, n_bad, bad = self.read_and_agree(step)
         plan_step = self.plan_step
@@ -377,6 +379,7 @@ class Trainer:
         step_ids = [(mb.batch["ids"], mb.pad) for mb in mbs]
         if n_bad:  # on_bad_sample "skip": before any compute, on every rank
             entry = self.skip_step(step, "bad_sample", [f"{sid}: {why}" for sid, why in bad], step_ids)
+            base.update(self.profiler.stop(step, time.perf_counter() - t_step))
             self.write_log(step, {**base, "skipped": entry})
             self.bar.update(1)
             return
@@ -387,6 +390,7 @@ class Trainer:
         lr = self.engine.get_lr()[0]  # the rate this update uses (the scheduler advances inside step())
         entry = self.apply_or_skip(step, reason, detail, step_ids)
         step_s = time.perf_counter() - t_step
+        base.update(self.profiler.stop(step, step_s))  # before validation, which is not the step's
         if self.val_due(step + 1):  # in the step's record; not in its time, so throughput stays training's
             base.update(self.validate(step + 1))
         self.log_step(step, base, ranks, run, lr, entry, step_s)
