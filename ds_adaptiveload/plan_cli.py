@@ -23,7 +23,7 @@ def add_arguments(p):
     p.add_argument("--sp", type=positive_int, default=1, help="Ulysses sequence-parallel degree")
     p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per rank per step (G)")
     # the flags of adaptive_load keys come from its schema (train/config.py), checked by it in run()
-    for key in ("policy", "seed", "on_oversize", "window", "fill"):
+    for key in ("policy", "seed", "on_oversize", "window", "fill", "heavy_mix"):
         add_flag(p, key)
     p.add_argument("--epoch", type=non_negative_int, default=0)
     add_flag(p, "replicate", default="auto", choices=["auto", "on", "off"], type=None,
@@ -78,7 +78,7 @@ def run(args):
     source = shipped.resolve(args.profile, "--profile")
     profile = CostProfile.load(source)
     samples = load_samples(args, profile.geometry)
-    keys = {k: getattr(args, k) for k in ("profile", "policy", "seed", "on_oversize", "window", "fill")}
+    keys = {k: getattr(args, k) for k in ("profile", "policy", "seed", "on_oversize", "window", "fill", "heavy_mix")}
     keys.update(pack_tokens=pack_tokens_arg(args.pack_tokens),
                 replicate={"auto": None, "on": True, "off": False}[args.replicate],
                 activation_offload=offload_arg(args.activation_offload))

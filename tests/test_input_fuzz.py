@@ -192,8 +192,8 @@ def test_profile_floor_q_too_large_for_a_float_is_a_user_error(tmp_path):
 # ----------------------------------------------------------------------------------------------------
 # The adaptive_load section (train/config.AdaptiveLoadConfig, a pydantic schema)
 
-AL_KEYS = ["profile", "policy", "seed", "on_oversize", "window", "fill", "replicate", "pack_tokens", "on_bad_sample",
-           "on_oom", "loss_weighting", "lr_scaling_method", "lr_reference_batch_size", "other"]
+AL_KEYS = ["profile", "policy", "seed", "on_oversize", "window", "fill", "replicate", "pack_tokens", "heavy_mix",
+           "on_bad_sample", "on_oom", "loss_weighting", "lr_scaling_method", "lr_reference_batch_size", "other"]
 
 
 @FUZZ
@@ -208,6 +208,7 @@ def test_adaptive_load_arbitrary_values(key, value):
         assert al.fill is None or (type(al.fill) is float and 0.1 <= al.fill <= 1)
         assert al.replicate in (None, True, False) and al.on_oom in ("error", "skip")
         assert al.pack_tokens in (None, "auto") or (type(al.pack_tokens) is int and al.pack_tokens >= 1)
+        assert type(al.heavy_mix) is float and 0 <= al.heavy_mix < 1
         assert getattr(al, key) == value
 
 

@@ -21,6 +21,11 @@ per budget and G = 1 and 4 (record the raw file with --record-timing RAW):
 
     nice -n 10 python bench/plan/plan_bench.py --section timing --big 1000000 --big-budgets 1,2,3,4,5,6
 
+--section composition: packed's heavy_mix (0 to 0.2) against mix_tv, gap to the bound and idle, beside equal-tokens'
+mix_tv, at one clip of memory, G = 1, lockstep (record the raw file with --record-composition RAW):
+
+    nice -n 10 python bench/plan/plan_bench.py --section composition --samples 20000 --big 200000
+
 --section packed: the packed policy against equal-tokens and balanced under lockstep (ZeRO-3) with the
 calibrated H200 profile, memory for about six 720p clips (453,600 tokens) and for one (75,693: one
 81x720x1280 clip and its memory.sample_tokens), on the video-heavy and image-heavy mixes; at the one-clip
@@ -52,6 +57,7 @@ PACKED_MIXES = ("video-heavy", "image-heavy")
 SWEEP_MIXES = ("video-heavy", "image-heavy", "openvid-720p", "worldmodel", "panda-web")
 NAMES = ("equal-tokens", "balanced", "packed", *BASELINES)
 CLIP = 75600  # one 81x720x1280 clip
+COMPOSITION_MIXES = (0.0, 0.02, 0.05, 0.1, 0.2)  # --section composition: the heavy_mix values tried
 SAMPLE_TOKENS = 93  # the calibrated profile's memory.sample_tokens (92.5), rounded up
 
 
@@ -329,11 +335,63 @@ def sizes_section(args):
                     "10,000-40,000 samples", "profile": CALIBRATED, "rows": rows}
 
 
+def composition_section(args):
+    """packed's heavy_mix against its mix_tv, gap to the lower bound and idle, with equal-tokens' mix_tv beside it,
+    per mix at 64 ranks and (video-heavy, image-heavy) at 1024, memory for one 720p clip, G = 1, lockstep."""
+    profile = dataclasses.replace(CostProfile.load(CALIBRATED), budget_tokens=clips_budget(1))
+    cases = [(mix, 64, args.samples) for mix in SWEEP_MIXES] + [(m, 1024, args.big) for m in PACKED_MIXES]
+    rows = []
+    for mix, ranks, n in cases:
+        samples = make_mix(mix, n)
+        cfg = PlanConfig("packed", ranks, lockstep=True)
+        eq_tv = sweep_row(samples, profile, "equal-tokens", cfg)["mix_tv"]
+        for f in COMPOSITION_MIXES:
+            row = {**sweep_row(samples, profile, "packed", dataclasses.replace(cfg, heavy_mix=f)), "mix": mix,
+                   "heavy_mix": f, "equal_tokens_mix_tv": eq_tv, "budget_tokens": profile.budget_tokens}
+            rows.append(row)
+            print(f"{mix:12s} ranks={ranks:4d} heavy_mix={f:.2f} mix_tv={row['mix_tv']:.4f} (equal-tokens "
+                  f"{eq_tv:.4f}) gap={row['bound_gap']:.4f} idle={row['idle_fraction']:.4f}", flush=True)
+    return {"what": "packed's heavy_mix (the share of a heavy round's slots left to light samples): step composition "
+                    "(mix_tv, mean per-step total-variation distance of class shares by sample count) against balance "
+                    "(bound_gap = wall / lower bound - 1; idle_fraction) under lockstep, G = 1, calibrated H200 "
+                    "Wan-1.3B profile, budget_tokens 75,693 (one 720p clip); equal_tokens_mix_tv: equal-tokens' on "
+                    "the same epoch", "profile": CALIBRATED, "samples": args.samples, "samples_1024": args.big,
+            "rows": rows, "command": "nice -n 10 python " + " ".join(sys.argv),
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+
+
+def record_composition(raw):
+    """results.csv rows from a --section composition raw file: per mix and world size, the smallest heavy_mix whose
+    mix_tv is at most equal-tokens' (else the largest tried) and its gap to the lower bound."""
+    from bench.harness import record
+
+    with open(raw) as f:
+        res = json.load(f)
+    cases = {}
+    for r in res["rows"]:
+        cases.setdefault((r["mix"], r["dp_size"]), []).append(r)
+    for (mix, ranks), rows in cases.items():
+        rows.sort(key=lambda r: r["heavy_mix"])
+        r = next((r for r in rows if r["mix_tv"] <= r["equal_tokens_mix_tv"]), rows[-1])
+        first = rows[0]
+        record(experiment=f"plan_bench.py --section composition, {mix} mix, {r['samples_total']:,} samples, "
+                          f"75,693 tokens (one 720p clip), G = 1, lockstep",
+               variant=f"packed, heavy_mix {r['heavy_mix']}", metric="gap to the lower bound (predicted)", unit="%",
+               value=round(100 * r["bound_gap"], 3), status="predicted", hardware=f"{ranks}x H200", gpus=ranks,
+               policy="packed", model="Wan2.1 1.3B", command="nice -n 10 python bench/plan/plan_bench.py --section "
+               f"composition --samples {res['samples']} --big {res['samples_1024']}", raw_file=raw,
+               section="scheduler", better="lower", date=res["date"],
+               note=f"mix_tv {r['mix_tv']:.3f} against equal-tokens' {r['equal_tokens_mix_tv']:.3f}"
+                    + ("" if r["mix_tv"] <= r["equal_tokens_mix_tv"] else " (above it at every heavy_mix tried)")
+                    + f"; at heavy_mix 0: mix_tv {first['mix_tv']:.3f}, gap {100 * first['bound_gap']:.2f}%")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=200000)
     ap.add_argument("--big", type=int, default=1000000)
-    ap.add_argument("--section", choices=("all", "packed", "sizes", "baselines", "timing"), default="all")
+    ap.add_argument("--section", choices=("all", "packed", "sizes", "baselines", "timing", "composition"),
+                    default="all")
     ap.add_argument("--mixes", default=",".join(SWEEP_MIXES), help="--section baselines: mixes to plan")
     ap.add_argument("--budgets", default="1,2,3,6", help="--section baselines: budgets, in 720p clips")
     ap.add_argument("--ranks", default="8,64", help="--section baselines: world sizes")
@@ -346,7 +404,11 @@ def main():
     ap.add_argument("--record", nargs="+", metavar="RAW",
                     help="record --section baselines raw files (merged, a later file's case wins) into results.csv")
     ap.add_argument("--record-timing", metavar="RAW", help="record a --section timing raw file into results.csv")
+    ap.add_argument("--record-composition", metavar="RAW",
+                    help="record a --section composition raw file into results.csv")
     args = ap.parse_args()
+    if args.record_composition:
+        return record_composition(args.record_composition)
     if args.record_timing:
         return record_timing(args.record_timing, "nice -n 10 python bench/plan/plan_bench.py --section timing "
                                                  "--big 1000000 --big-budgets 1,2,3,4,5,6")
@@ -355,9 +417,9 @@ def main():
     env = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
            "cpus": __import__("os").cpu_count(), "python": platform.python_version(),
            "load_avg_1min": __import__("os").getloadavg()[0]}
-    if args.section in ("packed", "sizes", "baselines", "timing"):
+    if args.section != "all":
         section = {"packed": packed_section, "sizes": sizes_section, "baselines": baselines_section,
-                   "timing": timing_section}[args.section]
+                   "timing": timing_section, "composition": composition_section}[args.section]
         result = {**section(args), **env}
         out = args.out or f"bench/results/plan-{args.section}-{result['date']}-cpu.json"
         with open(out, "w") as f:

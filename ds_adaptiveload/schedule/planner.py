@@ -86,6 +86,11 @@ class PlanConfig:
     """off | auto | an int n >= 0 (adaptive_load.activation_offload; 0 is off): micro-batches are costed with the
     recompute that offloading checkpointed blocks' inputs saves and the host-copy time it does not hide
     (schedule/offload.py); "auto" needs checkpoint auto or auto-step."""
+    heavy_mix: float = 0.0
+    """packed: the fraction of each heavy round's slots (a round of clips that fill a micro-batch alone) left to
+    light samples (images, short clips), so that the steps that hold heavy clips hold the data's other samples
+    too: steps closer to the data's composition (lower mix_tv), at more idle. 0: heavy clips in runs of R, which
+    fill whole rounds (the best balance); in [0, 1)."""
 
     def __post_init__(self):
         def positive(name):
@@ -116,6 +121,11 @@ class PlanConfig:
         self.activation_offload = parse_setting(self.activation_offload, "activation-offload")
         if self.pack_tokens is not None and self.policy != "packed":
             raise UserError(f"pack-tokens applies to the packed policy only (policy is {self.policy!r})")
+        if not isinstance(self.heavy_mix, (int, float)) or isinstance(self.heavy_mix, bool) \
+                or not 0 <= self.heavy_mix < 1:
+            raise UserError(f"heavy-mix must be a number in [0, 1), got {self.heavy_mix!r}")
+        if self.heavy_mix and self.policy != "packed":
+            raise UserError(f"heavy-mix applies to the packed policy only (policy is {self.policy!r})")
 
     @property
     def dp_size(self) -> int:

@@ -120,6 +120,11 @@ class AdaptiveLoadConfig(BaseModel):
     budget), or "auto": the cap with the least predicted time per token (schedule/packed.pack_cap). With
     --checkpoint-blocks auto and a profile with time_ms.recompute_frac, smaller micro-batches leave blocks open and
     skip their recompute; steps then hold fewer samples (G micro-batches each)."""
+    heavy_mix: float = setting(0.0, must="a number in [0, 1)", ge=0.0, lt=1.0, plan=True)
+    """packed: the fraction of each heavy round's slots (clips that fill a micro-batch alone, as a 720p clip when
+    memory holds about one) left to light samples (images, short clips), so that the steps that hold heavy clips
+    hold the data's other samples too: steps closer to the data's composition (lower mix_tv), at more idle
+    (docs/scheduler.md, "Step composition against balance"). 0: heavy clips fill whole rounds."""
     on_bad_sample: Literal["error", "skip"] = setting("error")
     """error | skip: a sample that cannot be read (missing or truncated shard, missing tensor, shape or
     dtype not matching the manifest, NaN/Inf values) or a non-finite loss. skip drops samples found
@@ -167,9 +172,10 @@ class AdaptiveLoadConfig(BaseModel):
 
     @model_validator(mode="after")
     def _pack_tokens_for_packed(self):
-        if self.pack_tokens is not None and self.policy != "packed":
-            raise PydanticCustomError("related", f"applies to the packed policy only (policy is {self.policy!r})",
-                                      {"key": "pack_tokens"})
+        for key, unset in (("pack_tokens", None), ("heavy_mix", 0.0)):
+            if getattr(self, key) != unset and self.policy != "packed":
+                raise PydanticCustomError("related", f"applies to the packed policy only (policy is {self.policy!r})",
+                                          {"key": key})
         return self
 
     @model_validator(mode="after")
@@ -206,16 +212,18 @@ class AdaptiveLoadConfig(BaseModel):
         return PlanConfig(policy=self.policy, world_size=world_size, sp=sp, grad_accum=grad_accum, seed=self.seed,
                           on_oversize=self.on_oversize, window=self.window, fill=self.fill, replicate=self.replicate,
                           pack_tokens=self.pack_tokens, lockstep=zero_stage >= 2 if lockstep is None else lockstep,
-                          activation_offload=self.activation_offload, **checkpoint)
+                          activation_offload=self.activation_offload, heavy_mix=self.heavy_mix, **checkpoint)
 
     def layout_keys(self) -> dict:
         """The keys that shape the plan (setting(plan=True)), as a checkpoint's layout stores them: a resume must
         keep them; the others (failure policies, loss weighting, LR scaling, ...) may change between launches.
-        pack_tokens null and activation_offload "off" are left out, as before those keys shaped the plan, so older
-        checkpoints resume."""
+        pack_tokens null, heavy_mix 0 and activation_offload "off" are left out, as before those keys shaped the
+        plan, so older checkpoints resume."""
         keys = {k: getattr(self, k) for k, f in type(self).model_fields.items() if f.json_schema_extra["plan"]}
         if keys.get("pack_tokens") is None:
             keys.pop("pack_tokens", None)
+        if not keys.get("heavy_mix"):
+            keys.pop("heavy_mix", None)
         if keys.get("activation_offload") in ("off", 0):
             keys.pop("activation_offload", None)
         return keys

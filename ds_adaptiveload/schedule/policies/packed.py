@@ -10,7 +10,7 @@ every rank), so a round costs the same on every rank, which is what lockstep (Ze
 come out even as well. Within a round, slots trade samples, the costliest gives one back to the next step,
 and the cheaper ones take light samples from just ahead in the stream. A sample that costs most of a slot's
 target on its own (a 720p clip when memory holds about one) is heavy: heavy samples come in runs of R of one
-shape, which fill whole rounds.
+shape, which fill whole rounds (heavy_mix shortens them, leaving a heavy round's other slots to light samples).
 
 When a slot holds only a few samples (memory for about one long clip), no sand is fine enough to even the
 slots out. Light samples then come in runs of R of one token count too (`replicate`): LPT deals the R samples
@@ -142,7 +142,10 @@ def packed_steps(keep, ctx: PackedCtx, rng):
     replicate = ctx.cfg.replicate
     if replicate is None:
         replicate = r > 1 and len(keep) - n_heavy < REPLICA_BELOW * light_units
-    stream, runs, cont = epoch_stream(keep, ctx, rng, heavy, r, replicate)
+    # heavy_mix: heavy runs shorter than R, so a heavy round leaves slots to light samples (steps closer to the
+    # data's mix, at the idle of rounds that no longer hold copies); light runs stay R, as replicate wants.
+    heavy_run = max(1, r - round(ctx.cfg.heavy_mix * r))
+    stream, runs, cont = epoch_stream(keep, ctx, rng, heavy, r, replicate, heavy_run)
     draw = Drawer(stream, runs, cont, ctx, heavy, scale, slots)
     units = n_heavy + light_units
     per_step = units / max(1, math.ceil(units / slots))

@@ -105,7 +105,10 @@ def step_rounds(sl, ctx, r, draw, carry, replicate=False):
         if not draw.done():  # a sample given back must have a next step to go to
             if not replicate:
                 _shed(rd, sl, ctx.shape, carry)
-            _densify(rd, sl, draw.heavy, carry)
+            # heavy_mix: a heavy round's light slots are there to hold the data's other samples; filling them anew
+            # with the costliest light samples ahead would take back the composition the user chose idle for
+            if not (ctx.cfg.heavy_mix and _holds_heavy(rd, sl, draw.heavy)):
+                _densify(rd, sl, draw.heavy, carry)
         _fill_gaps(rd, sl, draw)
         ranks = sorted(range(r), key=total.__getitem__)
         for rank, k in zip(ranks, sorted(rd, key=sl.load.__getitem__, reverse=True)):
@@ -182,6 +185,10 @@ def _shed(rd, sl, shape, out, tol=None):
             x = min(cover, key=cost.__getitem__) if cover else max(xs, key=cost.__getitem__)
             sl.add(k, x, -1)
             out.append(x)
+
+
+def _holds_heavy(rd, sl, heavy):
+    return any(heavy[i] for k in rd for i in sl.samples[k])
 
 
 def _densify(rd, sl, heavy, out):

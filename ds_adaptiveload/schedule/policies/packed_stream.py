@@ -36,14 +36,15 @@ def slot_units(sums, scale):
     return max(s / d for s, d in zip(sums, scale))
 
 
-def epoch_stream(keep, ctx, rng, heavy, run, replicate=False):
+def epoch_stream(keep, ctx, rng, heavy, run, replicate=False, heavy_run=None):
     """Seeded epoch order (array of indices), {start position: length} of its heavy runs, and a bytearray
     that is 1 at the positions that continue a light run (replicate; all 0 otherwise).
 
     Classes are interleaved by key (j + u)/n for the j-th sample of a class of n (u uniform), so any prefix
     holds each class at its share; light samples come one by one in shuffled order (or with `replicate` in runs
-    of `run` of one token count, but where counts meet), heavy ones in runs of `run` of one shape (a run keeps
-    one key, so it stays contiguous)."""
+    of `run` of one token count, but where counts meet), heavy ones in runs of `heavy_run` (default `run`) of one
+    token count (a run keeps one key, so it stays contiguous)."""
+    heavy_run = heavy_run or run
     shape, full = ctx.shape, ctx.full
     buckets = {}
     for i in keep:
@@ -63,11 +64,11 @@ def epoch_stream(keep, ctx, rng, heavy, run, replicate=False):
     # only partly heavy (a mix of 72 heavy 720p shapes at one clip per micro-batch, 64 ranks: 7.0% over the lower
     # bound, 0.5% by token count; light runs: docs/history/benchmarks.md, twenty-fourth session).
     with_runs = set()  # the classes that hold runs
-    for ch in (heavy_chain, chain):
+    for ch, length in ((heavy_chain, heavy_run), (chain, run)):
         flat = [i for *_, b in sorted(ch) for i in b]
-        for j in range(0, len(flat), run):
+        for j in range(0, len(flat), length):
             c = token_class(full[flat[j]])
-            classes.setdefault(c, []).append(flat[j:j + run])
+            classes.setdefault(c, []).append(flat[j:j + length])
             with_runs.add(c)
     items, keys = [], array("d")
     rnd = rng.random
@@ -84,7 +85,7 @@ def epoch_stream(keep, ctx, rng, heavy, run, replicate=False):
         items += group
         keys.extend([(j + rnd()) / n for j, _ in zip(accumulate(sizes, initial=0), group)])
         for p, it in enumerate(group, len(items) - len(group)):  # a heavy shape's shorter, last run
-            if isinstance(it, list) and heavy[it[0]] and len(it) < run:
+            if isinstance(it, list) and heavy[it[0]] and len(it) < heavy_run:
                 keys[p] = min(keys[p], REMAINDER_BEFORE)
     # keys ascend within a class (but for the shorter runs moved up), so the sort merges a few sorted runs
     by_key = sorted(range(len(items)), key=keys.__getitem__)
