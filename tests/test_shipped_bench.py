@@ -92,6 +92,8 @@ def test_profiled_steps_give_a_busy_row_and_stay_out_of_speed(tmp_path):
             for _ in range(6)]
     recs[4].update(mfu=0.1, step_ms=4000.0, gpu_busy_frac=0.953)
     recs[5].update(mfu=0.1, step_ms=4000.0, gpu_busy_frac=0.9612)
+    s = sc.summarize(recs + [dict(recs[5], gpu_busy_frac=0.5, block_graphs=30)])  # a step that compiled
+    assert s["gpu_busy"] == [95.3, 96.1]
     s = sc.summarize(recs)
     assert s["measured_steps"] == 2 and s["mfu"] == 40.0 and s["tokens_per_s"] == 1000.0
     assert s["gpu_busy"] == [95.3, 96.1]

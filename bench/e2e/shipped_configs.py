@@ -50,7 +50,9 @@ def summarize(recs, warmup=WARMUP):
     import statistics
 
     trained = [r for r in recs if "skipped" not in r]
-    busy = [r["gpu_busy_frac"] for r in trained if "gpu_busy_frac" in r]  # --profile-steps
+    # --profile-steps; a step that compiled new block graphs spent host time compiling: not a steady step's share
+    busy = [r["gpu_busy_frac"] for prev, r in zip([{}] + trained, trained)
+            if "gpu_busy_frac" in r and r.get("block_graphs") == prev.get("block_graphs")]
     # the profiled steps pay for the GPU timeline: speed comes from the others
     body = [r for r in trained[warmup:] if "gpu_busy_frac" not in r] or trained[warmup:] or trained
     ms = sum(r["step_ms"] for r in body)
@@ -116,7 +118,7 @@ def record(staging, config, stage, s, device, cmd, raw, profile_line, steps, num
     if s.get("gpu_busy"):
         harness.record(staging, metric="GPU busy, share of step wall time", unit="%",
                        value=min(s["gpu_busy"]), section="training",
-                       note=f"the least of the {len(s['gpu_busy'])} steps --profile-steps recorded "
+                       note=f"the least of the {len(s['gpu_busy'])} recorded steps that compiled nothing "
                             f"({', '.join(map(str, s['gpu_busy']))}%); the rest of a step the GPU waits on the host; "
                             f"MFU and tokens/s are of the other steps; {note}", **common)
 

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import tempfile
+import warnings
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class StepProfile:
         from torch.profiler import ProfilerActivity, profile
 
         # GPU activity only: recording every CPU op would slow the host and inflate what is measured
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")  # one window per step is the intent
         self.prof = profile(activities=[ProfilerActivity.CUDA])
         self.prof.__enter__()
 
