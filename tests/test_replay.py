@@ -79,12 +79,34 @@ def test_predicted_side_is_the_planners_and_measured_side_is_recomputed(tiny_rep
             assert p["measured"]["wall_ms"] == pytest.approx(walls)
             busy = sum(o + sum(map(sum, step)) / len(step) for step, o in zip(measured, opt))
             assert p["measured"]["idle_fraction"] == pytest.approx(1 - busy / sum(walls))
-            scale = p["steps_planned"] / p["steps_run"]
-            assert p["measured"]["epoch_wall_s"] == pytest.approx(sum(walls) * scale / 1000)
+            # the epoch: the plan's predicted wall, and that times measured / predicted over the steps run
+            plan_s = p["plan_summary"]["predicted_wall_s"]
+            assert p["predicted"]["epoch_wall_s"] == pytest.approx(plan_s)
+            assert p["measured"]["epoch_wall_s"] == pytest.approx(
+                plan_s * sum(walls) / sum(p["predicted"]["wall_ms"]))
+            if p["steps_run"] == p["steps_planned"]:  # every step ran: the measured epoch itself
+                assert p["measured"]["epoch_wall_s"] == pytest.approx(sum(walls) / 1000)
+                assert plan_s == pytest.approx(sum(p["planned_wall_ms"]) / 1000)
         for side in ("measured", "predicted"):
             assert by["equal-tokens"][side]["speedup_over_equal_tokens"] == 1.0
             assert by["packed"][side]["speedup_over_equal_tokens"] == pytest.approx(
                 by["equal-tokens"][side]["epoch_wall_s"] / by["packed"][side]["epoch_wall_s"])
+
+
+def test_epoch_is_the_plans_wall_corrected_by_the_steps_run():
+    """2 ranks, G = 1. Two of four planned steps ran, one light and one heavy: the epoch is the plan's predicted wall
+    times measured / predicted on them (1.1 here), not the two steps scaled by count; with every step run it is
+    the measured sum; without the plan's wall (older raw files) the steps are scaled by count."""
+    pred = [[[100.0], [90.0]], [[400.0], [380.0]]]
+    meas = [[[110.0], [99.0]], [[440.0], [418.0]]]
+    got = replay.score(pred, [0.0, 0.0], meas, [0.0, 0.0], 4, plan_wall_s=2.0)
+    assert got["predicted"]["epoch_wall_s"] == 2.0
+    assert got["measured"]["epoch_wall_s"] == pytest.approx(2.0 * 550 / 500)
+    every = replay.score(pred, [0.0, 0.0], meas, [0.0, 0.0], 2, plan_wall_s=0.5)
+    assert every["measured"]["epoch_wall_s"] == pytest.approx(0.55)
+    old = replay.score(pred, [0.0, 0.0], meas, [0.0, 0.0], 4)
+    assert old["predicted"]["epoch_wall_s"] == pytest.approx(1.0)
+    assert old["measured"]["epoch_wall_s"] == pytest.approx(1.1)
 
 
 def test_best_of_takes_each_micro_batch_least_time_and_rescore_repeats_the_numbers(tiny_replay):

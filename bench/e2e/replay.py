@@ -88,16 +88,23 @@ def best_of(runs):
     return [[[min(ts) for ts in zip(*ranks)] for ranks in zip(*steps)] for steps in zip(*runs)]
 
 
-def score(pred_costs, fixed, measured, opt_ms, n_planned):
+def score(pred_costs, fixed, measured, opt_ms, n_planned, plan_wall_s=None):
     """The measured and predicted lockstep of the run steps (predicted: the plan's micro-batch costs and the profile's
-    fixed ms per step), the epoch wall scaled from the run steps to all n_planned, and the distribution of measured /
-    predicted per micro-batch."""
+    fixed ms per step), the epoch wall, and the distribution of measured / predicted per micro-batch.
+
+    The epoch: predicted, the plan's own wall of all its steps (plan_wall_s); measured, that wall times measured over
+    predicted on the run steps, which is the measured epoch when every step ran. A few random steps scaled by count
+    say more about which steps were drawn (light or heavy) than about the policy. Without plan_wall_s (raw files from
+    before it was kept) the run steps are scaled by count."""
     pred, meas = lockstep(pred_costs, fixed), lockstep(measured, opt_ms)
-    scale = n_planned / len(measured)
+    run_pred, run_meas = sum(pred["wall_ms"]), sum(meas["wall_ms"])
+    if plan_wall_s is None:
+        plan_wall_s = run_pred * n_planned / len(measured) / 1000
     ratios = [m / p for ms, ps in zip(measured, pred_costs) for mr, pr in zip(ms, ps) for m, p in zip(mr, pr) if p]
-    return {"measured": {"idle_fraction": meas["idle_fraction"], "epoch_wall_s": sum(meas["wall_ms"]) * scale / 1000,
+    return {"measured": {"idle_fraction": meas["idle_fraction"],
+                         "epoch_wall_s": plan_wall_s * run_meas / run_pred if run_pred else 0.0,
                          "wall_ms": meas["wall_ms"]},
-            "predicted": {"idle_fraction": pred["idle_fraction"], "epoch_wall_s": sum(pred["wall_ms"]) * scale / 1000,
+            "predicted": {"idle_fraction": pred["idle_fraction"], "epoch_wall_s": plan_wall_s,
                           "wall_ms": pred["wall_ms"]},
             "measured_over_predicted": quantiles(ratios)}
 
@@ -112,7 +119,7 @@ def summarize(plan, steps, runs, opt_ms):
     measured = best_of(runs)
     return {"policy": plan.config.policy, "steps_planned": len(plan.steps), "steps_run": len(steps),
             "micro_batches_run": sum(len(r) for st in measured for r in st), "mix_tv": mix_tv(plan),
-            **score(pred_costs, fixed, measured, opt_ms, len(plan.steps))}
+            **score(pred_costs, fixed, measured, opt_ms, len(plan.steps), plan.summary()["predicted_wall_s"])}
 
 
 def rescore(doc):
@@ -122,7 +129,7 @@ def rescore(doc):
         for p in run["policies"]:
             fixed = step_fixed(p["planned_rank_ms"], p["predicted_ms"])
             p.update(score(p["predicted_ms"], fixed, best_of(p["measured_ms"]), p["optimizer_ms"],
-                           p["steps_planned"]))
+                           p["steps_planned"], p.get("plan_summary", {}).get("predicted_wall_s")))
         speedups(run["policies"])
     doc["measured_as"] = MEASURED_AS
     return doc
@@ -344,11 +351,13 @@ def record_rows(run, raw, staging, hardware, command):
                       policy=p["policy"], model="wan 1.3b", command=command, raw_file=raw)
         note = (f"{p['steps_run']} of {p['steps_planned']} steps, each micro-batch's best of "
                 f"{len(p['measured_ms'])} runs; communication excluded")
+        epoch = ("; epoch wall: the plan's predicted one, measured: times measured / predicted over the steps run"
+                 if p.get("plan_summary") else "")
         for status, side in (("ok", "measured"), ("predicted", "predicted")):
             harness.record(staging, metric="idle", unit="%", value=round(100 * p[side]["idle_fraction"], 2),
                            status=status, note=note, better="lower", **common)
             if "speedup_over_equal_tokens" in p[side]:
-                harness.record(staging, metric="speed-up over equal-tokens", unit="x", status=status, note=note,
+                harness.record(staging, metric="speed-up over equal-tokens", unit="x", status=status, note=note + epoch,
                                value=round(p[side]["speedup_over_equal_tokens"], 3), **common)
         q = p["measured_over_predicted"]
         harness.record(staging, metric="measured / predicted micro-batch time, median", unit="x",
