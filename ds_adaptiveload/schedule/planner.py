@@ -119,13 +119,12 @@ class PlanConfig:
             raise UserError(f"checkpoint-policy must be full or attention, got {self.checkpoint_policy!r}")
         check_pack_tokens(self.pack_tokens, "pack-tokens")
         self.activation_offload = parse_setting(self.activation_offload, "activation-offload")
-        if self.pack_tokens is not None and self.policy != "packed":
-            raise UserError(f"pack-tokens applies to the packed policy only (policy is {self.policy!r})")
         if not isinstance(self.heavy_mix, (int, float)) or isinstance(self.heavy_mix, bool) \
                 or not 0 <= self.heavy_mix < 1:
             raise UserError(f"heavy-mix must be a number in [0, 1), got {self.heavy_mix!r}")
-        if self.heavy_mix and self.policy != "packed":
-            raise UserError(f"heavy-mix applies to the packed policy only (policy is {self.policy!r})")
+        for name, unset in (("pack-tokens", None), ("heavy-mix", 0.0)):
+            if getattr(self, name.replace("-", "_")) != unset and self.policy != "packed":
+                raise UserError(f"{name} applies to the packed policy only (policy is {self.policy!r})")
 
     @property
     def dp_size(self) -> int:
