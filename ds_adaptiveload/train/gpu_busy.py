@@ -4,7 +4,6 @@ time the GPU waits on the host (Python, launches, data, ZeRO's bookkeeping) or o
 import json
 import logging
 import os
-import tempfile
 import warnings
 
 log = logging.getLogger(__name__)
@@ -90,12 +89,9 @@ class StepProfile:
         prof.__exit__(None, None, None)
         os.makedirs(self.folder, exist_ok=True)
         path = os.path.join(self.folder, f"step{step + 1}-rank{self.rank}.json")
-        with tempfile.NamedTemporaryFile("w", suffix=".json", dir=self.folder, delete=False) as tmp:
-            pass
-        prof.export_chrome_trace(tmp.name)
-        with open(tmp.name) as f:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
             trace = json.load(f)
-        os.replace(tmp.name, path)
         busy = union_ms(gpu_intervals(trace))
         frac = busy / (step_s * 1000.0) if step_s > 0 else 0.0
         if self.rank == 0:
