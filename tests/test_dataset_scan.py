@@ -341,3 +341,43 @@ def test_empty_file_and_animated_webp(tmp_path):
     errs = {e["id"]: e["reason"] for e in read_jsonl(str(out) + ".errors.jsonl")}
     assert errs["empty.mp4"] == errs["empty.png"] == "empty file (0 bytes)"
     assert errs["anim.webp"].startswith("animated WebP is not supported")
+
+
+
+# The caller of the scan below: a thread of it holds PyAV's import lock for good (as a thread of a busy process
+# may hold any lock at the moment of a fork), and its SIGTERM handler does not exit (as cli.main's on_sigterm
+# stays in a test process that ran it). A worker forked from it deadlocked importing av and ignored
+# pool.terminate; the CI run hung 20 min (2026-12-07). Spawned workers start clean.
+_HELD_LOCK_CALLER = """
+import argparse, importlib._bootstrap as b, signal, sys, threading
+from ds_adaptiveload.data import scan
+assert "av" not in sys.modules
+signal.signal(signal.SIGTERM, lambda *a: None)
+held, lock = threading.Event(), b._ModuleLockManager("av")  # referenced: the lock lives as long as its manager
+def hold():
+    lock.__enter__()
+    held.set()
+    threading.Event().wait()
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+p = argparse.ArgumentParser()
+scan.add_arguments(p)
+sys.exit(scan.run(p.parse_args([sys.argv[1], "--out", sys.argv[2], "--workers", "2"])))
+"""
+
+
+def test_workers_start_clean_of_the_callers_threads_and_handlers(media, tmp_path):
+    import importlib._bootstrap
+    import subprocess
+    import sys
+
+    if not hasattr(importlib._bootstrap, "_ModuleLockManager"):
+        pytest.skip("this Python has no importlib._bootstrap._ModuleLockManager")
+    out = tmp_path / "m.jsonl"
+    try:
+        r = subprocess.run([sys.executable, "-c", _HELD_LOCK_CALLER, str(media), str(out)], capture_output=True,
+                           text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    except subprocess.TimeoutExpired:
+        pytest.fail("the scan did not end in 120 s: a worker inherited the caller's held lock")
+    assert r.returncode == 0, r.stderr
+    assert {rec["id"] for rec in read_jsonl(out)} == set(EXPECTED)

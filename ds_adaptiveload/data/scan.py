@@ -448,10 +448,12 @@ def run(args) -> int:
         pool = None
         if args.workers > 1 and len(todo) > 1:
             import multiprocessing
-            # fork: workers need nothing from the parent but scan_one, and spawn would re-run a caller's
-            # unguarded __main__ script.
-            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-            pool = multiprocessing.get_context(method).Pool(min(args.workers, len(todo)))
+            # spawn, not fork: a forked worker inherits the locks of the caller's other threads and its signal
+            # handlers, and one that ignored pool.terminate's SIGTERM hung a test run in pool.join for 20 min
+            # (2026-12-07, the pytest process had run cli.main). A fresh interpreter imports only this module;
+            # `python -m ds_adaptiveload` is not re-run (multiprocessing skips a package's __main__), and a
+            # script that calls run() needs the usual `if __name__ == "__main__":` guard.
+            pool = multiprocessing.get_context("spawn").Pool(min(args.workers, len(todo)))
             # Ordered results: the manifest (and so every plan index) is the same however many workers.
             chunk = max(1, min(16, len(todo) // (args.workers * 8)))
             results = pool.imap(scan_one, todo, chunksize=chunk)
