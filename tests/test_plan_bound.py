@@ -3,6 +3,8 @@ the same checker as the policies."""
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds_adaptiveload.schedule.bound import check_plan, lower_bound
 from ds_adaptiveload.schedule.manifest import Sample
@@ -63,3 +65,64 @@ def test_check_plan_catches_a_lost_sample():
     mb.pop()
     with pytest.raises(ValueError, match="exactly once|predicted wall"):
         check_plan(plan, profile)
+
+
+def _toy_profile(**kw):
+    """Cost = tokens/1000 + (tokens/1000)^2 ms per sample: a 6,000-token sample costs 42, ten 1,000-token ones 20."""
+    return CostProfile(fixed_ms=kw.pop("fixed_ms", 0.0), per_token_ms=1e-3, per_token_sq_ms=1e-6,
+                       budget_tokens=kw.pop("budget_tokens", 10_000), **kw)
+
+
+def test_forced_idle_makes_the_bound_exact_where_big_samples_leave_a_round_part_full():
+    """4 ranks, G = 1, 5 samples of 6,000 tokens (over half the memory: one per micro-batch) and 70 of 1,000. The
+    best plan is a round of four big ones (42), a round of the fifth beside three full micro-batches of small ones
+    (42, three ranks idle 22 each) and a round of small ones (20): 104 + 3 steps' fixed cost. The work over the
+    ranks alone says 87.5 and the costliest samples per round 86; the three forced idle slots make it 104."""
+    profile = _toy_profile(step_fixed_ms=5.0)
+    b = lower_bound([6000] * 5 + [1000] * 70, profile, PlanConfig("packed", 4, lockstep=True))
+    assert b["steps_min"] == 3 and b["binds"] == "work"
+    assert b["wall_s"] == pytest.approx((104 + 3 * 5) / 1000, rel=1e-12)
+    assert b["heaviest_s"] == pytest.approx((86 + 15) / 1000, rel=1e-12)
+    # without lockstep a step's micro-batches need not wait for each other's rounds: no forced idle counted
+    free = lower_bound([6000] * 5 + [1000] * 70, profile, PlanConfig("packed", 4, lockstep=False))
+    assert free["work_s"] == pytest.approx((87.5 + 15) / 1000, rel=1e-12)
+    # a multiple of the ranks leaves no slot idle
+    full = lower_bound([6000] * 4 + [1000] * 70, profile, PlanConfig("packed", 4, lockstep=True))
+    assert full["work_s"] == pytest.approx(((4 * 42 + 70 * 2) / 4 + 15) / 1000, rel=1e-12)
+
+
+@st.composite
+def _random_lockstep_plans(draw):
+    """Samples, a profile, (R, G) and a plan of them under lockstep built at random (first-fit of a shuffled
+    order, then micro-batches in random or costliest-first order, rounds and the last step topped up with pads
+    of single samples): its predicted wall in ms by the same rules as the planner's."""
+    sizes = draw(st.lists(st.sampled_from([500, 1000, 1500, 3000, 4000, 5200, 6000, 8000, 12_000]), min_size=1,
+                          max_size=40))
+    profile = _toy_profile(fixed_ms=draw(st.sampled_from([0.0, 3.0])), step_fixed_ms=draw(st.sampled_from([0.0, 7.0])),
+                           floor_ms=draw(st.sampled_from([0.0, 0.0, 9.0])), sample_tokens=draw(st.sampled_from([0, 40])),
+                           budget_tokens=draw(st.sampled_from([6000, 10_000, 13_000])))
+    r, g = draw(st.integers(2, 6)), draw(st.integers(1, 3))
+    order = draw(st.permutations(range(len(sizes))))
+    mbs = []
+    for i in order:  # first fit; a sample over the budget runs alone
+        m = profile.mem_tokens(sizes[i])
+        fit = next((mb for mb in mbs if sum(profile.mem_tokens(sizes[j]) for j in mb) + m <= profile.budget_tokens), None)
+        (fit.append(i) if fit is not None and m <= profile.budget_tokens else mbs.append([i]))
+    cost = [profile.packed_ms([sizes[j] for j in mb]) for mb in mbs]
+    if draw(st.booleans()):
+        cost.sort(reverse=True)
+    else:
+        cost = [cost[k] for k in draw(st.permutations(range(len(cost))))]
+    pad = [profile.packed_ms([sizes[draw(st.integers(0, len(sizes) - 1))]]) for _ in range(-len(cost) % (r * g))]
+    cost += pad
+    rounds = [max(cost[k:k + r]) for k in range(0, len(cost), r)]
+    wall = len(cost) // (r * g) * profile.step_fixed_ms + sum(rounds)
+    return sizes, profile, r, g, wall
+
+
+@settings(max_examples=300, deadline=None)
+@given(_random_lockstep_plans())
+def test_no_random_lockstep_plan_beats_the_bound(case):
+    sizes, profile, r, g, wall = case
+    b = lower_bound(sizes, profile, PlanConfig("packed", r, grad_accum=g, lockstep=True))
+    assert wall / 1000 >= b["wall_s"] * (1 - 1e-9), b

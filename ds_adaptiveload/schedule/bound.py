@@ -3,7 +3,9 @@
 The bound is the largest of three, each holding for every plan of the data at this world size and G:
 - fixed: the fewest steps memory allows (all samples' memory over R*G micro-batches of budget_tokens), each
   paying step_fixed_ms, and every micro-batch at least the cheapest lone sample (the profile's floor);
-- work: the same steps' fixed cost plus all micro-batches' time over the R ranks (no rank ever idle);
+- work: the same steps' fixed cost plus all micro-batches' time over the R ranks (no rank ever idle) and, under
+  lockstep, the idle that samples too big to share a micro-batch force on the rounds they do not fill
+  (_forced_idle);
 - heaviest: the steps' fixed cost plus, per round (lockstep) or per step, its costliest micro-batch: a round
   holds at most R * floor(budget / memory) samples of a given memory or more, so the n costliest samples need
   at least n / that many rounds as costly as the cheapest of them.
@@ -13,23 +15,27 @@ import math
 from collections import Counter
 
 from ds_adaptiveload.schedule.geometry import per_gpu_tokens
+from ds_adaptiveload.schedule.profile import smooth_max
 
 
 def lower_bound(gpu_tokens, profile, cfg) -> dict:
-    """{"wall_s", "binds", "fixed_s", "work_s", "heaviest_s", "steps_min"} for the samples' per-GPU tokens
-    (`gpu_tokens`, one entry per planned sample), or None when the bound does not apply."""
+    """{"wall_s", "binds", "fixed_s", "work_s", "heaviest_s", "forced_s", "steps_min"} for the samples' per-GPU
+    tokens (`gpu_tokens`, one entry per planned sample), or None when the bound does not apply. forced_s: the part
+    of work_s that is forced idle (_forced_idle), 0 without lockstep."""
     counts = Counter(gpu_tokens)
     if not counts or cfg.checkpoint != "all":
         return None
     r, g, budget = cfg.dp_size, cfg.grad_accum, profile.budget_tokens
-    mem = sum(n * profile.mem_tokens(s) for s, n in counts.items())
+    # a sample over the budget runs alone: it takes one micro-batch, not more
+    mem = sum(n * min(profile.mem_tokens(s), budget) for s, n in counts.items())
     steps = math.ceil(mem / (budget * r * g) * (1 - 1e-12))
     fixed_steps = steps * profile.step_fixed_ms
     lone = {s: profile.packed_ms([s]) for s in counts}
     c_min = min(lone.values())
     n_mb = steps * r * g
     line = sum(n * profile.sample_ms(s) for s, n in counts.items()) + n_mb * profile.fixed_ms
-    work = fixed_steps + max(n_mb * c_min, line) / r
+    forced = _forced_idle(counts, lone, profile, r) if cfg.lockstep else 0.0
+    work = fixed_steps + (max(n_mb * c_min, line) + forced) / r
     # lockstep: a step is G rounds of R micro-batches; else one group of R*G micro-batches, the slowest rank
     # running its costliest micro-batch and G - 1 others
     group_mbs, groups = (r, steps * g) if cfg.lockstep else (r * g, steps)
@@ -38,7 +44,7 @@ def lower_bound(gpu_tokens, profile, cfg) -> dict:
         counts, lone, profile, budget, group_mbs, groups)
     parts = {"fixed_s": fixed / 1000, "work_s": work / 1000, "heaviest_s": heaviest / 1000}
     binds = max(parts, key=parts.get)
-    return {"wall_s": parts[binds], "binds": binds[:-2], **parts, "steps_min": steps}
+    return {"wall_s": parts[binds], "binds": binds[:-2], **parts, "forced_s": forced / r / 1000, "steps_min": steps}
 
 
 def _round_max_sum(counts, lone, profile, budget, group_mbs, groups_min) -> float:
@@ -54,6 +60,53 @@ def _round_max_sum(counts, lone, profile, budget, group_mbs, groups_min) -> floa
         need = max(math.ceil(seen / per_group), groups_min if nxt == 0.0 else 0)
         total += (lone[s] - nxt) * need
     return total
+
+
+def _forced_idle(counts, lone, profile, r) -> float:
+    """Rank-ms that every lockstep plan idles beyond its work. Take the n_H samples of size t or more, where size t
+    needs over half the budget: no two share a micro-batch, so at least ceil(n_H / R) rounds hold one, and those
+    rounds have D = ceil(n_H / R) * R - n_H slots whose micro-batch holds none (or holds a pad of one, which adds
+    at least as much work). Such a micro-batch costs at most c2 (_cost_without), and its round at least c_H, the
+    least lone cost of the n_H: each of the D slots idles c_H - c2 or more. The best t counts; t must not be the
+    smallest size, so that c2 is at least the cheapest micro-batch the work part already counts."""
+    budget = profile.budget_tokens
+    sizes = sorted(counts)
+    big = [s for s in sizes[1:] if profile.mem_tokens(s) > budget / 2]
+    if not big or r < 2:
+        return 0.0
+    c2 = _cost_without(counts, sizes, big, profile)
+    best, n_h, c_h = 0.0, 0, math.inf
+    for t in reversed(big):
+        n_h += counts[t]
+        c_h = min(c_h, lone[t])
+        best = max(best, -n_h % r * (c_h - c2[t]))
+    return best
+
+
+def _cost_without(counts, sizes, big, profile, grid_cells=16) -> dict:
+    """{t: an upper bound on the cost of any micro-batch of samples smaller than t} for each t in `big`: a bounded
+    knapsack of the samples' costs within the budget, on a grid of memory with every sample's memory rounded down
+    (so it holds at least what really fits). A sample over the budget runs alone and counts at its lone cost."""
+    budget = profile.budget_tokens
+    fit = [profile.mem_tokens(s) for s in sizes if profile.mem_tokens(s) <= budget]
+    unit = min(fit) / grid_cells if fit else budget
+    best = [0.0] * (int(budget // unit) + 1)  # best[c]: the most sample time that c cells of memory hold
+    out, alone, j = {}, 0.0, 0
+    for t in big:
+        for s in sizes[j:sizes.index(t)]:
+            if profile.mem_tokens(s) > budget:
+                alone = max(alone, profile.packed_ms([s]))
+                continue
+            w, v = int(profile.mem_tokens(s) // unit), profile.sample_ms(s)
+            copies, k = min(counts[s], int(budget // profile.mem_tokens(s))), 1
+            while copies:  # binary split of the copies: each chunk is taken whole or not at all
+                take = min(k, copies)
+                copies, k = copies - take, 2 * k
+                if take * w < len(best):
+                    best[take * w:] = [max(a, b + take * v) for a, b in zip(best[take * w:], best)]
+        j = sizes.index(t)
+        out[t] = max(alone, smooth_max(profile.floor_ms, profile.fixed_ms + best[-1], profile.floor_q))
+    return out
 
 
 def check_plan(plan, profile) -> None:
