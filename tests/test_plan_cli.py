@@ -45,6 +45,10 @@ def test_packed_policy_dump(tmp_path, manifest, capsys):
     assert summary["bound_binds"] in ("fixed", "work", "heaviest")
     assert 0 < summary["lower_bound_s"] <= summary["predicted_wall_s"] * (1 + 1e-9)
     assert summary["bound_gap"] == pytest.approx(summary["predicted_wall_s"] / summary["lower_bound_s"] - 1)
+    parts = summary["lower_bound_parts_s"]  # the binding part is the bound; forced idle is within work
+    assert parts[summary["bound_binds"]] == summary["lower_bound_s"] == max(parts["fixed"], parts["work"],
+                                                                           parts["heaviest"])
+    assert 0 <= parts["forced"] <= parts["work"]
     shapes = {s.id: (s.frames, s.height, s.width) for s in make_mix("video-heavy", 300, seed=3)}
     lines = [json.loads(line) for line in open(dump)]
     assert sum(len(r["ids"]) for r in lines if not r.get("pad")) == 300
