@@ -83,13 +83,15 @@ def _forced_idle(counts, lone, profile, r) -> float:
     return best
 
 
-def _cost_without(counts, sizes, big, profile, grid_cells=16) -> dict:
+def _cost_without(counts, sizes, big, profile, grid_cells=16, most_cells=4096) -> dict:
     """{t: an upper bound on the cost of any micro-batch of samples smaller than t} for each t in `big`: a bounded
     knapsack of the samples' costs within the budget, on a grid of memory with every sample's memory rounded down
-    (so it holds at least what really fits). A sample over the budget runs alone and counts at its lone cost."""
+    (so it holds at least what really fits). A sample over the budget runs alone and counts at its lone cost. The
+    grid is 1/16 of the smallest sample, but at most `most_cells` cells (a coarser grid only loosens the bound), so
+    that tiny samples beside a large budget keep the planner fast."""
     budget = profile.budget_tokens
     fit = [profile.mem_tokens(s) for s in sizes if profile.mem_tokens(s) <= budget]
-    unit = min(fit) / grid_cells if fit else budget
+    unit = max(min(fit) / grid_cells, budget / most_cells) if fit else budget
     best = [0.0] * (int(budget // unit) + 1)  # best[c]: the most sample time that c cells of memory hold
     out, alone, j = {}, 0.0, 0
     for t in big:
