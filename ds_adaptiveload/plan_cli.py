@@ -102,7 +102,8 @@ def run(args):
     summary = {**plan.summary(), "plan_seconds": round(elapsed, 3), "budget_tokens": profile.budget_tokens,
                "capacity_bytes": profile.memory.get("capacity_bytes"), "checkpoint_blocks": block_range(ckpts)}
     if plan.bound:  # each part of the lower bound, so a user sees how far the others are from binding
-        summary["lower_bound_parts_s"] = {k[:-2]: plan.bound[k] for k in ("fixed_s", "work_s", "heaviest_s", "forced_s")}
+        parts = ("fixed_s", "work_s", "heaviest_s", "forced_s")
+        summary["lower_bound_parts_s"] = {k[:-2]: plan.bound[k] for k in parts}
     if al.activation_offload != "off":  # the fewest and most blocks offloaded, beside the checkpointed ones
         summary["offload_blocks"] = block_range(ckpts, 3)
         summary.update(pinned_host_bytes=pinned_bytes(plan, ckpts, al.activation_offload, profile, source),

@@ -98,16 +98,22 @@ def _random_lockstep_plans(draw):
     of single samples): its predicted wall in ms by the same rules as the planner's."""
     sizes = draw(st.lists(st.sampled_from([500, 1000, 1500, 3000, 4000, 5200, 6000, 8000, 12_000]), min_size=1,
                           max_size=40))
-    profile = _toy_profile(fixed_ms=draw(st.sampled_from([0.0, 3.0])), step_fixed_ms=draw(st.sampled_from([0.0, 7.0])),
-                           floor_ms=draw(st.sampled_from([0.0, 0.0, 9.0])), sample_tokens=draw(st.sampled_from([0, 40])),
+    profile = _toy_profile(fixed_ms=draw(st.sampled_from([0.0, 3.0])),
+                           step_fixed_ms=draw(st.sampled_from([0.0, 7.0])),
+                           floor_ms=draw(st.sampled_from([0.0, 0.0, 9.0])),
+                           sample_tokens=draw(st.sampled_from([0, 40])),
                            budget_tokens=draw(st.sampled_from([6000, 10_000, 13_000])))
     r, g = draw(st.integers(2, 6)), draw(st.integers(1, 3))
     order = draw(st.permutations(range(len(sizes))))
     mbs = []
+    used = lambda mb: sum(profile.mem_tokens(sizes[j]) for j in mb)  # noqa: E731
     for i in order:  # first fit; a sample over the budget runs alone
         m = profile.mem_tokens(sizes[i])
-        fit = next((mb for mb in mbs if sum(profile.mem_tokens(sizes[j]) for j in mb) + m <= profile.budget_tokens), None)
-        (fit.append(i) if fit is not None and m <= profile.budget_tokens else mbs.append([i]))
+        fit = next((mb for mb in mbs if used(mb) + m <= profile.budget_tokens), None)
+        if fit is None:
+            mbs.append([i])
+        else:
+            fit.append(i)
     cost = [profile.packed_ms([sizes[j] for j in mb]) for mb in mbs]
     if draw(st.booleans()):
         cost.sort(reverse=True)

@@ -74,7 +74,7 @@ def _forced_idle(counts, lone, profile, r) -> float:
     big = [s for s in sizes[1:] if profile.mem_tokens(s) > budget / 2]
     if not big or r < 2:
         return 0.0
-    c2 = _cost_without(counts, sizes, big, profile)
+    c2 = _cost_without(counts, sizes, big, lone, profile)
     best, n_h, c_h = 0.0, 0, math.inf
     for t in reversed(big):
         n_h += counts[t]
@@ -83,31 +83,30 @@ def _forced_idle(counts, lone, profile, r) -> float:
     return best
 
 
-def _cost_without(counts, sizes, big, profile, grid_cells=16, most_cells=4096) -> dict:
+def _cost_without(counts, sizes, big, lone, profile, grid_cells=16, most_cells=4096) -> dict:
     """{t: an upper bound on the cost of any micro-batch of samples smaller than t} for each t in `big`: a bounded
     knapsack of the samples' costs within the budget, on a grid of memory with every sample's memory rounded down
     (so it holds at least what really fits). A sample over the budget runs alone and counts at its lone cost. The
     grid is 1/16 of the smallest sample, but at most `most_cells` cells (a coarser grid only loosens the bound), so
     that tiny samples beside a large budget keep the planner fast."""
     budget = profile.budget_tokens
-    fit = [profile.mem_tokens(s) for s in sizes if profile.mem_tokens(s) <= budget]
-    unit = max(min(fit) / grid_cells, budget / most_cells) if fit else budget
+    smallest = profile.mem_tokens(sizes[0])  # sizes ascend, and memory with them
+    unit = max(smallest / grid_cells, budget / most_cells) if smallest <= budget else budget
     best = [0.0] * (int(budget // unit) + 1)  # best[c]: the most sample time that c cells of memory hold
-    out, alone, j = {}, 0.0, 0
-    for t in big:
-        for s in sizes[j:sizes.index(t)]:
-            if profile.mem_tokens(s) > budget:
-                alone = max(alone, profile.packed_ms([s]))
-                continue
-            w, v = int(profile.mem_tokens(s) // unit), profile.sample_ms(s)
-            copies, k = min(counts[s], int(budget // profile.mem_tokens(s))), 1
-            while copies:  # binary split of the copies: each chunk is taken whole or not at all
-                take = min(k, copies)
-                copies, k = copies - take, 2 * k
-                if take * w < len(best):
-                    best[take * w:] = [max(a, b + take * v) for a, b in zip(best[take * w:], best)]
-        j = sizes.index(t)
-        out[t] = max(alone, smooth_max(profile.floor_ms, profile.fixed_ms + best[-1], profile.floor_q))
+    out, alone, thresholds = {}, 0.0, set(big)
+    for s in sizes[:sizes.index(big[-1]) + 1]:
+        if s in thresholds:  # before s joins: the samples smaller than s
+            out[s] = max(alone, smooth_max(profile.floor_ms, profile.fixed_ms + best[-1], profile.floor_q))
+        if profile.mem_batch(s) == 0:
+            alone = max(alone, lone[s])
+            continue
+        w, v = int(profile.mem_tokens(s) // unit), profile.sample_ms(s)
+        copies, k = min(counts[s], profile.mem_batch(s)), 1
+        while copies:  # binary split of the copies: each chunk is taken whole or not at all
+            take = min(k, copies)
+            copies, k = copies - take, 2 * k
+            if take * w < len(best):
+                best[take * w:] = [max(a, b + take * v) for a, b in zip(best[take * w:], best)]
     return out
 
 
