@@ -71,6 +71,9 @@ def parse_args(argv=None):
                    help="keep each part's adapters and optimizer state in DIR when it stops and resume from them when "
                         "there: a part of more steps than one command's time limit runs as several commands on one "
                         "machine (each process adds one untimed warm-up step; every trained step is counted)")
+    p.add_argument("--memory-cap-gib", type=float, default=None, metavar="GIB",
+                   help="cap the caching allocator at GIB on a larger GPU (torch.cuda.set_per_process_memory_fraction):"
+                        " e.g. 79.18 on an H200 shows what fits an H100 80GB")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny model, tiny shapes, 2 steps per part")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -91,6 +94,9 @@ def build(spec, args):
     accel, _, _ = eng.init_distributed()
     device = eng.pick_device(accel, 0)
     cuda = device.type == "cuda"
+    if cuda and args.memory_cap_gib:  # before the first allocation, so nothing escapes the cap
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
     cfg = WanConfig.from_yaml(os.path.join(ROOT, "configs/wan_tiny.yaml" if args.smoke else spec["model"]))
     ds = derive_ds_config(os.path.join(ROOT, args.config), grad_accum=1, dp=1, bf16=cuda, steps_per_print=10**9,
                           tensorboard=None, csv_monitor=None, wandb=None)
@@ -187,6 +193,7 @@ def run_part(name, args) -> dict:
                                         "processes": row["processes"]})
     row["peak_gib"] = round(peak / 2**30, 2)
     row["capacity_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 2) if cuda else None
+    row["memory_cap_gib"] = args.memory_cap_gib if cuda else None
     row["offloaded_gib"] = round(engine.module._offload.stats()["bytes"] / 2**30, 2)
     if row["step_s"]:
         med = harness.quantile(row["step_s"], 0.5)
@@ -239,6 +246,7 @@ def record_rows(rows, args, raw_file, env):
     by = {r["part"]: r for r in rows}
     command = "python bench/lora/lora_bench.py --parts " + ",".join(by) + f" --steps {args.steps}"
     command += f" --offload-blocks {args.offload_blocks}" if args.offload_blocks is not None else ""
+    command += f" --memory-cap-gib {args.memory_cap_gib}" if args.memory_cap_gib else ""
     command += f" --state {args.state} (once per process, on one machine)" if args.state else ""
     common = dict(experiment="lora", hardware=hw, section="training", zero_stage=2, raw_file=raw_file,
                   command=command)
@@ -249,7 +257,9 @@ def record_rows(rows, args, raw_file, env):
         how = (f"{trained} trained steps, {r['steps']} of them timed (the first of each of {runs} processes is not; "
                f"each resumed from the last one's adapters and optimizer state)" if runs > 1 else
                f"{r['steps']} timed steps after 1 warm-up")
-        note = f"{r['doc']}; {how}, no OOM" if status == "ok" else \
+        cap = f"; the allocator capped at {r['memory_cap_gib']} GiB of {r['capacity_gib']}" \
+            if r.get("memory_cap_gib") else ""
+        note = f"{r['doc']}; {how}, no OOM{cap}" if status == "ok" else \
             f"{r['doc']}; {status} after {r['steps']} steps: {r.get('error', '')}"
         base = dict(common, variant=variant_name(name, r), model=os.path.basename(r["model"]).replace(".yaml", ""), note=note,
                     status=status if status == "ok" else status)
@@ -291,6 +301,7 @@ def main(argv=None) -> int:
         child += (["--smoke"] if args.smoke else []) + (["--no-offload"] if args.no_offload else [])
         child += ["--offload-blocks", str(args.offload_blocks)] if args.offload_blocks is not None else []
         child += ["--state", args.state] if args.state else []
+        child += ["--memory-cap-gib", str(args.memory_cap_gib)] if args.memory_cap_gib else []
         row, proc = harness.run_part(child, PREFIX, os.path.join(args.out, f"lora-{name}.log"))
         rows.append(row or {"part": name, "doc": PARTS[name]["doc"], "model": PARTS[name]["model"], "steps": 0,
                             "status": "crash", "step_s": [], "error": harness.last_error(proc.stderr)})
