@@ -186,6 +186,10 @@ def run_part(name, args) -> dict:
         if i:  # the first step compiles and warms the allocator
             row["step_s"].append(round(time.perf_counter() - t, 3))
         peak = max(peak, torch.cuda.max_memory_allocated(device) if cuda else 0)
+        # after every step, so a process cut off by its machine's time limit still leaves its count behind
+        with open(os.path.join(args.out, f"lora-{name}-progress.json"), "w") as f:
+            json.dump({"step_s": row["step_s"], "trained": trained, "peak_gib": round(peak / 2**30, 2),
+                       "processes": row["processes"]}, f)
     row["steps"], row["trained_steps"] = len(row["step_s"]), trained
     row["warmup_steps"] = trained - row["steps"]
     if row["status"] == "ok":
