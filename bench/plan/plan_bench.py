@@ -26,6 +26,12 @@ mix_tv, at one clip of memory, G = 1, lockstep (record the raw file with --recor
 
     nice -n 10 python bench/plan/plan_bench.py --section composition --samples 20000 --big 200000
 
+--section replicate: packed's light runs as it chooses them, always on and always off, beside equal-tokens, on the
+baselines section's cases (same --mixes, --budgets, --ranks, --rank-samples; record with --record-replicate RAW):
+
+    nice -n 10 python bench/plan/plan_bench.py --section replicate --samples 20000 --ranks 8,64,1024 \
+        --rank-samples 1024=200000 --budgets 1,2,3,4,5,6
+
 --section packed: the packed policy against equal-tokens and balanced under lockstep (ZeRO-3) with the
 calibrated H200 profile, memory for about six 720p clips (453,600 tokens) and for one (75,693: one
 81x720x1280 clip and its memory.sample_tokens), on the video-heavy and image-heavy mixes; at the one-clip
@@ -386,11 +392,79 @@ def record_composition(raw):
                     + f"; at heavy_mix 0: mix_tv {first['mix_tv']:.3f}, gap {100 * first['bound_gap']:.2f}%")
 
 
+REPLICATE = (("auto", None), ("on", True), ("off", False))  # --section replicate: packed's replicate settings
+
+
+def replicate_section(args):
+    """packed with light runs (replicate) chosen by the planner, always on and always off, beside equal-tokens, on
+    the sweep's cases: how far the runs' choice alone moves step composition (mix_tv) against balance."""
+    base = CostProfile.load(CALIBRATED)
+    sizes = {int(r): int(n) for r, n in (kv.split("=") for kv in args.rank_samples.split(",") if kv)}
+    rows = []
+    for mix in args.mixes.split(","):
+        epochs = {n: make_mix(mix, n) for n in {sizes.get(int(r), args.samples) for r in args.ranks.split(",")}}
+        for clips in map(int, args.budgets.split(",")):
+            profile = dataclasses.replace(base, budget_tokens=clips_budget(clips))
+            for ranks in map(int, args.ranks.split(",")):
+                for g in (1, 4):
+                    samples, cfg = epochs[sizes.get(ranks, args.samples)], PlanConfig("packed", ranks, grad_accum=g,
+                                                                                   lockstep=True)
+                    eq = sweep_row(samples, profile, "equal-tokens", cfg)
+                    for label, rep in REPLICATE:
+                        row = {**sweep_row(samples, profile, "packed", dataclasses.replace(cfg, replicate=rep)),
+                               "mix": mix, "budget_tokens": profile.budget_tokens, "replicate": label,
+                               "equal_tokens_mix_tv": eq["mix_tv"], "equal_tokens_gap": eq["bound_gap"]}
+                        rows.append(row)
+                        print(f"{mix:12s} clips={clips} ranks={ranks:4d} G={g} replicate={label:4s} "
+                              f"gap={row['bound_gap']:.4f} mix_tv={row['mix_tv']:.3f} (equal-tokens "
+                              f"{eq['mix_tv']:.3f})", flush=True)
+    return {"what": "packed's light runs (replicate: auto, on, off) against the lower bound (bound_gap = wall / bound "
+                    "- 1) and step composition (mix_tv), with equal-tokens' mix_tv on the same epoch; lockstep, "
+                    "calibrated H200 Wan-1.3B profile, budget_tokens = clips * 75,600 + 93",
+            "profile": CALIBRATED, "samples": args.samples, "rows": rows, "command": "nice -n 10 python " +
+            " ".join(sys.argv), "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+
+
+def record_replicate(raw):
+    """results.csv rows from a --section replicate raw file: per mix and world size, the cases (budgets and G) where
+    packed is within 1% of the bound with mix_tv at most equal-tokens', for each replicate setting and for the
+    better of on and off per case."""
+    from bench.harness import record
+
+    with open(raw) as f:
+        res = json.load(f)
+    groups = {}
+    for r in res["rows"]:
+        groups.setdefault((r["mix"], r["dp_size"]), {}).setdefault((r["budget_tokens"], r["grad_accum"]), {})[
+            r["replicate"]] = r
+
+    def meets(r):
+        return r["bound_gap"] <= 0.01 and r["mix_tv"] <= r["equal_tokens_mix_tv"] + 1e-9
+
+    for (mix, ranks), cases in groups.items():
+        runs = list(cases.values())
+        clips = sorted({budget_clips(b) for b, _ in cases})
+        counts = {f"replicate {label}": [c[label] for c in runs] for label, _ in REPLICATE}
+        counts["replicate on or off, the better per case"] = [
+            next((c[k] for k in ("on", "off") if meets(c[k])), c["auto"]) for c in runs]
+        for variant, rows in counts.items():
+            record(experiment=f"plan_bench.py --section replicate, {mix} mix, {rows[0]['samples_total']:,} samples, "
+                              f"{_span(clips)} clips of memory, G = 1 and 4, lockstep",
+                   variant=f"packed, {variant}", unit="x", value=sum(map(meets, rows)), status="predicted",
+                   metric="cases within 1% of the bound with mix_tv at most equal-tokens' (predicted)",
+                   hardware=f"{ranks}x H200", gpus=ranks, policy="packed", model="Wan2.1 1.3B",
+                   command=res["command"], raw_file=raw, section="scheduler", better="higher", date=res["date"],
+                   note=f"of {len(rows)} cases; within 1% of the bound in {sum(r['bound_gap'] <= 0.01 for r in rows)}, "
+                        f"mix_tv at most equal-tokens' in "
+                        f"{sum(r['mix_tv'] <= r['equal_tokens_mix_tv'] + 1e-9 for r in rows)}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=200000)
     ap.add_argument("--big", type=int, default=1000000)
-    ap.add_argument("--section", choices=("all", "packed", "sizes", "baselines", "timing", "composition"),
+    ap.add_argument("--section", choices=("all", "packed", "sizes", "baselines", "timing", "composition",
+                                          "replicate"),
                     default="all")
     ap.add_argument("--mixes", default=",".join(SWEEP_MIXES), help="--section baselines: mixes to plan")
     ap.add_argument("--budgets", default="1,2,3,6", help="--section baselines: budgets, in 720p clips")
@@ -406,7 +480,10 @@ def main():
     ap.add_argument("--record-timing", metavar="RAW", help="record a --section timing raw file into results.csv")
     ap.add_argument("--record-composition", metavar="RAW",
                     help="record a --section composition raw file into results.csv")
+    ap.add_argument("--record-replicate", metavar="RAW", help="record a --section replicate raw file into results.csv")
     args = ap.parse_args()
+    if args.record_replicate:
+        return record_replicate(args.record_replicate)
     if args.record_composition:
         return record_composition(args.record_composition)
     if args.record_timing:
@@ -419,7 +496,8 @@ def main():
            "load_avg_1min": __import__("os").getloadavg()[0]}
     if args.section != "all":
         section = {"packed": packed_section, "sizes": sizes_section, "baselines": baselines_section,
-                   "timing": timing_section, "composition": composition_section}[args.section]
+                   "timing": timing_section, "composition": composition_section,
+                   "replicate": replicate_section}[args.section]
         result = {**section(args), **env}
         out = args.out or f"bench/results/plan-{args.section}-{result['date']}-cpu.json"
         with open(out, "w") as f:
