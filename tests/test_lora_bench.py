@@ -48,3 +48,6 @@ def test_a_part_resumes_from_its_state_and_counts_every_step(tmp_path):
     assert second["trained"] == 4 and second["step_s"][:1] == first["step_s"] and second["processes"] == 2
     rows = {r["metric"]: r for r in __import__("csv").DictReader(open(tmp_path / "c" / "results-staging.csv"))}
     assert float(rows["steps without OOM"]["value"]) == 4 and "2 processes" in rows["MFU"]["note"]
+    # the count left after every step, for a process that its machine's limit cuts off before the rows are written
+    progress = json.load(open(tmp_path / "c" / "lora-14b-progress.json"))
+    assert progress["trained"] == 4 and progress["step_s"] == second["step_s"] and progress["processes"] == 2

@@ -8,6 +8,7 @@ in a process of its own (a clean GPU); raw JSON rows under --out, and a staging 
     python bench/lora/lora_bench.py --smoke --out /tmp/lora-smoke                           # CPU: the tiny model
     python bench/lora/lora_bench.py --parts 14b --steps 20 --state /tmp/lora-state --budget-s 520 --out $OUT
                                       # twice on one machine: 20 timed steps of 49 s do not fit one 10-minute command
+    python bench/lora/lora_bench.py --parts 14b --memory-cap-gib 79.18 --out $OUT    # on an H200: what fits 80 GB
 
 A step is one micro-batch: flow-matching forward, backward, optimizer step (ZeRO-2, bf16, one GPU), every block
 checkpointed; the 14B parts keep the checkpointed blocks' inputs in pinned host memory (--offload-blocks, model/
