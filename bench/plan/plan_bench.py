@@ -164,27 +164,33 @@ def sweep_row(samples, profile, name, cfg):
     return {**plan.summary(), "policy": name, "plan_seconds": seconds, "bound": plan.bound}
 
 
-def baselines_section(args):
-    """Every policy and baseline against the lower bound, per mix, budget, world size and G (lockstep)."""
+def sweep_cases(args):
+    """(mix, clips, profile, samples, cfg) for every case of the sweep: --mixes x --budgets (720p clips of memory) x
+    --ranks x G = 1 and 4, lockstep, the calibrated profile; each mix's epochs made once per size (--rank-samples)."""
     base = CostProfile.load(CALIBRATED)
-    rows = []
     sizes = {int(r): int(n) for r, n in (kv.split("=") for kv in args.rank_samples.split(",") if kv)}
-    names = args.names.split(",") if args.names else NAMES
     for mix in args.mixes.split(","):
         epochs = {n: make_mix(mix, n) for n in {sizes.get(int(r), args.samples) for r in args.ranks.split(",")}}
         for clips in map(int, args.budgets.split(",")):
-            budget = clips_budget(clips)
-            profile = dataclasses.replace(base, budget_tokens=budget)
+            profile = dataclasses.replace(base, budget_tokens=clips_budget(clips))
             for ranks in map(int, args.ranks.split(",")):
-                samples = epochs[sizes.get(ranks, args.samples)]
                 for g in (1, 4):
-                    cfg = PlanConfig("packed", ranks, grad_accum=g, lockstep=True)
-                    for name in names:
-                        row = {**sweep_row(samples, profile, name, cfg), "mix": mix, "budget_tokens": budget}
-                        rows.append(row)
-                        print(f"{mix:12s} clips={clips} ranks={ranks:4d} G={g} {name:12s} gap={row['bound_gap']:.4f} "
-                              f"idle={row['idle_fraction']:.4f} mix_tv={row['mix_tv']:.3f} "
-                              f"wall={row['predicted_wall_s']:.0f}s plan={row['plan_seconds']:.1f}s", flush=True)
+                    yield (mix, clips, profile, epochs[sizes.get(ranks, args.samples)],
+                           PlanConfig("packed", ranks, grad_accum=g, lockstep=True))
+
+
+def baselines_section(args):
+    """Every policy and baseline against the lower bound, per mix, budget, world size and G (lockstep)."""
+    rows = []
+    names = args.names.split(",") if args.names else NAMES
+    for mix, clips, profile, samples, cfg in sweep_cases(args):
+        ranks, g = cfg.dp_size, cfg.grad_accum
+        for name in names:
+            row = {**sweep_row(samples, profile, name, cfg), "mix": mix, "budget_tokens": profile.budget_tokens}
+            rows.append(row)
+            print(f"{mix:12s} clips={clips} ranks={ranks:4d} G={g} {name:12s} gap={row['bound_gap']:.4f} "
+                  f"idle={row['idle_fraction']:.4f} mix_tv={row['mix_tv']:.3f} "
+                  f"wall={row['predicted_wall_s']:.0f}s plan={row['plan_seconds']:.1f}s", flush=True)
     timing = []
     for clips in (map(int, args.big_budgets.split(",")) if args.big else ()):
         for g in (1, 4):
@@ -398,26 +404,17 @@ REPLICATE = (("auto", None), ("on", True), ("off", False))  # --section replicat
 def replicate_section(args):
     """packed with light runs (replicate) chosen by the planner, always on and always off, beside equal-tokens, on
     the sweep's cases: how far the runs' choice alone moves step composition (mix_tv) against balance."""
-    base = CostProfile.load(CALIBRATED)
-    sizes = {int(r): int(n) for r, n in (kv.split("=") for kv in args.rank_samples.split(",") if kv)}
     rows = []
-    for mix in args.mixes.split(","):
-        epochs = {n: make_mix(mix, n) for n in {sizes.get(int(r), args.samples) for r in args.ranks.split(",")}}
-        for clips in map(int, args.budgets.split(",")):
-            profile = dataclasses.replace(base, budget_tokens=clips_budget(clips))
-            for ranks in map(int, args.ranks.split(",")):
-                for g in (1, 4):
-                    samples, cfg = epochs[sizes.get(ranks, args.samples)], PlanConfig("packed", ranks, grad_accum=g,
-                                                                                   lockstep=True)
-                    eq = sweep_row(samples, profile, "equal-tokens", cfg)
-                    for label, rep in REPLICATE:
-                        row = {**sweep_row(samples, profile, "packed", dataclasses.replace(cfg, replicate=rep)),
-                               "mix": mix, "budget_tokens": profile.budget_tokens, "replicate": label,
-                               "equal_tokens_mix_tv": eq["mix_tv"], "equal_tokens_gap": eq["bound_gap"]}
-                        rows.append(row)
-                        print(f"{mix:12s} clips={clips} ranks={ranks:4d} G={g} replicate={label:4s} "
-                              f"gap={row['bound_gap']:.4f} mix_tv={row['mix_tv']:.3f} (equal-tokens "
-                              f"{eq['mix_tv']:.3f})", flush=True)
+    for mix, clips, profile, samples, cfg in sweep_cases(args):
+        eq = sweep_row(samples, profile, "equal-tokens", cfg)
+        for label, rep in REPLICATE:
+            row = {**sweep_row(samples, profile, "packed", dataclasses.replace(cfg, replicate=rep)),
+                   "mix": mix, "budget_tokens": profile.budget_tokens, "replicate": label,
+                   "equal_tokens_mix_tv": eq["mix_tv"], "equal_tokens_gap": eq["bound_gap"]}
+            rows.append(row)
+            print(f"{mix:12s} clips={clips} ranks={cfg.dp_size:4d} G={cfg.grad_accum} replicate={label:4s} "
+                  f"gap={row['bound_gap']:.4f} mix_tv={row['mix_tv']:.3f} (equal-tokens {eq['mix_tv']:.3f})",
+                  flush=True)
     return {"what": "packed's light runs (replicate: auto, on, off) against the lower bound (bound_gap = wall / bound "
                     "- 1) and step composition (mix_tv), with equal-tokens' mix_tv on the same epoch; lockstep, "
                     "calibrated H200 Wan-1.3B profile, budget_tokens = clips * 75,600 + 93",
@@ -459,51 +456,9 @@ def record_replicate(raw):
                         f"{sum(r['mix_tv'] <= r['equal_tokens_mix_tv'] + 1e-9 for r in rows)}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=200000)
-    ap.add_argument("--big", type=int, default=1000000)
-    ap.add_argument("--section", choices=("all", "packed", "sizes", "baselines", "timing", "composition",
-                                          "replicate"),
-                    default="all")
-    ap.add_argument("--mixes", default=",".join(SWEEP_MIXES), help="--section baselines: mixes to plan")
-    ap.add_argument("--budgets", default="1,2,3,6", help="--section baselines: budgets, in 720p clips")
-    ap.add_argument("--ranks", default="8,64", help="--section baselines: world sizes")
-    ap.add_argument("--rank-samples", default="", metavar="R=N,...",
-                    help="--section baselines: epoch size N at world size R instead of --samples (e.g. 1024=200000)")
-    ap.add_argument("--names", help="--section baselines: the policies and baselines to plan (default: all)")
-    ap.add_argument("--big-budgets", default="1,6", help="--section baselines, timing: budgets of the --big timing")
-    ap.add_argument("--big-mix", default="openvid-720p", help="--section baselines, timing: mix of the --big timing")
-    ap.add_argument("--out")
-    ap.add_argument("--record", nargs="+", metavar="RAW",
-                    help="record --section baselines raw files (merged, a later file's case wins) into results.csv")
-    ap.add_argument("--record-timing", metavar="RAW", help="record a --section timing raw file into results.csv")
-    ap.add_argument("--record-composition", metavar="RAW",
-                    help="record a --section composition raw file into results.csv")
-    ap.add_argument("--record-replicate", metavar="RAW", help="record a --section replicate raw file into results.csv")
-    args = ap.parse_args()
-    if args.record_replicate:
-        return record_replicate(args.record_replicate)
-    if args.record_composition:
-        return record_composition(args.record_composition)
-    if args.record_timing:
-        return record_timing(args.record_timing, "nice -n 10 python bench/plan/plan_bench.py --section timing "
-                                                 "--big 1000000 --big-budgets 1,2,3,4,5,6")
-    if args.record:
-        return record_baselines(*args.record)
-    env = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-           "cpus": __import__("os").cpu_count(), "python": platform.python_version(),
-           "load_avg_1min": __import__("os").getloadavg()[0]}
-    if args.section != "all":
-        section = {"packed": packed_section, "sizes": sizes_section, "baselines": baselines_section,
-                   "timing": timing_section, "composition": composition_section,
-                   "replicate": replicate_section}[args.section]
-        result = {**section(args), **env}
-        out = args.out or f"bench/results/plan-{args.section}-{result['date']}-cpu.json"
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", out)
-        return
+def all_section(args):
+    """Every policy on the video-heavy mix with the block profile at 8, 64 and 1024 ranks, at memory for one clip and
+    (8 ranks) for three, and balanced's planning time for --big samples at 1024 ranks."""
     profile = CostProfile.load(PROFILE)
     samples = make_mix("video-heavy", args.samples)
     big = make_mix("video-heavy", args.big)
@@ -537,6 +492,60 @@ def main():
         "cpus": __import__("os").cpu_count(), "python": platform.python_version(), "profile": PROFILE,
         "samples": args.samples, "samples_1024": args.big, "rows": rows, "timing_1024": timing,
     }
+    return result
+
+
+def parse_args():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=200000)
+    ap.add_argument("--big", type=int, default=1000000)
+    ap.add_argument("--section", choices=("all", "packed", "sizes", "baselines", "timing", "composition",
+                                          "replicate"),
+                    default="all")
+    ap.add_argument("--mixes", default=",".join(SWEEP_MIXES), help="--section baselines, replicate: mixes to plan")
+    ap.add_argument("--budgets", default="1,2,3,6", help="--section baselines, replicate: budgets, in 720p clips")
+    ap.add_argument("--ranks", default="8,64", help="--section baselines, replicate: world sizes")
+    ap.add_argument("--rank-samples", default="", metavar="R=N,...",
+                    help="--section baselines, replicate: epoch size N at world size R instead of --samples "
+                         "(e.g. 1024=200000)")
+    ap.add_argument("--names", help="--section baselines: the policies and baselines to plan (default: all)")
+    ap.add_argument("--big-budgets", default="1,6", help="--section baselines, timing: budgets of the --big timing")
+    ap.add_argument("--big-mix", default="openvid-720p", help="--section baselines, timing: mix of the --big timing")
+    ap.add_argument("--out")
+    ap.add_argument("--record", nargs="+", metavar="RAW",
+                    help="record --section baselines raw files (merged, a later file's case wins) into results.csv")
+    ap.add_argument("--record-timing", metavar="RAW", help="record a --section timing raw file into results.csv")
+    ap.add_argument("--record-composition", metavar="RAW",
+                    help="record a --section composition raw file into results.csv")
+    ap.add_argument("--record-replicate", metavar="RAW", help="record a --section replicate raw file into results.csv")
+    return ap.parse_args()
+
+
+def main():
+    args = parse_args()
+    if args.record_replicate:
+        return record_replicate(args.record_replicate)
+    if args.record_composition:
+        return record_composition(args.record_composition)
+    if args.record_timing:
+        return record_timing(args.record_timing, "nice -n 10 python bench/plan/plan_bench.py --section timing "
+                                                 "--big 1000000 --big-budgets 1,2,3,4,5,6")
+    if args.record:
+        return record_baselines(*args.record)
+    env = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+           "cpus": __import__("os").cpu_count(), "python": platform.python_version(),
+           "load_avg_1min": __import__("os").getloadavg()[0]}
+    if args.section != "all":
+        section = {"packed": packed_section, "sizes": sizes_section, "baselines": baselines_section,
+                   "timing": timing_section, "composition": composition_section,
+                   "replicate": replicate_section}[args.section]
+        result = {**section(args), **env}
+        out = args.out or f"bench/results/plan-{args.section}-{result['date']}-cpu.json"
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print("wrote", out)
+        return
+    result = all_section(args)
     out = args.out or f"bench/results/plan-{result['date']}-cpu.json"
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
