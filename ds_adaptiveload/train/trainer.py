@@ -10,7 +10,7 @@ import os
 import time
 from types import SimpleNamespace
 
-from ds_adaptiveload.train import failures, gpu_busy
+from ds_adaptiveload.train import failures, gpu_busy, step_errors
 from ds_adaptiveload.train.setup import (agree_attention_later, attention_mismatch, end_loop, offload_fields,
                                          offload_line, offload_stats, prepare_data, read_config, write_summary,
                                          write_synthetic)
@@ -428,7 +428,7 @@ class Trainer:
         mbs = plan_step.micro_batches if plan_step else []
         bad = [(sid, why) for mb in mbs for sid, why in mb.batch.get("bad", ())]
         skip = self.al.on_bad_sample == "skip"
-        bad_err = failures.bad_sample_message(step + 1, self.rank, bad) if bad and not skip else None
+        bad_err = step_errors.bad_sample_message(step + 1, self.rank, bad) if bad and not skip else None
         fatal = read_err or next(((e, failures.EXIT_USER_ERROR) for e in (self.log_error, bad_err) if e), None)
         n_bad, n_fatal = failures.sum_over_ranks([len(bad), fatal is not None], self.device)
         if n_fatal:
@@ -500,7 +500,7 @@ class Trainer:
                     per_sample = self.forward_backward(mb)
                     self._offloaded = [*self._offloaded, *offload_stats(self.engine.module, self.al)]
                 except self.oom_error as e:  # agreed after the step's micro-batches (error or skip)
-                    run.oom.append(failures.oom_message(step + 1, self.rank, g, batch, self.samples, self.manifest,
+                    run.oom.append(step_errors.oom_message(step + 1, self.rank, g, batch, self.samples, self.manifest,
                                                         self.profile, self.dims.sp, e))
                 if run.oom:  # outside the except block, so the failed forward's frames and tensors are gone
                     eng.recover_after_oom(self.engine, self.accel, self.world)
@@ -552,12 +552,12 @@ class Trainer:
         """(reason, detail) of a step to skip, or (None, None); an error policy raises on every rank."""
         if any(r["oom"] for r in ranks):
             if self.al.on_oom != "skip":
-                failures.agree(run.oom[0] + failures.OOM_HINT if run.oom else None)  # raises on every rank
+                failures.agree(run.oom[0] + step_errors.OOM_HINT if run.oom else None)  # raises on every rank
             return "oom", run.oom
         if any(r["nonfinite"] for r in ranks):
             if self.al.on_bad_sample != "skip" or not self.zero3:
-                failures.agree(failures.nonfinite_message(step + 1, self.rank, run.seen, self.samples, self.manifest))
-            return "nonfinite_loss", failures.nonfinite_samples(run.seen, self.samples, self.manifest)
+                failures.agree(step_errors.nonfinite_message(step + 1, self.rank, run.seen, self.samples, self.manifest))
+            return "nonfinite_loss", step_errors.nonfinite_samples(run.seen, self.samples, self.manifest)
         return None, None
 
     def apply_or_skip(self, step: int, reason, detail, step_ids):
@@ -569,7 +569,7 @@ class Trainer:
             self.accel.synchronize()
             return None
         entry = self.skip_step(step, reason, detail, step_ids)
-        failures.poison_gradients(self.engine)
+        step_errors.poison_gradients(self.engine)
         self.engine.step()  # ZeRO-3 sees a NaN gradient norm: discards the gradients, no update, LR unchanged
         if self.engine.was_step_applied():
             raise RuntimeError(f"step {step + 1}: DeepSpeed applied an update that had to be skipped")
