@@ -1,5 +1,5 @@
-"""How a multi-rank run fails (docs/reliability.md): errors agreed on every rank, a lost peer named, the
-messages that name the step, rank and samples, and the process group torn down on every exit path.
+"""How a multi-rank run fails (docs/reliability.md): errors agreed on every rank, a lost peer named, and the
+process group torn down on every exit path (the messages that name a step's rank and samples: step_errors.py).
 
 The rule: an error that one rank detects is only raised after a collective has told every rank, so every
 rank raises the same `AgreedError` at the same point, rank 0 prints it as one line and every rank exits 2.
