@@ -67,7 +67,11 @@ def frontier(raw: dict) -> list:
     return rows
 
 
-def summary(rows: list) -> dict:
+def _setting(r) -> dict:
+    return {k: r[k] for k in ("heavy_mix", "replicate", "mix_tv", "bound_gap")}
+
+
+def summary(rows: list) -> list:
     """Per case, over the default and every setting tried: the setting that meets both with the least gap, else the
     two ends of what was reached (the least mix_tv within 1% of the bound, the least gap at or under equal-tokens'
     mix_tv)."""
@@ -81,13 +85,13 @@ def summary(rows: list) -> dict:
         both = [r for r in rs if meets(r)]
         within = [r for r in rs if r["bound_gap"] <= GAP]
         under = [r for r in rs if r["mix_tv"] <= r["equal_tokens_mix_tv"] + 1e-9]
-        pick = lambda r: {k: r[k] for k in ("heavy_mix", "replicate", "mix_tv", "bound_gap")}  # noqa: E731
         out.append({"mix": mix, "clips": budget_clips(budget), "ranks": ranks, "grad_accum": g,
                     "equal_tokens_mix_tv": rs[0]["equal_tokens_mix_tv"], "default_mix_tv": rs[0]["default_mix_tv"],
                     "default_gap": rs[0]["default_gap"],
-                    "meets_both": pick(min(both, key=lambda r: r["bound_gap"])) if both else None,
-                    "least_mix_tv_within_1pct": pick(min(within, key=lambda r: r["mix_tv"])) if within else None,
-                    "least_gap_under_equal_tokens": pick(min(under, key=lambda r: r["bound_gap"])) if under else None})
+                    "meets_both": _setting(min(both, key=lambda r: r["bound_gap"])) if both else None,
+                    "least_mix_tv_within_1pct": _setting(min(within, key=lambda r: r["mix_tv"])) if within else None,
+                    "least_gap_under_equal_tokens":
+                        _setting(min(under, key=lambda r: r["bound_gap"])) if under else None})
     return out
 
 
