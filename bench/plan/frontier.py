@@ -12,26 +12,19 @@ gap again, so the epochs and the planner are the ones the raw file measured.
 """
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import sys
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
-from plan_bench import CALIBRATED, budget_clips, sweep_row  # noqa: E402
+from plan_bench import CALIBRATED, REPLICATE, bench_env, budget_clips, meets, sweep_row  # noqa: E402
 
 from ds_adaptiveload.schedule.mixes import make_mix  # noqa: E402
 from ds_adaptiveload.schedule.planner import PlanConfig  # noqa: E402
 from ds_adaptiveload.schedule.profile import CostProfile  # noqa: E402
 
 HEAVY_MIX = (0.01, 0.02, 0.05, 0.1, 0.2)  # at 8 ranks a heavy round gives up a slot from 0.1 (max(1, R - round(F R)))
-REPLICATE = (("auto", None), ("on", True), ("off", False))
-GAP = 0.01  # the issue's balance target: within 1% of the lower bound
-
-
-def meets(r) -> bool:
-    return r["bound_gap"] <= GAP and r["mix_tv"] <= r["equal_tokens_mix_tv"] + 1e-9
+GAP = 0.01  # the issue's balance target (plan_bench.meets): within 1% of the lower bound
 
 
 def missed_cases(raw: dict) -> list:
@@ -138,15 +131,13 @@ def main():
     with open(args.raw) as f:
         raw = json.load(f)
     rows = frontier(raw)
-    date = datetime.date.today().isoformat()
+    env = bench_env()
     res = {"what": "packed over heavy_mix x replicate on the cases of a --section replicate raw file that no replicate "
                    "setting brings within 1% of the lower bound with mix_tv at most equal-tokens'; bound_gap = "
                    "wall / bound - 1, predicted, lockstep, calibrated H200 Wan-1.3B profile",
            "from": args.raw, "profile": CALIBRATED, "heavy_mix": HEAVY_MIX, "rows": rows, "summary": summary(rows),
-           "command": "nice -n 10 python " + " ".join(sys.argv), "date": date, "cpus": os.cpu_count(),
-           "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
-           "load_avg_1min": os.getloadavg()[0]}
-    out = args.out or f"bench/results/plan-frontier-{date}-cpu.json"
+           "command": "nice -n 10 python " + " ".join(sys.argv), **env}
+    out = args.out or f"bench/results/plan-frontier-{env['date']}-cpu.json"
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     s = res["summary"]

@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -401,6 +402,11 @@ def record_composition(raw):
 REPLICATE = (("auto", None), ("on", True), ("off", False))  # --section replicate: packed's replicate settings
 
 
+def meets(r) -> bool:
+    """Both of issue 58's targets: within 1% of the lower bound, mix_tv at most equal-tokens' on the same epoch."""
+    return r["bound_gap"] <= 0.01 and r["mix_tv"] <= r["equal_tokens_mix_tv"] + 1e-9
+
+
 def replicate_section(args):
     """packed with light runs (replicate) chosen by the planner, always on and always off, beside equal-tokens, on
     the sweep's cases: how far the runs' choice alone moves step composition (mix_tv) against balance."""
@@ -434,9 +440,6 @@ def record_replicate(raw):
     for r in res["rows"]:
         groups.setdefault((r["mix"], r["dp_size"]), {}).setdefault((r["budget_tokens"], r["grad_accum"]), {})[
             r["replicate"]] = r
-
-    def meets(r):
-        return r["bound_gap"] <= 0.01 and r["mix_tv"] <= r["equal_tokens_mix_tv"] + 1e-9
 
     for (mix, ranks), cases in groups.items():
         runs = list(cases.values())
@@ -489,7 +492,7 @@ def all_section(args):
                 "(budget 75,600 tokens unless budget_tokens is given). idle_fraction = 1 - sum(mean rank time) / "
                 "sum(max rank time) over steps; mix_tv = mean per-step total-variation distance of class shares.",
         "date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-        "cpus": __import__("os").cpu_count(), "python": platform.python_version(), "profile": PROFILE,
+        "cpus": os.cpu_count(), "python": platform.python_version(), "profile": PROFILE,
         "samples": args.samples, "samples_1024": args.big, "rows": rows, "timing_1024": timing,
     }
     return result
@@ -521,6 +524,12 @@ def parse_args():
     return ap.parse_args()
 
 
+def bench_env() -> dict:
+    """Where and when a section ran: date, CPU, Python and the load beside it (the raw file's header)."""
+    return {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "load_avg_1min": os.getloadavg()[0]}
+
+
 def main():
     args = parse_args()
     if args.record_replicate:
@@ -532,9 +541,7 @@ def main():
                                                  "--big 1000000 --big-budgets 1,2,3,4,5,6")
     if args.record:
         return record_baselines(*args.record)
-    env = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-           "cpus": __import__("os").cpu_count(), "python": platform.python_version(),
-           "load_avg_1min": __import__("os").getloadavg()[0]}
+    env = bench_env()
     if args.section != "all":
         section = {"packed": packed_section, "sizes": sizes_section, "baselines": baselines_section,
                    "timing": timing_section, "composition": composition_section,

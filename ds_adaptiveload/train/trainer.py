@@ -500,8 +500,8 @@ class Trainer:
                     per_sample = self.forward_backward(mb)
                     self._offloaded = [*self._offloaded, *offload_stats(self.engine.module, self.al)]
                 except self.oom_error as e:  # agreed after the step's micro-batches (error or skip)
-                    run.oom.append(step_errors.oom_message(step + 1, self.rank, g, batch, self.samples, self.manifest,
-                                                        self.profile, self.dims.sp, e))
+                    run.oom.append(step_errors.oom_message(step + 1, self.rank, g, batch, self.samples,
+                                                           self.manifest, self.profile, self.dims.sp, e))
                 if run.oom:  # outside the except block, so the failed forward's frames and tensors are gone
                     eng.recover_after_oom(self.engine, self.accel, self.world)
             if run.oom:  # this rank's step is lost; keep issuing the collectives its peers issue
@@ -556,7 +556,8 @@ class Trainer:
             return "oom", run.oom
         if any(r["nonfinite"] for r in ranks):
             if self.al.on_bad_sample != "skip" or not self.zero3:
-                failures.agree(step_errors.nonfinite_message(step + 1, self.rank, run.seen, self.samples, self.manifest))
+                failures.agree(step_errors.nonfinite_message(step + 1, self.rank, run.seen, self.samples,
+                                                             self.manifest))
             return "nonfinite_loss", step_errors.nonfinite_samples(run.seen, self.samples, self.manifest)
         return None, None
 
